@@ -1,0 +1,69 @@
+"""The paged KV pool: one tensor holding every block of every layer.
+
+Layout: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+(2 = key, value). Block-major on purpose: all the bytes of one block, across
+all layers, are contiguous. A KV transfer of block b is then one contiguous
+region (one RDMA write, one checksum), and the per-layer views the attention
+kernels take are plain strided views [num_blocks, block_size, kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """Shape of one block across all layers: [layers, 2, block_size, kv_heads, head_dim]."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_nbytes(self) -> int:
+        n = 1
+        for d in self.block_shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+class KVCachePool:
+    """Owns the KV memory. Allocation of blocks is the BlockManager's job."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: str | torch.device = "cpu"):
+        if num_blocks < 1:
+            raise ValueError(f"KV pool needs at least one block, got num_blocks={num_blocks}")
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.data = torch.zeros((num_blocks, *spec.block_shape), dtype=spec.dtype, device=device)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) views of one layer, each [num_blocks, block_size, kv_heads, head_dim]."""
+        return self.data[:, layer, 0], self.data[:, layer, 1]
+
+    def block(self, block_id: int) -> torch.Tensor:
+        """All layers of one block: [layers, 2, block_size, kv_heads, head_dim] (a view)."""
+        return self.data[block_id]
+
+    def data_ptr(self) -> int:
+        return self.data.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def block_offset(self, block_id: int) -> int:
+        """Byte offset of a block from the start of the pool (for one-sided writes)."""
+        return block_id * self.spec.block_nbytes
+
+
+def num_blocks_for_memory(spec: KVCacheSpec, memory_bytes: int) -> int:
+    return max(1, memory_bytes // spec.block_nbytes)

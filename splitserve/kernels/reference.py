@@ -1,0 +1,145 @@
+"""Torch reference twins of the kernels: exact semantics, CPU-friendly, the oracle in tests.
+
+Shapes (see splitserve/engine/kv_cache.py for the pool layout):
+  k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim] (strided views are fine)
+  block_tables     : [batch, max_blocks] int32, padded with any valid id
+  seq_lens         : [batch] int32, tokens in the cache per sequence (including new ones)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _gather_kv(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> torch.Tensor:
+    """[length, kv_heads, head_dim] for one sequence, read through its block table."""
+    block_size = cache.shape[1]
+    n_blocks = (length + block_size - 1) // block_size
+    blocks = cache[block_row[:n_blocks].long()]
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length]
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """One new query token per sequence attending to its whole paged context.
+
+    q: [batch, num_heads, head_dim] -> [batch, num_heads, head_dim].
+    `num_splits` only changes how the Triton kernel partitions work; the result is the same.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    lens = seq_lens.tolist()
+    max_len = max(lens) if lens else 0
+    n_blocks = (max_len + block_size - 1) // block_size
+    bt = block_tables[:, :n_blocks].long()
+    k = k_cache[bt].reshape(batch, n_blocks * block_size, num_kv_heads, head_dim)
+    v = v_cache[bt].reshape(batch, n_blocks * block_size, num_kv_heads, head_dim)
+    positions = torch.arange(n_blocks * block_size, device=q.device)
+    mask = positions[None, :] < seq_lens.to(q.device).long()[:, None]  # [batch, T]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [batch, heads, 1, dim]
+        k.transpose(1, 2),  # [batch, kv_heads, T, dim]
+        v.transpose(1, 2),
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return out.squeeze(2)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """New tokens of several sequences attending to a paged cached prefix plus themselves.
+
+    q: [total_new_tokens, num_heads, head_dim], sequence b owns rows
+    cu_seqlens_q[b]:cu_seqlens_q[b+1]. The new tokens' K/V must already be in the
+    cache (store_kv first). Query i of a sequence with n new tokens and seq_len L
+    sits at position L-n+i: it sees the whole prefix and is causal over the new tokens.
+    """
+    num_heads = q.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    out = torch.empty_like(q)
+    starts = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for b, length in enumerate(lens):
+        s, e = starts[b], starts[b + 1]
+        n = e - s
+        if n == 0:
+            continue
+        k = _gather_kv(k_cache, block_tables[b], length)
+        v = _gather_kv(v_cache, block_tables[b], length)
+        q_pos = torch.arange(length - n, length, device=q.device)
+        mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
+        o = F.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1).unsqueeze(0),  # [1, heads, n, dim]
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask[None, None],
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        out[s:e] = o[0].transpose(0, 1)
+    return out
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new K/V rows [n, kv_heads, head_dim] to slots (block_id * block_size + offset)."""
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.long()
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, offsets] = value.to(v_cache.dtype)
+
+
+def pack_blocks(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Gather blocks (all layers) into one contiguous buffer [n, layers, 2, block_size, kv_heads, dim]."""
+    return pool.index_select(0, block_ids.long().to(pool.device)).contiguous()
+
+
+def unpack_blocks(buffer: torch.Tensor, pool: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """Scatter a packed buffer into destination blocks of the pool."""
+    pool.index_copy_(0, block_ids.long().to(pool.device), buffer.to(pool.dtype).view(-1, *pool.shape[1:]))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Llama/Mistral/Qwen2 define it: statistics in float32, scale in the input dtype."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding. q [n, heads, dim], k [n, kv_heads, dim], cos/sin [n, dim]."""
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
