@@ -1,0 +1,70 @@
+"""Messages on the cluster bus, encoded with msgpack.
+
+Redis layout (prefix `splitserve:{cluster}:`, cluster = the InferenceDeployment or
+`local`):
+  workers:{worker_id}   msgpack WorkerInfo, TTL = heartbeat TTL, refreshed by heartbeat
+  load:{worker_id}      msgpack LoadReport, TTL = heartbeat TTL
+  kv:{worker_id}        Redis Stream of KV events, field `m` = msgpack KVEvent
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import msgpack
+
+Role = Literal["prefill", "decode"]
+
+
+def key_prefix(cluster: str) -> str:
+    return f"splitserve:{cluster}:"
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    role: Role
+    address: str  # host:port of the worker's gRPC server
+    model: str
+    block_size: int
+    num_kv_blocks: int
+    kv_backend: str = "grpc"
+    started_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class LoadReport:
+    worker_id: str
+    role: Role
+    waiting: int  # requests queued, not yet scheduled
+    running: int  # requests in the running batch
+    kv_usage: float  # fraction of KV blocks in use, 0..1
+    waiting_tokens: int = 0  # prompt tokens still to prefill (prefill workers' queue)
+    timestamp: float = field(default_factory=time.time)
+
+
+@dataclass
+class KVEvent:
+    """Blocks stored in / removed from a worker's prefix cache.
+
+    `event_id` increases by one per event per worker; a gap tells a router it
+    missed events and must resync that worker. `parent` is the hash of the block
+    before the first stored one (None at the start of a sequence).
+    """
+
+    worker_id: str
+    event_id: int
+    kind: Literal["stored", "removed", "cleared"]
+    block_hashes: list[int]
+    parent: int | None = None
+    timestamp: float = field(default_factory=time.time)
+
+
+def encode(message: WorkerInfo | LoadReport | KVEvent) -> bytes:
+    return msgpack.packb(asdict(message), use_bin_type=True)
+
+
+def decode(cls: type, payload: bytes):
+    return cls(**msgpack.unpackb(payload, raw=False))

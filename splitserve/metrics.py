@@ -1,0 +1,127 @@
+"""Every Prometheus metric splitserve exports, defined in one place.
+
+Names carry the `splitserve_` prefix; where a metric overlaps with vLLM's it keeps
+vLLM's meaning and buckets, so existing dashboards translate. Dashboards and alerts
+in the Helm chart may only query names listed here (a test enforces it).
+Labels: `role` is router | prefill | decode | operator; `worker` the worker id.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# vLLM's buckets for the overlapping latency histograms.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
+
+
+class Metrics:
+    """One set of collectors bound to a registry (one per process, or per test)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = registry if registry is not None else CollectorRegistry()
+        self.registry = r
+        # Request latency, measured at the router (what the client sees).
+        self.time_to_first_token = Histogram(
+            "splitserve_time_to_first_token_seconds", "Time from request arrival to first token.",
+            ["model"], buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "splitserve_inter_token_latency_seconds", "Time between consecutive output tokens.",
+            ["model"], buckets=ITL_BUCKETS, registry=r)
+        self.e2e_request_latency = Histogram(
+            "splitserve_e2e_request_latency_seconds", "Time from request arrival to its last token.",
+            ["model"], buckets=E2E_BUCKETS, registry=r)
+        self.request_success = Counter(
+            "splitserve_request_success_total", "Finished requests, by finish reason.",
+            ["model", "finish_reason"], registry=r)
+        self.request_errors = Counter(
+            "splitserve_request_errors_total", "Requests answered with an error, by HTTP status code.",
+            ["model", "code"], registry=r)
+        self.prompt_tokens = Counter(
+            "splitserve_prompt_tokens_total", "Prompt tokens processed.", ["model"], registry=r)
+        self.generation_tokens = Counter(
+            "splitserve_generation_tokens_total", "Output tokens generated.", ["model"], registry=r)
+        # Scheduler state, reported by each worker.
+        self.num_requests_running = Gauge(
+            "splitserve_num_requests_running", "Requests in the running batch.",
+            ["role", "worker"], registry=r)
+        self.num_requests_waiting = Gauge(
+            "splitserve_num_requests_waiting", "Requests waiting to be scheduled.",
+            ["role", "worker"], registry=r)
+        self.kv_cache_usage = Gauge(
+            "splitserve_kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
+            ["role", "worker"], registry=r)
+        self.prefix_cache_queries = Counter(
+            "splitserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+            ["role", "worker"], registry=r)
+        self.prefix_cache_hits = Counter(
+            "splitserve_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+            ["role", "worker"], registry=r)
+        self.num_preemptions = Counter(
+            "splitserve_num_preemptions_total", "Requests preempted (recomputed) for lack of KV blocks.",
+            ["role", "worker"], registry=r)
+        # KV transfer between prefill and decode workers.
+        self.kv_transfer_bytes = Counter(
+            "splitserve_kv_transfer_bytes_total", "KV bytes moved between workers.",
+            ["backend", "direction"], registry=r)
+        self.kv_transfer_seconds = Histogram(
+            "splitserve_kv_transfer_seconds", "Duration of one request's KV transfer.",
+            ["backend"], buckets=TRANSFER_BUCKETS, registry=r)
+        self.kv_transfer_errors = Counter(
+            "splitserve_kv_transfer_errors_total", "Failed KV transfers, by reason.",
+            ["backend", "reason"], registry=r)
+        self.local_prefill_fallbacks = Counter(
+            "splitserve_local_prefill_fallbacks_total",
+            "Requests a decode worker prefilled itself after a prefill or transfer failure.",
+            ["worker", "reason"], registry=r)
+        # Router.
+        self.router_decision_seconds = Histogram(
+            "splitserve_router_decision_seconds", "Time to choose workers for one request.",
+            buckets=DECISION_BUCKETS, registry=r)
+        self.router_requests = Counter(
+            "splitserve_router_requests_total", "Requests routed, by chosen worker and path.",
+            ["worker", "path"], registry=r)
+        self.router_index_blocks = Gauge(
+            "splitserve_router_index_blocks", "Blocks held in the router's radix index.", registry=r)
+        self.router_index_resyncs = Counter(
+            "splitserve_router_index_resyncs_total",
+            "Index resyncs of a worker after a KV event-id gap.", ["worker"], registry=r)
+        self.request_migrations = Counter(
+            "splitserve_request_migrations_total",
+            "Requests moved to another decode worker mid-stream.", ["reason"], registry=r)
+        self.workers_healthy = Gauge(
+            "splitserve_workers_healthy", "Workers with a live heartbeat, per role.", ["role"], registry=r)
+        # Operator.
+        self.operator_replicas = Gauge(
+            "splitserve_operator_replicas", "Replicas per role: desired (decided) and ready (observed).",
+            ["namespace", "deployment", "role", "state"], registry=r)
+        self.operator_queue_depth = Gauge(
+            "splitserve_operator_queue_depth", "Waiting requests per role, as the autoscaler observed.",
+            ["namespace", "deployment", "role"], registry=r)
+        self.operator_scale_events = Counter(
+            "splitserve_operator_scale_events_total", "Scaling decisions applied, by direction.",
+            ["namespace", "deployment", "role", "direction"], registry=r)
+        self.operator_reconcile_errors = Counter(
+            "splitserve_operator_reconcile_errors_total", "Reconciliations that failed.",
+            ["namespace", "deployment"], registry=r)
+
+
+def exported_metric_names() -> set[str]:
+    """Every series name a scrape can contain (histograms/counters expand to their suffixes)."""
+    names: set[str] = set()
+    for collector in list(Metrics().registry._collector_to_names):  # noqa: SLF001
+        for metric in collector.describe():
+            base = metric.name
+            if metric.type == "histogram":
+                names.update({f"{base}_bucket", f"{base}_sum", f"{base}_count"})
+            elif metric.type == "counter":
+                names.update({f"{base}_total", f"{base}_created"})
+            else:
+                names.add(base)
+    return names
