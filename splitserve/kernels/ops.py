@@ -1,0 +1,76 @@
+"""Kernel dispatch: the engine calls these; each goes to Triton or to the torch reference.
+
+Backend choice, in order: `set_backend()`, the SPLITSERVE_KERNELS environment
+variable (auto | triton | reference), then auto = Triton for CUDA tensors and the
+reference on CPU. Forcing `triton` on CPU tensors needs TRITON_INTERPRET=1
+(Triton's interpreter), which is how CI runs the kernels without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from splitserve.kernels import reference
+
+_BACKENDS = ("auto", "triton", "reference")
+_backend: str | None = None
+
+
+def set_backend(name: str | None) -> None:
+    """Force a backend for this process (None: back to the environment / auto)."""
+    global _backend
+    if name is not None and name not in _BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; choose one of {_BACKENDS}")
+    _backend = name
+
+
+def backend_for(t: torch.Tensor) -> str:
+    name = _backend or os.environ.get("SPLITSERVE_KERNELS", "auto")
+    if name not in _BACKENDS:
+        raise ValueError(f"SPLITSERVE_KERNELS={name!r} is not one of {_BACKENDS}")
+    if name == "auto":
+        return "triton" if t.is_cuda else "reference"
+    return name
+
+
+def _triton():
+    from splitserve.kernels import triton_ops  # imported lazily: Triton is heavy
+
+    return triton_ops
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None):
+    impl = _triton() if backend_for(q) == "triton" else reference
+    return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale):
+    impl = _triton() if backend_for(q) == "triton" else reference
+    return impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping):
+    impl = _triton() if backend_for(key) == "triton" else reference
+    return impl.store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def pack_blocks(pool, block_ids):
+    impl = _triton() if backend_for(pool) == "triton" else reference
+    return impl.pack_blocks(pool, block_ids)
+
+
+def unpack_blocks(buffer, pool, block_ids):
+    impl = _triton() if backend_for(pool) == "triton" else reference
+    return impl.unpack_blocks(buffer, pool, block_ids)
+
+
+def rms_norm(x, weight, eps):
+    impl = _triton() if backend_for(x) == "triton" else reference
+    return impl.rms_norm(x, weight, eps)
+
+
+def apply_rotary(q, k, cos, sin):
+    impl = _triton() if backend_for(q) == "triton" else reference
+    return impl.apply_rotary(q, k, cos, sin)
