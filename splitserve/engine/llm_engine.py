@@ -1,0 +1,173 @@
+"""The engine loop: requests in, one scheduled forward pass per step, tokens out.
+
+This is the incremental interface the workers drive (add_request / step / abort);
+`LLM` in llm.py wraps it for offline batch generation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.hashing import hash_seed
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.sampler import sample
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.sequence import Sequence, TokenLogprobs
+from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class InvalidPromptError(ValueError):
+    """The prompt cannot be served (empty, out-of-vocabulary ids, too long)."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every output token so far
+    new_token_ids: list[int]  # produced by this step
+    text: str  # output text so far (stop strings excluded)
+    new_text: str  # text that became final this step
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    num_cached_tokens: int
+    logprobs: list[TokenLogprobs]
+    new_logprobs: list[TokenLogprobs]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        self.tokenizer = Tokenizer(config.model, self.model_config.eos_token_ids)
+        self.max_model_len = min(config.max_model_len or math.inf, self.model_config.max_model_len)
+        self.runner = ModelRunner(self.model_config, config, int(self.max_model_len))
+        self.model_id = config.model_id or Path(config.model).resolve().name
+        self.block_manager = BlockManager(self.runner.kv_pool.num_blocks, config.block_size,
+                                          hash_seed(self.model_id), config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        self.sequences: dict[str, Sequence] = {}
+
+    # ---- requests -------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        if request_id in self.sequences:
+            raise ValueError(f"request id {request_id!r} is already running")
+        tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate_prompt(tokens)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        seq = Sequence(
+            request_id=request_id, token_ids=tokens, num_prompt_tokens=len(tokens), params=params,
+            max_total_tokens=self.max_total_tokens,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            generator=generator)
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Longest sequence: the context length, and never more than the whole KV pool."""
+        return int(min(self.max_model_len, self.block_manager.num_blocks * self.config.block_size))
+
+    def validate_prompt(self, tokens: list[int]) -> None:
+        if not tokens:
+            raise InvalidPromptError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidPromptError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(tokens) >= self.max_total_tokens:
+            raise InvalidPromptError(
+                f"the prompt has {len(tokens)} tokens; this model serves at most {self.max_total_tokens - 1} "
+                "prompt tokens (context length, leaving room for one output token)")
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.abort(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the loop ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        logits, sampled = self.runner.run(batch)
+        for seq, n in batch.entries:
+            seq.num_computed_tokens += n
+            self.block_manager.publish_full_blocks(seq)
+        tokens, logprobs = sample(logits, sampled, self.generator)
+        outputs = []
+        for seq, token, lp in zip(sampled, tokens, logprobs, strict=True):
+            seq.token_ids.append(token)
+            if lp is not None:
+                seq.logprobs.append(lp)
+            seq.detokenizer.add(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                if seq.stop_text_len is None:
+                    seq.detokenizer.flush()
+                self.scheduler.finish(seq, reason)
+                del self.sequences[seq.request_id]
+            outputs.append(self._output(seq, [token], [lp] if lp is not None else []))
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            return "stop"
+        if p.stop:
+            text = seq.detokenizer.text
+            window = max(len(s) for s in p.stop) + 16  # new text of this token plus overlap
+            hits = [i for s in p.stop if (i := text.find(s, max(0, len(text) - window))) >= 0]
+            if hits:
+                seq.stop_text_len = min(hits)
+                return "stop"
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length"
+        if seq.num_tokens >= seq.max_total_tokens:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence, new_tokens: list[int], new_lps: list[TokenLogprobs]) -> RequestOutput:
+        text = seq.output_text
+        visible = text
+        if not seq.is_finished and seq.params.stop:
+            # Hold back what could still become the start of a stop string.
+            visible = text[: max(seq.num_emitted_chars, len(text) - max(len(s) for s in seq.params.stop) + 1)]
+        new_text = visible[seq.num_emitted_chars :]
+        seq.num_emitted_chars = len(visible)
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=seq.output_token_ids, new_token_ids=new_tokens, text=visible, new_text=new_text,
+            finished=seq.is_finished, finish_reason=seq.finish_reason,
+            num_cached_tokens=max(seq.num_cached_tokens, 0), logprobs=list(seq.logprobs), new_logprobs=new_lps)
+
+    # ---- introspection (tests, metrics, load reports) ---------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    def params_for_choice(self, params: SamplingParams, index: int) -> SamplingParams:
+        """Choice `index` of an n>1 request: its own sub-request, seed offset by the index."""
+        seed = None if params.seed is None else params.seed + index
+        return replace(params, n=1, seed=seed)

@@ -1,0 +1,80 @@
+"""Runs one scheduled batch through the model: flattens the sequences' new tokens,
+builds the paged-attention metadata, and returns logits where a token is due."""
+
+from __future__ import annotations
+
+import torch
+
+from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.kv_cache import KVCachePool, KVCacheSpec, num_blocks_for_memory
+from splitserve.engine.models.llama import AttentionMetadata
+from splitserve.engine.models.loader import load_model
+from splitserve.engine.models.rope import rope_tables
+from splitserve.engine.scheduler import ScheduledBatch
+from splitserve.engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int):
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.block_size = cfg.block_size
+        self.model = load_model(cfg.model, model_cfg, cfg.torch_dtype, self.device)
+        self.cos, self.sin = rope_tables(model_cfg.head_dim, model_cfg.rope_theta, model_cfg.rope_scaling,
+                                         max_model_len, cfg.torch_dtype, self.device)
+        spec = KVCacheSpec(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
+                           cfg.block_size, cfg.torch_dtype)
+        num_blocks = cfg.num_kv_blocks or num_blocks_for_memory(spec, cfg.kv_cache_memory_bytes)
+        self.kv_pool = KVCachePool(spec, num_blocks, self.device)
+
+    def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(s.block_table) for s in seqs)
+        return self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """Logits [k, vocab] (float32) for the k sequences that reach their last known
+        token this step (those get a new token), and those sequences in order."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        sampled: list[Sequence] = []
+        for seq, n in batch.entries:
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if start + n == seq.num_tokens:
+                logits_rows.append(len(input_ids) - 1)
+                sampled.append(seq)
+
+        prefill_seqs = [s for s, _ in batch.prefills]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            num_prefill_tokens=sum(n for _, n in batch.prefills),
+            prefill_block_tables=self._block_tables(prefill_seqs) if prefill_seqs else None,
+            prefill_cu_seqlens_q=self._tensor(_cumsum([n for _, n in batch.prefills]), torch.int32)
+            if prefill_seqs else None,
+            prefill_seq_lens=self._tensor([s.num_computed_tokens + n for s, n in batch.prefills], torch.int32)
+            if prefill_seqs else None,
+            decode_block_tables=self._block_tables(batch.decodes) if batch.decodes else None,
+            decode_seq_lens=self._tensor([s.num_computed_tokens + 1 for s in batch.decodes], torch.int32)
+            if batch.decodes else None,
+        )
+        pos = self._tensor(positions)
+        logits = self.model(self._tensor(input_ids), self.cos[pos], self.sin[pos], self.kv_pool, meta,
+                            self._tensor(logits_rows))
+        return logits, sampled
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out

@@ -1,0 +1,62 @@
+"""Turn logits into tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+Logprobs are those of the model's own distribution (log-softmax of the raw
+logits), as vLLM reports them, not of the temperature-adjusted one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from splitserve.engine.sequence import Sequence, TokenLogprobs
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Mask (to -inf) tokens outside top-k / top-p / min-p for one row [vocab]."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
+        drop = before > top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator
+           ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: float32 [len(seqs), vocab] -> one token per sequence (+ logprobs if asked)."""
+    tokens = logits.argmax(dim=-1).tolist()
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if p.greedy:
+            continue
+        row_logits = _filter_logits(logits[row] / p.temperature, p.top_k, p.top_p, p.min_p)
+        probs = row_logits.softmax(-1)
+        gen = seq.generator if seq.generator is not None else default_generator
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p, using one
+        # generator per request, so a seeded request does not depend on its batch.
+        noise = torch.empty_like(probs).exponential_(generator=gen)
+        tokens[row] = int((probs / noise).argmax())
+
+    want = [s.params.logprobs is not None for s in seqs]
+    if not any(want):
+        return tokens, [None] * len(seqs)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    out: list[TokenLogprobs | None] = []
+    for row, seq in enumerate(seqs):
+        if not want[row]:
+            out.append(None)
+            continue
+        n = seq.params.logprobs
+        top = []
+        if n:
+            values, ids = torch.topk(logprobs[row], n)
+            top = list(zip(ids.tolist(), values.tolist(), strict=True))
+        out.append(TokenLogprobs(tokens[row], float(logprobs[row, tokens[row]]), top))
+    return tokens, out

@@ -1,0 +1,120 @@
+"""Continuous batching under a per-step token budget.
+
+Each step first advances every running sequence (one token for a decode, the next
+chunk for a prompt still being prefilled), then admits waiting sequences with
+whatever budget is left, so prefill chunks and decode steps share one forward
+pass. When blocks run out, the most recently admitted sequence is preempted: its
+blocks are released and it is recomputed later (its prefix may still be cached).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """Sequences to compute this step, prefill chunks (several tokens) first."""
+
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def entries(self) -> list[tuple[Sequence, int]]:
+        return self.prefills + [(s, 1) for s in self.decodes]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.prefills) + len(self.decodes)
+
+    def __bool__(self) -> bool:
+        return bool(self.prefills or self.decodes)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while self.bm.blocks_needed(seq, n) > self.bm.num_free_blocks:
+                victim = self.running.pop()  # never one scheduled earlier this step (index < i)
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            self.bm.grow(seq, n)
+            self._add_to_batch(batch, seq, n)
+            budget -= n
+            i += 1
+        # Admit new work only when nothing had to be preempted this step.
+        while (self.waiting and budget > 0 and not batch.preempted
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            cached = self.bm.match_prefix(seq)
+            n = min(seq.num_tokens - len(cached) * self.bm.block_size, budget)
+            if not self.bm.can_admit(seq, cached, n):
+                break
+            self.waiting.popleft()
+            self.bm.admit(seq, cached)
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            self.bm.grow(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add_to_batch(batch, seq, n)
+            budget -= n
+        return batch
+
+    @staticmethod
+    def _add_to_batch(batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        if n == 1:
+            batch.decodes.append(seq)
+        else:
+            batch.prefills.append((seq, n))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.bm.free_sequence(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        self.bm.free_sequence(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for seq in list(self.running) + list(self.waiting):
+            if seq.request_id == request_id:
+                if seq in self.waiting:
+                    self.waiting.remove(seq)
+                self.finish(seq, "abort")
+                return seq
+        return None

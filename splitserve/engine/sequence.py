@@ -1,0 +1,71 @@
+"""One generation request as the engine tracks it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.tokenizer import IncrementalDetokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-N (token id, logprob), most likely first
+
+
+@dataclass(eq=False)  # identity, not field-wise equality: two requests may look alike
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt followed by output tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    max_total_tokens: int  # prompt + output may not exceed this (context length)
+    detokenizer: IncrementalDetokenizer | None = None
+    generator: torch.Generator | None = None  # per-request RNG when a seed is given
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full token blocks
+    num_computed_tokens: int = 0  # tokens whose KV is in the pool
+    num_registered_blocks: int = 0  # leading blocks published to the prefix cache
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_text_len: int | None = None  # text is cut here when a stop string matched
+    num_emitted_chars: int = 0  # text already handed out in streaming deltas
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def output_text(self) -> str:
+        if self.detokenizer is None:
+            return ""
+        text = self.detokenizer.text
+        return text if self.stop_text_len is None else text[: self.stop_text_len]

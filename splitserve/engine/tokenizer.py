@@ -1,0 +1,157 @@
+"""Tokenizer of a checkpoint: tokenizer.json, chat template and EOS ids, without
+loading transformers (the router imports this, and it must start fast)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from splitserve.engine.config import CheckpointError
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered by the model's chat template."""
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config stores special tokens as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path, config_eos_ids: tuple[int, ...] = ()):
+        root = Path(model_dir)
+        path = root / "tokenizer.json"
+        if not path.is_file():
+            raise CheckpointError(f"{path}: not found (only fast tokenizers, tokenizer.json, are supported)")
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust side raises plain Exception
+            raise CheckpointError(f"{path}: cannot be loaded by `tokenizers` ({exc})") from exc
+        cfg_path = root / "tokenizer_config.json"
+        cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.chat_template = self._load_chat_template(root, cfg)
+        self.eos_token_ids = self._eos_ids(root, cfg_path, config_eos_ids)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    @staticmethod
+    def _load_chat_template(root: Path, cfg: dict) -> str | None:
+        jinja_file = root / "chat_template.jinja"
+        if jinja_file.is_file():
+            return jinja_file.read_text()
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: use "default"
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        return template
+
+    def _eos_ids(self, root: Path, cfg_path: Path, config_eos_ids: tuple[int, ...]) -> tuple[int, ...]:
+        gen_path = root / "generation_config.json"
+        if gen_path.is_file():
+            eos = _read_json(gen_path).get("eos_token_id")
+            if eos is not None:
+                return tuple(eos) if isinstance(eos, list) else (int(eos),)
+        if config_eos_ids:
+            return tuple(config_eos_ids)
+        if self.eos_token is not None:
+            tid = self._tok.token_to_id(self.eos_token)
+            if tid is None:
+                raise CheckpointError(f"{cfg_path}: eos_token {self.eos_token!r} is not in tokenizer.json")
+            return (tid,)
+        return ()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render messages with the checkpoint's template (same variables as transformers)."""
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions with a prompt")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str):
+            raise ChatTemplateError(message)
+
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent, ensure_ascii=False)
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # The template writes the special tokens itself (as transformers does).
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    A token can end in the middle of a multi-byte character, so text is emitted
+    only once it decodes cleanly; decoding from a window that starts a few tokens
+    back keeps tokenizers that treat the first token specially (leading spaces) right.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the newly stable text (may be empty)."""
+        self.token_ids.append(token_id)
+        prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.token_ids[self._prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self.token_ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """At the end of generation: whatever is left, even an incomplete character."""
+        prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.token_ids[self._prefix_offset :])
+        delta = full[len(prefix) :] if len(full) > len(prefix) else ""
+        self._prefix_offset = self._read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
