@@ -1,0 +1,208 @@
+"""Routing policy: pure functions from (index match, loads) to a decision.
+
+Decode worker: cost = load − overlap_credit × overlap, where
+  load    = kv_usage + (waiting + running + pending) / requests_per_load_unit
+  overlap = fraction of the prompt's full blocks the worker already holds (0..1)
+so with the defaults a worker holding the whole prompt is worth `requests_per_load_unit`
+extra queued requests. The imbalance guard overrides the cost when queues are far apart
+(both an absolute and a relative gap, so two nearly idle workers never trip it). Ties
+break by load, then at random from a seeded RNG over workers sorted by id: never "the
+first index", which makes routers pile onto one worker, and the same seed gives the
+same choice on every router replica.
+
+Prefill worker (conditional disaggregation): only when the part of the prompt the
+chosen decode worker lacks is long enough to be worth a transfer. Its cost is in tokens:
+what it already has queued plus what this prompt would add there (its own cached prefix
+is credited).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from splitserve.cluster.messages import LoadReport
+
+TIE_EPSILON = 1e-9
+
+
+class NoHealthyWorker(RuntimeError):
+    """No decode worker is alive; the server answers 503."""
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    overlap_credit: float = 1.0  # cost units for a fully cached prompt
+    requests_per_load_unit: float = 32.0  # queued+running requests that weigh 1.0
+    imbalance_abs: int = 16  # guard trips when max−min outstanding requests exceeds this
+    imbalance_ratio: float = 1.5  # ... and max > ratio × min
+    disagg_min_uncached_tokens: int = 256  # below this the decode worker prefills itself
+
+    def __post_init__(self) -> None:
+        if self.overlap_credit < 0 or self.requests_per_load_unit <= 0:
+            raise ValueError("overlap_credit must be >= 0 and requests_per_load_unit > 0")
+        if self.imbalance_abs < 0 or self.imbalance_ratio < 1:
+            raise ValueError("imbalance_abs must be >= 0 and imbalance_ratio >= 1")
+        if self.disagg_min_uncached_tokens < 0:
+            raise ValueError("disagg_min_uncached_tokens must be >= 0")
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    decode_worker: str
+    prefill_worker: str | None  # None: the decode worker prefills locally
+    prompt_tokens: int
+    prompt_blocks: int
+    decode_cached_blocks: int
+    prefill_cached_blocks: int
+    reason: str  # why this decode worker
+    prefill_reason: str  # why (not) disaggregated
+    costs: dict[str, float] = field(default_factory=dict)  # decode candidates' costs
+
+    @property
+    def path(self) -> str:
+        """Label for `splitserve_router_requests_total{path}`."""
+        return "disaggregated" if self.prefill_worker else "local"
+
+    def header_value(self) -> str:
+        """One line for a response header, e.g. `x-splitserve-route`."""
+        parts = [f"decode={self.decode_worker}", f"prefill={self.prefill_worker or '-'}",
+                 f"cached={self.decode_cached_blocks}/{self.prompt_blocks}",
+                 f"reason={self.reason}"]
+        return "; ".join(parts).encode("ascii", "replace").decode()
+
+    def log_fields(self) -> dict:
+        return {"decode_worker": self.decode_worker, "prefill_worker": self.prefill_worker,
+                "prompt_tokens": self.prompt_tokens, "prompt_blocks": self.prompt_blocks,
+                "decode_cached_blocks": self.decode_cached_blocks,
+                "prefill_cached_blocks": self.prefill_cached_blocks, "reason": self.reason,
+                "prefill_reason": self.prefill_reason,
+                "costs": {w: round(c, 4) for w, c in self.costs.items()}}
+
+
+def outstanding(report: LoadReport | None, pending: int = 0) -> int:
+    """Requests a worker has, including those routed since its last load report."""
+    if report is None:
+        return pending
+    return report.waiting + report.running + pending
+
+
+def decode_load(report: LoadReport | None, pending: int, config: PolicyConfig) -> float:
+    kv = min(max(report.kv_usage, 0.0), 1.0) if report is not None else 0.0
+    return kv + outstanding(report, pending) / config.requests_per_load_unit
+
+
+def choose_decode(
+    decode_workers: Sequence[str],
+    matched: Mapping[str, int],
+    prompt_blocks: int,
+    loads: Mapping[str, LoadReport],
+    rng: random.Random,
+    config: PolicyConfig,
+    pending: Mapping[str, int] | None = None,
+) -> tuple[str, str, dict[str, float]]:
+    """Returns (worker, reason, costs). One pass over the workers: this runs per request."""
+    if not decode_workers:
+        raise NoHealthyWorker("no healthy decode worker: check worker heartbeats on the cluster "
+                              "bus and splitserve_workers_healthy{role=\"decode\"}")
+    get_report, get_pending, get_matched = loads.get, (pending or {}).get, matched.get
+    credit = config.overlap_credit / max(prompt_blocks, 1)
+    per_unit = config.requests_per_load_unit
+    queue: dict[str, int] = {}
+    load: dict[str, float] = {}
+    costs: dict[str, float] = {}
+    for w in decode_workers:  # decode_load() inlined: this loop is the hot path
+        report = get_report(w)
+        if report is None:
+            q, kv = get_pending(w, 0), 0.0
+        else:
+            q, kv = report.waiting + report.running + get_pending(w, 0), report.kv_usage
+            kv = 0.0 if kv < 0.0 else 1.0 if kv > 1.0 else kv
+        queue[w] = q
+        load[w] = lw = kv + q / per_unit
+        costs[w] = lw - credit * get_matched(w, 0)
+    lo, hi = min(queue.values()), max(queue.values())
+    if hi - lo > config.imbalance_abs and hi > config.imbalance_ratio * lo:
+        least = [w for w in decode_workers if queue[w] == lo]
+        best_overlap = max(matched.get(w, 0) for w in least)
+        least = [w for w in least if matched.get(w, 0) == best_overlap]
+        return _pick(least, rng), f"imbalance-guard(queues {lo}..{hi})", costs
+    best = min(costs.values())
+    tied = [w for w in decode_workers if costs[w] - best <= TIE_EPSILON]
+    reason = "best-cost"
+    if len(tied) > 1:
+        least_load = min(load[w] for w in tied)
+        tied = [w for w in tied if load[w] - least_load <= TIE_EPSILON]
+        reason = f"tie-random-of-{len(tied)}" if len(tied) > 1 else "tie-least-loaded"
+    return _pick(tied, rng), reason, costs
+
+
+def choose_prefill(
+    prefill_workers: Sequence[str],
+    matched: Mapping[str, int],
+    prompt_tokens: int,
+    block_size: int,
+    loads: Mapping[str, LoadReport],
+    rng: random.Random,
+    pending_tokens: Mapping[str, int] | None = None,
+) -> str:
+    """The prefill worker that would finish this prompt soonest, in queued tokens."""
+    pending_tokens = pending_tokens or {}
+    workers = prefill_workers
+
+    def queued(w: str) -> int:
+        report = loads.get(w)
+        return (report.waiting_tokens if report is not None else 0) + pending_tokens.get(w, 0)
+
+    cost = {w: queued(w) + prompt_tokens - min(matched.get(w, 0) * block_size, prompt_tokens)
+            for w in workers}
+    best = min(cost.values())
+    tied = [w for w in workers if cost[w] == best]
+    least = min(queued(w) for w in tied)
+    return _pick([w for w in tied if queued(w) == least], rng)
+
+
+def route(
+    prompt_tokens: int,
+    block_size: int,
+    matched: Mapping[str, int],
+    decode_workers: Sequence[str],
+    prefill_workers: Sequence[str],
+    loads: Mapping[str, LoadReport],
+    rng: random.Random,
+    config: PolicyConfig = PolicyConfig(),
+    pending: Mapping[str, int] | None = None,
+    pending_prefill_tokens: Mapping[str, int] | None = None,
+) -> RouteDecision:
+    """Choose the decode worker, then whether (and where) to prefill remotely.
+
+    `matched` is `RadixIndex.match(prompt_hashes)`; the worker lists hold only live
+    workers of each role. `pending`/`pending_prefill_tokens` are requests/tokens this
+    router sent since each worker's last load report (optional, keeps bursts spread)."""
+    prompt_blocks = prompt_tokens // block_size
+    decode, reason, costs = choose_decode(decode_workers, matched, prompt_blocks, loads, rng,
+                                          config, pending)
+    decode_cached = matched.get(decode, 0)
+    uncached = prompt_tokens - decode_cached * block_size
+    prefill = None
+    prefill_cached = 0
+    if not prefill_workers:
+        prefill_reason = "local: no healthy prefill worker"
+    elif uncached < config.disagg_min_uncached_tokens:
+        prefill_reason = (f"local: uncached {uncached} tokens < "
+                          f"{config.disagg_min_uncached_tokens}")
+    else:
+        prefill = choose_prefill(prefill_workers, matched, prompt_tokens, block_size, loads, rng,
+                                 pending_prefill_tokens)
+        prefill_cached = matched.get(prefill, 0)
+        prefill_reason = (f"disaggregated: uncached {uncached} tokens >= "
+                          f"{config.disagg_min_uncached_tokens}")
+    return RouteDecision(decode, prefill, prompt_tokens, prompt_blocks, decode_cached,
+                         prefill_cached, reason, prefill_reason, costs)
+
+
+def _pick(candidates: list[str], rng: random.Random) -> str:
+    """Sorted first, so that replicas given the same seed pick the same worker whatever
+    order their registries listed the workers in."""
+    return candidates[0] if len(candidates) == 1 else rng.choice(sorted(candidates))
