@@ -1,0 +1,180 @@
+"""kopf handlers for InferenceDeployment. Every path runs the same reconcile:
+parse/validate the spec, render the children, sync them, observe, write status.
+The timer adds autoscaling and is also what corrects drift (a deleted or edited
+child comes back within one resync interval).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+
+import kopf
+from prometheus_client import start_http_server
+
+from splitserve.metrics import Metrics
+
+from .apply import sync_children
+from .autoscaler import ScalingPolicy, Windows, decide
+from .config import OperatorConfig
+from .kube import KubeClient
+from .loadreports import LoadReportsUnavailable, read_load_reports
+from .render import Replicas, key, render_all, unwanted_children
+from .spec import GROUP, PLURAL, VERSION, InferenceSpec, SpecError, parse_spec
+from .status import conditions, observe_deployment, observe_raycluster, status_patch
+
+CONFIG = OperatorConfig.from_env()
+METRICS = Metrics()
+_client: KubeClient | None = None
+log = logging.getLogger(__name__)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, **_):
+    # Keep kopf's bookkeeping in our own annotations (the status schema is strict).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.posting.enabled = CONFIG.post_events
+    if CONFIG.metrics_port:
+        start_http_server(CONFIG.metrics_port, registry=METRICS.registry)
+
+
+@kopf.on.login()
+def login(**kwargs):
+    """In-cluster ServiceAccount first, else $KUBECONFIG / ~/.kube/config. The same
+    credentials serve kopf's watches and our child writes."""
+    global _client
+    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    if info is not None:
+        _client = KubeClient(info)
+    return info
+
+
+@kopf.on.cleanup()
+async def close_client(**_):
+    if _client is not None:
+        await _client.close()
+
+
+def scheduled_replicas(spec: InferenceSpec, status: dict) -> Replicas:
+    """The spec's replicas, or with autoscaling on, the last decision kept in status
+    (so an operator restart does not reset scaling), clamped to the current bounds."""
+    def pick(role: str) -> int:
+        rs = getattr(spec, role)
+        value = (status.get(role) or {}).get("desired") if spec.autoscaling.enabled else None
+        value = value if isinstance(value, int) and not isinstance(value, bool) else rs.replicas
+        return min(max(value, rs.min_replicas), rs.max_replicas)
+    return Replicas(prefill=pick("prefill"), decode=pick("decode"))
+
+
+async def autoscale(spec: InferenceSpec, replicas: Replicas, memo: kopf.Memo, patch: kopf.Patch,
+                    logger: logging.Logger) -> tuple[Replicas, dict[str, int | None]]:
+    windows: dict[str, Windows] = memo.setdefault("windows", {})
+    try:
+        reports = await read_load_reports(spec.effective_redis_url, spec.cluster)
+        unavailable = None
+    except LoadReportsUnavailable as exc:
+        reports, unavailable = [], str(exc)
+    now, new, queue, reasons = time.time(), {}, {}, {}
+    for role in ("prefill", "decode"):
+        current = getattr(replicas, role)
+        policy = ScalingPolicy.for_role(getattr(spec, role), spec.autoscaling)
+        d = decide(policy, current, [r for r in reports if r.role == role], now, windows.get(role, Windows()))
+        if unavailable:
+            d = type(d)(d.replicas, Windows(), f"{unavailable}: holding at {d.replicas}")
+        windows[role], new[role], queue[role], reasons[role] = d.windows, d.replicas, d.waiting, d.reason
+        labels = (spec.namespace, spec.name, role)
+        if d.waiting is not None:
+            METRICS.operator_queue_depth.labels(*labels).set(d.waiting)
+        if d.changed(current):
+            direction = "up" if d.replicas > current else "down"
+            METRICS.operator_scale_events.labels(*labels, direction).inc()
+            patch.status["lastScaleTime"] = _now()
+            logger.info(f"autoscaler {spec.cluster} {role}: {d.reason}")
+    patch.status["autoscaler"] = reasons
+    return Replicas(**new), queue
+
+
+async def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger,
+                    scale: bool) -> None:
+    meta, status = body["metadata"], dict(body.get("status") or {})
+    name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation", 0)
+    previous = status.get("conditions") or []
+    try:
+        spec = parse_spec(name, namespace, dict(body.get("spec") or {}), CONFIG.default_image)
+    except SpecError as exc:
+        METRICS.operator_reconcile_errors.labels(namespace, name).inc()
+        message = f"invalid spec, nothing applied until fixed: {exc}"
+        logger.error(f"InferenceDeployment {namespace}/{name}: {message}")
+        patch.status["conditions"] = conditions({}, ("InvalidSpec", message), previous, _now(), generation)
+        patch.status["observedGeneration"] = generation
+        return
+    if _client is None:
+        raise kopf.TemporaryError("no Kubernetes credentials yet (login pending)", delay=5)
+    replicas = scheduled_replicas(spec, status)
+    queue: dict[str, int | None] = {}
+    if scale and spec.autoscaling.enabled:
+        replicas, queue = await autoscale(spec, replicas, memo, patch, logger)
+    manifests = render_all(spec, replicas, CONFIG.ray_version)
+    owner = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": meta}
+    result = await sync_children(_client, owner, manifests, unwanted_children(spec, CONFIG.ray_version))
+    for verb, items in (("created", result.created), ("re-applied (drift)", result.patched),
+                        ("deleted", result.deleted)):
+        if items:
+            logger.info(f"InferenceDeployment {namespace}/{name}: {verb} {', '.join(items)}")
+    observed = {k: result.observed.get(k) for k in map(key, manifests)}
+    roles = {
+        "router": observe_deployment(observed.get(("apps/v1", "Deployment", f"{name}-router")),
+                                     spec.router.replicas),
+        "prefill": observe_raycluster(observed.get(("ray.io/v1", "RayCluster", f"{name}-prefill")),
+                                      replicas.prefill),
+        "decode": observe_deployment(observed.get(("apps/v1", "Deployment", f"{name}-decode")), replicas.decode),
+    }
+    problem = None
+    if result.errors:
+        METRICS.operator_reconcile_errors.labels(namespace, name).inc()
+        problem = ("ApplyFailed", "; ".join(result.errors))
+        logger.error(f"InferenceDeployment {namespace}/{name}: {problem[1]}")
+    conds = conditions(roles, problem, previous, _now(), generation)
+    patch.status.update(status_patch(roles, conds, generation, queue))
+    for role, o in roles.items():
+        METRICS.operator_replicas.labels(namespace, name, role, "desired").set(o.desired)
+        METRICS.operator_replicas.labels(namespace, name, role, "ready").set(o.ready)
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL)
+async def on_create(body, patch, memo, logger, **_):
+    await reconcile(body, patch, memo, logger, scale=False)
+
+
+@kopf.on.update(GROUP, VERSION, PLURAL)
+async def on_update(body, patch, memo, logger, **_):
+    await reconcile(body, patch, memo, logger, scale=False)
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+async def on_resume(body, patch, memo, logger, **_):
+    await reconcile(body, patch, memo, logger, scale=False)
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=CONFIG.resync_seconds)
+async def tick(body, patch, memo, logger, **_):
+    await reconcile(body, patch, memo, logger, scale=True)
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+async def on_delete(name, namespace, logger, **_):
+    """Children go with the owner (garbage collection via owner references); only
+    this process's metric series need forgetting. optional=True: no finalizer."""
+    for metric in (METRICS.operator_replicas, METRICS.operator_queue_depth, METRICS.operator_scale_events,
+                   METRICS.operator_reconcile_errors):
+        for labels in [ls for ls in list(metric._metrics) if ls[:2] == (namespace, name)]:  # noqa: SLF001
+            metric.remove(*labels)
+    logger.info(f"InferenceDeployment {namespace}/{name} deleted; children are garbage-collected by Kubernetes")

@@ -1,0 +1,124 @@
+"""Pieces every rendered child shares: names, labels, owner reference, pod hardening,
+the model volume. Pure functions of the parsed spec."""
+
+from __future__ import annotations
+
+from .spec import InferenceSpec
+
+MODEL_MOUNT = "/models"
+ROUTER_PORT = 8000
+PREFILL_GRPC_PORT = 50051
+DECODE_GRPC_PORT = 50052
+ADMIN_PORT = 8081  # decode admin HTTP (/health, /metrics, /drain) and prefill-pool metrics
+REDIS_PORT = 6379
+RUN_AS_USER = 1000
+
+
+def child_name(spec: InferenceSpec, role: str) -> str:
+    return f"{spec.name}-{role}"
+
+
+def selector_labels(spec: InferenceSpec, role: str) -> dict[str, str]:
+    return {"app.kubernetes.io/instance": spec.name, "splitserve.io/role": role}
+
+
+def labels(spec: InferenceSpec, role: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "splitserve",
+        "app.kubernetes.io/component": role,
+        "app.kubernetes.io/managed-by": "splitserve-operator",
+        "splitserve.io/deployment": spec.name,
+        **selector_labels(spec, role),
+    }
+
+
+def metadata(spec: InferenceSpec, role: str, name: str | None = None) -> dict:
+    """Object metadata; the owner reference is added by `adopt` at apply time."""
+    return {"name": name or child_name(spec, role), "namespace": spec.namespace,
+            "labels": labels(spec, role)}
+
+
+def adopt(manifest: dict, owner: dict) -> dict:
+    """The owner reference that makes Kubernetes garbage-collect children with the
+    InferenceDeployment (controller=True: `kubectl describe` names it as the owner)."""
+    ref = {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": owner["metadata"]["name"],
+           "uid": owner["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
+    out = dict(manifest)
+    out["metadata"] = {**manifest["metadata"], "ownerReferences": [ref]}
+    return out
+
+
+def pod_security_context() -> dict:
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security_context() -> dict:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def model_dir(spec: InferenceSpec) -> str:
+    m = spec.model
+    return m.path if m.source_type == "image" else f"{MODEL_MOUNT}/{m.path.strip('/')}"
+
+
+def tokenizer_dir(spec: InferenceSpec) -> str:
+    m = spec.model
+    if not m.tokenizer:
+        return ""
+    return m.tokenizer if m.source_type == "image" else f"{MODEL_MOUNT}/{m.tokenizer.strip('/')}"
+
+
+def volumes(spec: InferenceSpec, shm: bool) -> list[dict]:
+    """/tmp is writable scratch (the root filesystem is read-only); workers get a
+    memory-backed /dev/shm for torch and Ray; the model volume is mounted read-only."""
+    vols: list[dict] = [{"name": "tmp", "emptyDir": {}}]
+    if shm:
+        vols.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    m = spec.model
+    if m.source_type == "pvc":
+        vols.append({"name": "model", "persistentVolumeClaim": {"claimName": m.claim_name, "readOnly": True}})
+    elif m.source_type == "hostPath":
+        vols.append({"name": "model", "hostPath": {"path": m.host_path, "type": "Directory"}})
+    return vols
+
+
+def volume_mounts(spec: InferenceSpec, shm: bool) -> list[dict]:
+    mounts: list[dict] = [{"name": "tmp", "mountPath": "/tmp"}]
+    if shm:
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if spec.model.source_type != "image":
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    return mounts
+
+
+def env(spec: InferenceSpec) -> list[dict]:
+    """Pod identity (workers register POD_IP on the bus) and offline model loading:
+    downloading from a model hub is out of scope, the model must be on the volume."""
+    field = lambda path: {"valueFrom": {"fieldRef": {"fieldPath": path}}}  # noqa: E731
+    return [
+        {"name": "POD_NAME", **field("metadata.name")},
+        {"name": "POD_NAMESPACE", **field("metadata.namespace")},
+        {"name": "POD_IP", **field("status.podIP")},
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "SPLITSERVE_REDIS_URL", "value": spec.effective_redis_url},
+    ]
+
+
+def pod_spec_extras(spec: InferenceSpec, node_selector: dict, tolerations: list) -> dict:
+    extras: dict = {"securityContext": pod_security_context(), "automountServiceAccountToken": False}
+    if node_selector:
+        extras["nodeSelector"] = dict(node_selector)
+    if tolerations:
+        extras["tolerations"] = list(tolerations)
+    if spec.image_pull_secrets:
+        extras["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
+    return extras
+
+
+def common_args(spec: InferenceSpec) -> list[str]:
+    """Flags every component takes; the Redis URL goes through the env var so a
+    later change to secret-sourced URLs touches one place."""
+    return ["--redis-url", "$(SPLITSERVE_REDIS_URL)", "--cluster", spec.cluster]

@@ -1,0 +1,115 @@
+"""Router Deployment + Service, decode Deployment, optional in-cluster Redis.
+
+Commands and ports here are the component contracts (`splitserve router`,
+`splitserve decode-worker`); change them only together with the components.
+"""
+
+from __future__ import annotations
+
+from . import render_common as c
+from .spec import InferenceSpec
+
+
+def _probe(path: str, port: int, period: int, failures: int) -> dict:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures,
+            "timeoutSeconds": 5}
+
+
+def _deployment(spec: InferenceSpec, role: str, replicas: int, pod_spec: dict,
+                max_surge: int | str = 1) -> dict:
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": c.metadata(spec, role),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": c.selector_labels(spec, role)},
+            # Never take a serving replica away before its replacement is ready.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": max_surge, "maxUnavailable": 0}},
+            "template": {"metadata": {"labels": c.labels(spec, role)}, "spec": pod_spec},
+        },
+    }
+
+
+def render_router(spec: InferenceSpec) -> list[dict]:
+    args = ["router", "--host", "0.0.0.0", "--port", str(c.ROUTER_PORT), "--model", c.model_dir(spec),
+            "--served-model-name", spec.model.served_name, *c.common_args(spec),
+            "--block-size", str(spec.block_size)]
+    if spec.model.tokenizer:
+        args += ["--tokenizer", c.tokenizer_dir(spec)]
+    container = {
+        "name": "router", "image": spec.image, "imagePullPolicy": spec.image_pull_policy,
+        "command": ["splitserve"], "args": args, "env": c.env(spec),
+        "ports": [{"name": "http", "containerPort": c.ROUTER_PORT, "protocol": "TCP"}],
+        "readinessProbe": _probe("/health", c.ROUTER_PORT, 5, 3),
+        "livenessProbe": _probe("/health", c.ROUTER_PORT, 10, 6),
+        "resources": spec.router.resources, "securityContext": c.container_security_context(),
+        "volumeMounts": c.volume_mounts(spec, shm=False),
+    }
+    pod = {"containers": [container], "volumes": c.volumes(spec, shm=False), **c.pod_spec_extras(spec, {}, [])}
+    service = {
+        "apiVersion": "v1", "kind": "Service", "metadata": c.metadata(spec, "router"),
+        "spec": {"type": spec.router.service_type, "selector": c.selector_labels(spec, "router"),
+                 "ports": [{"name": "http", "port": c.ROUTER_PORT, "targetPort": "http", "protocol": "TCP"}]},
+    }
+    return [_deployment(spec, "router", spec.router.replicas, pod), service]
+
+
+def kv_args(spec: InferenceSpec) -> list[str]:
+    args = ["--kv-backend", spec.kv_backend]
+    if spec.rdma_device:
+        args += ["--rdma-device", spec.rdma_device]
+    return args
+
+
+def render_decode(spec: InferenceSpec, replicas: int) -> list[dict]:
+    d = spec.decode
+    args = ["decode-worker", "--model", c.model_dir(spec), "--host", "0.0.0.0", "--port", str(c.DECODE_GRPC_PORT),
+            "--admin-port", str(c.ADMIN_PORT), *c.common_args(spec), *kv_args(spec),
+            "--max-num-seqs", str(d.max_num_seqs), "--max-num-batched-tokens", str(d.max_num_batched_tokens)]
+    container = {
+        "name": "decode", "image": spec.image, "imagePullPolicy": spec.image_pull_policy,
+        "command": ["splitserve"], "args": args, "env": c.env(spec),
+        "ports": [{"name": "grpc", "containerPort": c.DECODE_GRPC_PORT, "protocol": "TCP"},
+                  {"name": "admin", "containerPort": c.ADMIN_PORT, "protocol": "TCP"}],
+        # Loading weights can take minutes; liveness starts only after the first success.
+        "startupProbe": _probe("/health", c.ADMIN_PORT, 10, 90),
+        "readinessProbe": _probe("/health", c.ADMIN_PORT, 5, 2),
+        "livenessProbe": _probe("/health", c.ADMIN_PORT, 15, 4),
+        # Scale-down drains: /drain stops admission and returns once no stream is left
+        # (finished or handed off); the grace period bounds how long that may take.
+        "lifecycle": {"preStop": {"httpGet": {"path": "/drain", "port": c.ADMIN_PORT}}},
+        "resources": d.resources, "securityContext": c.container_security_context(),
+        "volumeMounts": c.volume_mounts(spec, shm=True),
+    }
+    pod = {"containers": [container], "volumes": c.volumes(spec, shm=True),
+           "terminationGracePeriodSeconds": spec.drain_timeout_seconds + 30,
+           **c.pod_spec_extras(spec, d.node_selector, d.tolerations)}
+    # maxSurge 0 for GPU pods: a surge pod would wait for a GPU the old pod holds.
+    deployment = _deployment(spec, "decode", replicas, pod, max_surge=0)
+    deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] = 1
+    return [deployment]
+
+
+def render_redis(spec: InferenceSpec) -> list[dict]:
+    """A single-replica, memory-only Redis for the cluster bus. Load reports and
+    registrations are refreshed by heartbeats and KV event streams are rebuilt by
+    workers after a restart, so no persistence is needed; use spec.redis.url for HA."""
+    container = {
+        "name": "redis", "image": spec.redis_image, "imagePullPolicy": "IfNotPresent",
+        "command": ["redis-server"], "args": ["--save", "", "--appendonly", "no", "--port", str(c.REDIS_PORT)],
+        "ports": [{"name": "redis", "containerPort": c.REDIS_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": c.REDIS_PORT}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": c.REDIS_PORT}, "periodSeconds": 10},
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "securityContext": c.container_security_context(),
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+    }
+    pod = {"containers": [container], "volumes": [{"name": "data", "emptyDir": {}}],
+           **c.pod_spec_extras(spec, {}, [])}
+    deployment = _deployment(spec, "redis", 1, pod, max_surge=0)
+    deployment["spec"]["strategy"] = {"type": "Recreate"}
+    service = {
+        "apiVersion": "v1", "kind": "Service", "metadata": c.metadata(spec, "redis"),
+        "spec": {"selector": c.selector_labels(spec, "redis"),
+                 "ports": [{"name": "redis", "port": c.REDIS_PORT, "targetPort": "redis", "protocol": "TCP"}]},
+    }
+    return [deployment, service]
