@@ -43,6 +43,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Counters for metrics: preemptions, and prefix-cache lookups/hits in tokens.
+        self.num_preemptions = 0
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -80,8 +84,10 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.bm.admit(seq, cached)
-            if seq.num_cached_tokens < 0:
+            if seq.num_cached_tokens < 0:  # first admission (not a recompute)
                 seq.num_cached_tokens = seq.num_computed_tokens
+                self.prefix_query_tokens += seq.num_tokens
+                self.prefix_hit_tokens += seq.num_computed_tokens
             self.bm.grow(seq, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -100,6 +106,7 @@ class Scheduler:
         self.bm.free_sequence(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 

@@ -49,7 +49,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
         if dst.shape != tensor.shape:
             raise CheckpointError(
                 f"{model_dir}: tensor '{source}' has shape {tuple(tensor.shape)}, config.json implies "
-                f"{tuple(dst.shape)} (check hidden_size / num_attention_heads / num_key_value_heads / head_dim)")
+                f"{tuple(dst.shape)} (check hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim, vocab_size)")
         dst.copy_(tensor.to(dtype))
 
     fused_parts: dict[str, set[int]] = {}

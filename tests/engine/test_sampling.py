@@ -1,0 +1,165 @@
+"""Sampling: seeds reproduce, stops end at the right token, logprobs match transformers."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.sampler import _filter_logits
+from tests.helpers.reference import hf_greedy, hf_logprobs
+
+
+@pytest.fixture(scope="module")
+def llm_and_path(make_ckpt):
+    path = make_ckpt("llama")
+    return LLM(str(path), num_kv_blocks=128), path
+
+
+def prompt(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(5, 1000) for _ in range(n)]
+
+
+def test_same_seed_same_tokens_regardless_of_batch(llm_and_path):
+    llm, _ = llm_and_path
+    p = SamplingParams(temperature=1.0, top_p=0.95, seed=42, max_tokens=20, ignore_eos=True)
+    alone = llm.generate([prompt(20, 1)], p)[0].token_ids
+    others = [prompt(n, s) for n, s in ((5, 2), (40, 3), (17, 4))]
+    unseeded = SamplingParams(temperature=1.0, max_tokens=25, ignore_eos=True)
+    in_batch = llm.generate([others[0], prompt(20, 1), others[1], others[2]],
+                            [unseeded, p, unseeded, unseeded])[1].token_ids
+    assert alone == in_batch
+    other_seed = llm.generate([prompt(20, 1)], SamplingParams(temperature=1.0, top_p=0.95, seed=43,
+                                                              max_tokens=20, ignore_eos=True))[0].token_ids
+    assert other_seed != alone  # 20 draws from a near-uniform 1000-way distribution
+    assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+
+
+def test_n_choices_with_seed_are_distinct_and_reproducible(llm_and_path):
+    llm, _ = llm_and_path
+    p = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    first = llm.generate([prompt(9, 5)], p)[0]
+    second = llm.generate([prompt(9, 5)], p)[0]
+    assert [c.token_ids for c in first.choices] == [c.token_ids for c in second.choices]
+    assert first.choices[0].token_ids != first.choices[1].token_ids
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(llm_and_path):
+    llm, path = llm_and_path
+    pr = prompt(33, 6)
+    ref = hf_greedy(path, pr, 10)
+    for p in (SamplingParams(temperature=0.8, top_k=1, max_tokens=10, ignore_eos=True, seed=1),
+              SamplingParams(temperature=0.8, top_p=1e-6, max_tokens=10, ignore_eos=True, seed=1)):
+        assert llm.generate([pr], p)[0].token_ids == ref
+
+
+def test_stop_token_id_ends_generation_on_that_token(llm_and_path):
+    llm, _ = llm_and_path
+    pr = prompt(12, 7)
+    free = llm.generate([pr], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].token_ids
+    stop_id = free[5]
+    cut = free.index(stop_id)
+    out = llm.generate([pr], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                            stop_token_ids=[stop_id]))[0]
+    assert out.token_ids == free[: cut + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_stop_string_ends_generation_and_is_excluded_from_text(llm_and_path):
+    llm, _ = llm_and_path
+    pr = prompt(12, 8)
+    free = llm.generate([pr], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    text = free.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert len(stop) == 3
+    out = llm.generate([pr], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[0]
+    cut = text.index(stop)
+    assert out.text == text[:cut]
+    assert out.finish_reason == "stop"
+    # Generation stopped at the token that completed the stop string, not later.
+    decoded = llm.tokenizer.decode(out.token_ids)
+    assert stop in decoded and stop not in llm.tokenizer.decode(out.token_ids[:-1])
+
+
+def test_streamed_text_deltas_hold_back_stop_prefixes(llm_and_path):
+    llm, _ = llm_and_path
+    engine = llm.engine
+    pr = prompt(12, 8)
+    free = llm.generate([pr], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].text
+    stop = free[len(free) // 2 : len(free) // 2 + 3]
+    engine.add_request("s", pr, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += [o.new_text for o in engine.step()]
+    assert "".join(deltas) == free[: free.index(stop)]
+    assert all(stop not in d for d in deltas)
+
+
+def test_logprobs_match_transformers_log_softmax(llm_and_path):
+    llm, path = llm_and_path
+    pr = prompt(21, 9)
+    out = llm.generate([pr], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5))[0]
+    ref = hf_logprobs(path, pr + out.token_ids)  # position i predicts token i+1
+    assert len(out.logprobs) == 8
+    for step, lp in enumerate(out.logprobs):
+        row = ref[len(pr) - 1 + step]
+        assert lp.token_id == out.token_ids[step]
+        assert abs(lp.logprob - row[lp.token_id].item()) < 1e-4
+        values, ids = torch.topk(row, 5)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        for (_, mine), theirs in zip(lp.top, values.tolist(), strict=True):
+            assert abs(mine - theirs) < 1e-4
+
+
+def test_max_tokens_gives_length_and_context_limit_gives_length(make_ckpt):
+    path = make_ckpt("llama")
+    llm = LLM(str(path), num_kv_blocks=64, max_model_len=40)
+    out = llm.generate([prompt(30, 10)], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    assert len(out.token_ids) == 10 and out.finish_reason == "length"
+
+
+def test_filters_keep_exactly_the_right_tokens():
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))
+    kept = lambda x: (~torch.isinf(x)).nonzero().flatten().tolist()  # noqa: E731
+    assert kept(_filter_logits(logits, top_k=2, top_p=1.0, min_p=0.0)) == [0, 1]
+    # top_p=0.7: 0.5 alone is below 0.7, 0.5+0.25 reaches it -> two tokens
+    assert kept(_filter_logits(logits, top_k=-1, top_p=0.7, min_p=0.0)) == [0, 1]
+    assert kept(_filter_logits(logits, top_k=-1, top_p=0.76, min_p=0.0)) == [0, 1, 2]
+    # min_p=0.3: keep p >= 0.15
+    assert kept(_filter_logits(logits, top_k=-1, top_p=1.0, min_p=0.3)) == [0, 1, 2]
+    assert kept(_filter_logits(logits, top_k=-1, top_p=1e-9, min_p=0.0)) == [0]
+
+
+def test_sampled_distribution_follows_temperature():
+    """Many seeded draws from a known distribution land near its probabilities."""
+    from splitserve.engine.sampler import sample
+    from splitserve.engine.sequence import Sequence
+
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = torch.log(probs).repeat(4000, 1)
+    seqs = [Sequence(str(i), [1], 1, SamplingParams(temperature=1.0), 10) for i in range(4000)]
+    tokens, _ = sample(logits, seqs, torch.Generator().manual_seed(0))
+    freq = torch.bincount(torch.tensor(tokens), minlength=3).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03)
+    # temperature 0.5 sharpens: p^2 normalised
+    seqs = [Sequence(str(i), [1], 1, SamplingParams(temperature=0.5), 10) for i in range(4000)]
+    tokens, _ = sample(logits, seqs, torch.Generator().manual_seed(0))
+    freq = torch.bincount(torch.tensor(tokens), minlength=3).float() / 4000
+    sharp = probs**2 / (probs**2).sum()
+    assert torch.allclose(freq, sharp, atol=0.03)
+    assert math.isclose(float(sharp.sum()), 1.0, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"max_tokens": -1}, "max_tokens"), ({"top_k": -5}, "top_k"), ({"n": 0}, "n"),
+    ({"min_p": 2.0}, "min_p"), ({"logprobs": 50}, "logprobs"), ({"stop": [""]}, "stop"),
+])
+def test_invalid_sampling_params_name_the_parameter(kwargs, param):
+    from splitserve.engine import InvalidSamplingParams
+
+    with pytest.raises(InvalidSamplingParams) as err:
+        SamplingParams(**kwargs)
+    assert err.value.param == param

@@ -1,0 +1,66 @@
+"""Token budget, chunked prefill mixed with decode, preemption by recompute."""
+
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.sequence import Sequence, SequenceStatus
+
+
+def seq(n, rid):
+    return Sequence(rid, list(range(1000, 1000 + n)), n, SamplingParams(), 10_000)
+
+
+def complete(batch, token=7):
+    """What the engine does after a forward pass: count computed tokens, sample where due."""
+    for s, n in batch.entries:
+        s.num_computed_tokens += n
+        if s.num_computed_tokens == s.num_tokens:
+            s.token_ids.append(token)
+
+
+def test_long_prompt_is_chunked_and_decodes_share_the_step():
+    sched = Scheduler(BlockManager(64, 16), max_num_seqs=8, max_num_batched_tokens=32)
+    short, long_ = seq(5, "short"), seq(100, "long")
+    sched.add(short)
+    sched.add(long_)
+    b1 = sched.schedule()
+    assert [(s.request_id, n) for s, n in b1.prefills] == [("short", 5), ("long", 27)]
+    complete(b1)
+    b2 = sched.schedule()
+    assert [s.request_id for s in b2.decodes] == ["short"]  # decode of "short"...
+    assert [(s.request_id, n) for s, n in b2.prefills] == [("long", 31)]  # ...next to a chunk
+    assert b2.num_tokens == 32
+
+
+def test_preemption_frees_the_latest_sequence_and_requeues_it_first():
+    bm = BlockManager(4, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = seq(7, "a"), seq(7, "b")  # 2 blocks each: the pool is full after admission
+    sched.add(a)
+    sched.add(b)
+    complete(sched.schedule())  # both prefilled, each sampled a token (8 tokens: still 2 blocks)
+    complete(sched.schedule())  # both decode; now 9 tokens each -> need a third block
+    batch = sched.schedule()
+    assert batch.preempted == [b]
+    assert [s.request_id for s in batch.decodes] == ["a"]
+    assert b.status == SequenceStatus.WAITING and b.num_computed_tokens == 0 and b.block_table == []
+    assert sched.waiting[0] is b and sched.num_preemptions == 1
+
+
+def test_max_num_seqs_caps_the_running_batch():
+    sched = Scheduler(BlockManager(64, 16), max_num_seqs=2, max_num_batched_tokens=512)
+    for i in range(3):
+        sched.add(seq(4, f"r{i}"))
+    batch = sched.schedule()
+    assert len(batch.prefills) == 2 and len(sched.waiting) == 1
+
+
+def test_abort_releases_blocks():
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    s = seq(10, "x")
+    sched.add(s)
+    sched.schedule()
+    assert bm.num_free_blocks == 5
+    assert sched.abort("x") is s
+    assert bm.num_free_blocks == 8 and s.finish_reason == "abort"

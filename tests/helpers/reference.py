@@ -1,0 +1,36 @@
+"""transformers as the reference: greedy generation and raw log-softmax, one prompt at a time."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+
+@lru_cache(maxsize=8)
+def hf_model(model_dir: str, dtype: str = "float32"):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+def hf_greedy(model_dir, prompt_ids: list[int], max_new_tokens: int, dtype: str = "float32",
+              eos: bool = False) -> list[int]:
+    """Greedy tokens from transformers' generate (no padding: batch of one)."""
+    model = hf_model(str(model_dir), dtype)
+    ids = torch.tensor([prompt_ids])
+    extra = {} if eos else {"eos_token_id": None}
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             min_new_tokens=0 if eos else max_new_tokens, do_sample=False,
+                             pad_token_id=model.generation_config.eos_token_id[0], **extra)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def hf_logprobs(model_dir, token_ids: list[int], dtype: str = "float32") -> torch.Tensor:
+    """log-softmax over the vocabulary at every position of `token_ids` ([len, vocab])."""
+    model = hf_model(str(model_dir), dtype)
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
