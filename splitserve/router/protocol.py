@@ -1,0 +1,327 @@
+"""OpenAI `/v1/completions` and `/v1/chat/completions` request bodies → typed requests.
+
+Validation happens here, before any tokenization or routing, and every rejection is an
+`APIError` 4xx naming the parameter. Unknown fields are accepted and ignored (other
+routers and SDKs add their own); known OpenAI fields this server cannot honour (echo,
+logit_bias, penalties, tools...) are rejected rather than silently ignored, because
+ignoring them would change the answer the client expects.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from splitserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from splitserve.router import errors
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class ChatMessage:
+    role: str
+    content: str
+    name: str | None = None
+
+    def for_template(self) -> dict:
+        out = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+@dataclass
+class CompletionRequest:
+    model: str
+    prompt: str | None  # exactly one of prompt / prompt_token_ids is set
+    prompt_token_ids: list[int] | None
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+
+
+@dataclass
+class ChatRequest:
+    model: str
+    messages: list[ChatMessage]
+    params: SamplingParams  # params.logprobs: None, or top_logprobs (0 = chosen token only)
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+
+    @property
+    def logprobs(self) -> bool:
+        return self.params.logprobs is not None
+
+    def messages_for_template(self) -> list[dict]:
+        return [m.for_template() for m in self.messages]
+
+
+def parse_completion_request(raw: bytes | str | dict,
+                             served_models: Collection[str] | None = None) -> CompletionRequest:
+    body = _load(raw)
+    model = _model(body, served_models)
+    prompt, token_ids = _prompt(body)
+    _reject_unsupported(body)
+    logprobs = _opt_int(body, "logprobs")
+    params = _sampling(body, max_tokens=_opt_int(body, "max_tokens", default=16),
+                       max_tokens_param="max_tokens", logprobs=logprobs)
+    stream, include_usage = _stream(body)
+    return CompletionRequest(model, prompt, token_ids, params, stream, include_usage,
+                             _opt_str(body, "user"))
+
+
+def parse_chat_request(raw: bytes | str | dict,
+                       served_models: Collection[str] | None = None) -> ChatRequest:
+    body = _load(raw)
+    model = _model(body, served_models)
+    messages = _messages(body)
+    _reject_unsupported(body)
+    want_logprobs = _opt_bool(body, "logprobs", default=False)
+    top = _opt_int(body, "top_logprobs")
+    if top is not None and not want_logprobs:
+        raise errors.invalid_request("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise errors.invalid_request(
+            f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
+    # max_completion_tokens is the current name; max_tokens the deprecated one
+    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    params = _sampling(body, max_tokens=_opt_int(body, param), max_tokens_param=param,
+                       logprobs=(top or 0) if want_logprobs else None)
+    stream, include_usage = _stream(body)
+    return ChatRequest(model, messages, params, stream, include_usage, _opt_str(body, "user"))
+
+
+def check_prompt_length(n_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                        param: str = "prompt") -> int:
+    """Reject prompts that do not fit the context; returns the effective max_tokens
+    (the rest of the context when the client gave none)."""
+    if n_prompt_tokens >= max_model_len:
+        raise errors.context_length_exceeded(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt "
+            f"has {n_prompt_tokens} tokens (at least one token must be left to generate). "
+            f"Shorten the prompt.", param)
+    if max_tokens is None:
+        return max_model_len - n_prompt_tokens
+    if n_prompt_tokens + max_tokens > max_model_len:
+        raise errors.context_length_exceeded(
+            f"This model's maximum context length is {max_model_len} tokens, but you "
+            f"requested {n_prompt_tokens + max_tokens} tokens ({n_prompt_tokens} in the "
+            f"prompt, {max_tokens} for the completion). Reduce the prompt or max_tokens "
+            f"(at most {max_model_len - n_prompt_tokens} here).", "max_tokens")
+    return max_tokens
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    """Token-id prompts must name tokens the model has."""
+    bad = next((t for t in token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise errors.invalid_request(
+            f"prompt token id {bad} is out of range: the vocabulary has {vocab_size} tokens",
+            "prompt", "invalid_value")
+
+
+# ---- pieces ------------------------------------------------------------------------------
+def _load(raw: bytes | str | dict) -> dict:
+    if isinstance(raw, dict):
+        body = raw
+    else:
+        try:
+            body = json.loads(raw, parse_constant=_no_constants)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise errors.invalid_request(
+                f"could not parse the JSON body of the request ({exc}); send a JSON object "
+                "with Content-Type: application/json", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise errors.invalid_request("the request body must be a JSON object", None,
+                                     "invalid_json")
+    return body
+
+
+def _no_constants(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _model(body: dict, served: Collection[str] | None) -> str:
+    model = body.get("model")
+    if model is None:
+        raise errors.missing_parameter("model")
+    if not isinstance(model, str):
+        raise errors.wrong_type("model", "a string", model)
+    if served is not None and model not in served:
+        raise errors.model_not_found(model, sorted(served))
+    return model
+
+
+def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise errors.missing_parameter("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one: ["text"] or [[1, 2, 3]]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise errors.invalid_request("'prompt' must not be empty", "prompt", "invalid_value")
+        return prompt, None
+    if isinstance(prompt, list):
+        if not prompt:
+            raise errors.invalid_request("'prompt' must not be empty", "prompt", "invalid_value")
+        if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+            return None, list(prompt)
+        if all(isinstance(p, str | list) for p in prompt):
+            raise errors.unsupported("prompt", f"a batch of {len(prompt)} prompts; send one "
+                                     "prompt per request (or use n for several completions)")
+    raise errors.wrong_type("prompt", "a string, an array of token ids (non-negative integers) "
+                            "or an array holding one of those", prompt)
+
+
+def _messages(body: dict) -> list[ChatMessage]:
+    messages = body.get("messages")
+    if messages is None:
+        raise errors.missing_parameter("messages")
+    if not isinstance(messages, list):
+        raise errors.wrong_type("messages", "an array of messages", messages)
+    if not messages:
+        raise errors.invalid_request("'messages' must contain at least one message",
+                                     "messages", "invalid_value")
+    return [_message(m, i) for i, m in enumerate(messages)]
+
+
+def _message(m: object, i: int) -> ChatMessage:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise errors.wrong_type(where, "an object with 'role' and 'content'", m)
+    role = m.get("role")
+    if role not in ROLES:
+        raise errors.invalid_request(
+            f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role",
+            "invalid_value")
+    content = m.get("content")
+    if content is None and role == "assistant":
+        content = ""  # an assistant turn that only called tools
+    if isinstance(content, list):
+        content = "".join(_text_part(p, f"{where}.content[{j}]") for j, p in enumerate(content))
+    if not isinstance(content, str):
+        raise errors.wrong_type(f"{where}.content", "a string or an array of text parts",
+                                content)
+    name = m.get("name")
+    if name is not None and not isinstance(name, str):
+        raise errors.wrong_type(f"{where}.name", "a string", name)
+    return ChatMessage(role, content, name)
+
+
+def _text_part(part: object, where: str) -> str:
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in (None, "text"):
+        raise errors.unsupported(where, f"content parts of type {kind!r}; only text is served")
+    raise errors.wrong_type(where, 'a text part {"type": "text", "text": "..."}', part)
+
+
+# Known OpenAI parameters this server does not implement: value -> is it a real use?
+_UNSUPPORTED = {
+    "echo": lambda v: bool(v),
+    "suffix": lambda v: bool(v),
+    "best_of": lambda v: v not in (None, 1),
+    "logit_bias": lambda v: bool(v),
+    "presence_penalty": lambda v: v not in (None, 0, 0.0),
+    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
+    "tools": lambda v: bool(v),
+    "functions": lambda v: bool(v),
+    "response_format": lambda v: v is not None and not (isinstance(v, dict)
+                                                        and v.get("type") == "text"),
+}
+
+
+def _reject_unsupported(body: dict) -> None:
+    for name, used in _UNSUPPORTED.items():
+        if name in body and used(body[name]):
+            raise errors.unsupported(name, "remove it from the request")
+
+
+def _sampling(body: dict, max_tokens: int | None, max_tokens_param: str,
+              logprobs: int | None) -> SamplingParams:
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str | list):
+        raise errors.wrong_type("stop", "a string or an array of strings", stop)
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and not isinstance(stop_ids, list):
+        raise errors.wrong_type("stop_token_ids", "an array of token ids", stop_ids)
+    try:
+        return SamplingParams(
+            n=_opt_int(body, "n", default=1),
+            temperature=_opt_number(body, "temperature", default=1.0),
+            top_p=_opt_number(body, "top_p", default=1.0),
+            top_k=_opt_int(body, "top_k", default=-1),
+            min_p=_opt_number(body, "min_p", default=0.0),
+            seed=_opt_int(body, "seed"),
+            max_tokens=max_tokens,
+            stop=[stop] if isinstance(stop, str) else list(stop or []),
+            stop_token_ids=list(stop_ids or []),
+            ignore_eos=_opt_bool(body, "ignore_eos", default=False),
+            logprobs=logprobs,
+            skip_special_tokens=_opt_bool(body, "skip_special_tokens", default=True),
+        )
+    except InvalidSamplingParams as exc:
+        param = max_tokens_param if exc.param == "max_tokens" else exc.param
+        message = str(exc).replace("max_tokens", param, 1)
+        raise errors.invalid_request(message, param, "invalid_value") from None
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = _opt_bool(body, "stream", default=False)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise errors.wrong_type("stream_options", "an object", options)
+    if not stream:
+        raise errors.invalid_request("'stream_options' is only allowed when 'stream' is true",
+                                     "stream_options")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise errors.wrong_type("stream_options.include_usage", "a boolean", include)
+    return stream, include
+
+
+def _opt_int(body: dict, name: str, default: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise errors.wrong_type(name, "an integer", value)
+    return value
+
+
+def _opt_number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise errors.wrong_type(name, "a number", value)
+    if not math.isfinite(value):
+        raise errors.invalid_request(f"'{name}' must be a finite number", name, "invalid_value")
+    return float(value)
+
+
+def _opt_bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise errors.wrong_type(name, "a boolean", value)
+    return value
+
+
+def _opt_str(body: dict, name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise errors.wrong_type(name, "a string", value)
+    return value
