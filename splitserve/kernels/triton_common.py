@@ -1,0 +1,123 @@
+"""Launch-side helpers shared by the Triton kernels: where a kernel may run, tile padding,
+the per-dtype switches for `tl.dot`, argument checks.
+
+Triton decides when `triton.language` and a `@triton.jit` function are *defined* whether
+kernels are compiled for a GPU or run by its interpreter (TRITON_INTERPRET=1, numpy on
+the CPU). So the variable must be set before anything imports triton (torch._dynamo
+does, and transformers' model classes import that); afterwards it cannot be changed in
+the process. `Kernel` records which mode it got and refuses tensors it cannot run on
+with an error that says what to do, instead of Triton's driver errors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+try:
+    from triton.runtime.interpreter import InterpretedFunction
+except ImportError:  # pragma: no cover - every Triton this project supports has it
+    InterpretedFunction = type("NoInterpreter", (), {})
+
+
+class Kernel:
+    """A `triton.jit` kernel plus the device check its launches go through."""
+
+    def __init__(self, fn):
+        self.jit = triton.jit(fn)
+        self.__name__ = fn.__name__
+        self.interpreted = isinstance(self.jit, InterpretedFunction)
+
+    def for_tensors(self, what: str, *tensors: torch.Tensor):
+        """The kernel to launch (`kernel.for_tensors(...)[grid](...)`) on these tensors, or a
+        clear error when they are on different devices or on one this mode cannot run on."""
+        devices = {t.device for t in tensors}
+        if len(devices) != 1:
+            names = ", ".join(sorted(str(d) for d in devices))
+            raise ValueError(f"{what}: tensors are on different devices ({names}); move them to one device")
+        device = next(iter(devices))
+        if self.interpreted and device.type != "cpu":
+            raise RuntimeError(
+                f"{what}: TRITON_INTERPRET=1 was set when Triton was imported, so kernels run on CPU "
+                f"tensors only, got {device}; unset TRITON_INTERPRET to run them on the GPU"
+            )
+        if not self.interpreted and device.type != "cuda":
+            raise RuntimeError(
+                f"{what}: Triton kernels need CUDA tensors, got {device}. To run them on the CPU set "
+                "TRITON_INTERPRET=1 before anything imports triton, or use the torch reference "
+                "(SPLITSERVE_KERNELS=reference)"
+            )
+        return self.jit
+
+
+def kernel(fn) -> Kernel:
+    """Decorator used instead of @triton.jit for the kernels of this package."""
+    return Kernel(fn)
+
+
+def pow2(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum): tile extents must be powers of two."""
+    return max(minimum, triton.next_power_of_2(max(1, n)))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs are multiplied exactly ("ieee"), not through TF32's 10-bit mantissa."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def upcast_dot(dtype: torch.dtype, device: torch.device) -> bool:
+    """Triton's interpreter computes `tl.dot` on bfloat16 operands wrongly (numpy has no
+    bfloat16), so there (CPU tensors) bfloat16 tiles are widened to float32 first."""
+    return dtype == torch.bfloat16 and device.type == "cpu"
+
+
+def cuda_sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a small nominal figure for the CPU
+    interpreter, where parallelism does not exist and fewer programs run faster."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_raw_bits(t: torch.Tensor) -> torch.Tensor:
+    """The same memory seen as integers of the same width: copies through it are byte-exact
+    (no float canonicalisation, and bfloat16 needs no interpreter support)."""
+    return t.view(INT_OF_WIDTH[t.element_size()])
+
+
+def check_paged_kv(what: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   block_tables: torch.Tensor, seq_lens: torch.Tensor, batch: int) -> None:
+    """Shape/dtype checks every paged-attention launch shares. Host-side only: values
+    (block ids, lengths) are not read, so no device synchronisation and CUDA-graph safe."""
+    if q.dim() != 3:
+        raise ValueError(f"{what}: q must be [tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"{what}: k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"{what}: q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"{what}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+        )
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"{what}: q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(
+            f"{what}: block_tables must be [batch={batch}, max_blocks], got {tuple(block_tables.shape)}"
+        )
+    if seq_lens.shape != (batch,):
+        raise ValueError(f"{what}: seq_lens must be [batch={batch}], got {tuple(seq_lens.shape)}")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{what}: {name} must be int32 (or int64), got {t.dtype}")
+
