@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if all(record["completed"] == 0 for record in records):
         first = records[0]["errors"][0] if records[0]["errors"] else None
-        detail = f" [{first['status']}] {first['message']}" if first else ""
+        status = first and (first["status"] if first["status"] is not None else "no response")
+        detail = f" [{status}] {first['message']}" if first else ""
         print(f"[bench] every request failed{detail}. Check --base-url {opts.client.base_url}, "
               f"--endpoint {opts.client.endpoint} and --model {opts.client.model} "
               "(e.g. curl the server's /v1/models).", file=sys.stderr)

@@ -8,12 +8,12 @@ import json
 import jsonschema
 import matplotlib.image
 import pytest
-from conftest import Script
 
 from splitserve import cli
 from splitserve.benchmark.client import error_message
 from splitserve.benchmark.results import RESULT_SCHEMA
 from splitserve.benchmark.serving import main
+from tests.benchmark.bench_fake_server import Script
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import socket
 
 import pytest
-from conftest import Script
 
 from splitserve.benchmark.client import ClientConfig
 from splitserve.benchmark.metrics import compute_metrics
@@ -15,6 +14,7 @@ from splitserve.benchmark.results import error_summary
 from splitserve.benchmark.runner import RunConfig, run_benchmark
 from splitserve.benchmark.sse import SSEDecoder
 from splitserve.benchmark.workloads import WorkloadConfig, build_workload
+from tests.benchmark.bench_fake_server import Script
 
 
 def client(server_or_url, endpoint="/v1/completions", **kw) -> ClientConfig:

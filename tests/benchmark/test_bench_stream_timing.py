@@ -6,10 +6,10 @@ wrong definition would measure (each is named next to its assertion)."""
 from __future__ import annotations
 
 import pytest
-from conftest import Script
 
 from splitserve.benchmark.client import ClientConfig, make_session, send_request
 from splitserve.benchmark.metrics import request_metrics
+from tests.benchmark.bench_fake_server import Script
 
 EPS = 0.005  # timer granularity
 SLACK = 0.2  # scheduling delays on a busy machine
