@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--prefix-len", type=int, default=256, help="prefix-repetition: prefix tokens")
     w.add_argument("--suffixes-per-prefix", type=int, default=8, help="prefix-repetition: suffixes each")
     w.add_argument("--turns", type=int, default=3, help="multi-turn: turns per session")
-    w.add_argument("--context-len", type=length_range, default=(4096, 4096), help="long-context: N or LOW:HIGH")
+    w.add_argument("--context-len", type=length_range, default=(3072, 3072),
+                   help="long-context: N or LOW:HIGH; prompt + output must fit the model's context")
     w.add_argument("--long-fraction", type=float, default=1.0, help="long-context: share of long prompts")
     a = p.add_argument_group("arrivals")
     a.add_argument("--request-rate", type=request_rate, help="sessions per second, or inf (default)")

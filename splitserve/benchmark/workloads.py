@@ -50,7 +50,7 @@ class WorkloadConfig:
     prefix_len: int = 256
     suffixes_per_prefix: int = 8
     turns: int = 3
-    context_len: tuple[int, int] = (4096, 4096)
+    context_len: tuple[int, int] = (3072, 3072)  # + output must fit the model's context
     long_fraction: float = 1.0
     seed: int = 0
 
