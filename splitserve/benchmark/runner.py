@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -32,6 +33,10 @@ class RunConfig:
     max_concurrency: int | None = None  # requests in flight; None: unlimited
     seed: int = 0
     progress: bool = True
+    # Sent in X-Request-Id before each request id, so that ids stay unique across runs
+    # and concurrent bench processes (servers may key requests on that header) and an
+    # error line can be grepped in the server's logs. None: a random "bench-<hex>-".
+    id_prefix: str | None = None
 
 
 @dataclass
@@ -65,24 +70,24 @@ def conversation_prompt(history: list[tuple[list[int] | str, str]], turn: Turn, 
 
 
 async def _run_session(http: aiohttp.ClientSession, cfg: ClientConfig, session: Session,
-                       slots: asyncio.Semaphore | None, pbar: tqdm,
-                       bench_start: float) -> list[RequestResult]:
+                       slots: asyncio.Semaphore | None, pbar: tqdm, bench_start: float,
+                       id_prefix: str) -> list[RequestResult]:
     history: list[tuple[list[int] | str, str]] = []
     out: list[RequestResult] = []
     conversational = len(session.turns) > 1
     for k, turn in enumerate(session.turns):
         prompt, estimate = conversation_prompt(history, turn, cfg.is_chat, conversational)
         async with slots or contextlib.nullcontext():
-            result = await send_request(http, cfg, turn.request_id, prompt, turn.max_tokens,
-                                        estimate)
+            result = await send_request(http, cfg, id_prefix + turn.request_id, prompt,
+                                        turn.max_tokens, estimate)
         result.send_offset = result.start - bench_start
         out.append(result)
         pbar.update(1)
         if not result.success:
             # Later turns would need this answer: they are counted as failed, not sent.
             for rest in session.turns[k + 1:]:
-                out.append(RequestResult(rest.request_id, error=(
-                    f"not sent: turn {turn.request_id} of session {session.session_id} failed")))
+                out.append(RequestResult(id_prefix + rest.request_id, error=(
+                    f"not sent: turn {result.request_id} of session {session.session_id} failed")))
                 pbar.update(1)
             break
         history.append((turn.prompt, result.generated_text))
@@ -93,6 +98,9 @@ async def run_benchmark(sessions: list[Session], client_cfg: ClientConfig,
                         run_cfg: RunConfig) -> RunOutcome:
     offsets = arrival_offsets(len(sessions), run_cfg.request_rate, run_cfg.burstiness,
                               run_cfg.arrival, run_cfg.seed)
+    id_prefix = run_cfg.id_prefix
+    if id_prefix is None:
+        id_prefix = f"bench-{secrets.token_hex(3)}-"
     slots = asyncio.Semaphore(run_cfg.max_concurrency) if run_cfg.max_concurrency else None
     pbar = tqdm(total=total_requests(sessions), disable=not run_cfg.progress, unit="req",
                 desc=f"rate {run_cfg.request_rate:g}", dynamic_ncols=True)
@@ -105,7 +113,7 @@ async def run_benchmark(sessions: list[Session], client_cfg: ClientConfig,
                 if delay > 0:
                     await asyncio.sleep(delay)
                 tasks.append(asyncio.create_task(
-                    _run_session(http, client_cfg, session, slots, pbar, start)))
+                    _run_session(http, client_cfg, session, slots, pbar, start, id_prefix)))
             per_session = await asyncio.gather(*tasks)
             duration = time.perf_counter() - start
     finally:

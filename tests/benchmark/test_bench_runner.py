@@ -27,7 +27,7 @@ def singles(n: int) -> list[Session]:
 
 
 def quiet(**kw) -> RunConfig:
-    return RunConfig(progress=False, **kw)
+    return RunConfig(progress=False, id_prefix="", **kw)
 
 
 async def test_error_responses_are_counted_not_raised(fake_server):
@@ -135,3 +135,12 @@ def test_sse_decoder_handles_split_events_comments_and_crlf():
             events += dec.feed(stream[start:start + size])
         events += dec.close()
         assert events == ['{"a": 1}', "line1\nline2", "[DONE]"]
+
+
+async def test_request_ids_are_unique_per_run_and_sent_as_a_header(fake_server):
+    server = fake_server(lambda body, i: Script())
+    first = await run_benchmark(singles(2), client(server), RunConfig(progress=False))
+    second = await run_benchmark(singles(2), client(server), RunConfig(progress=False))
+    ids = [r.request_id for r in first.results + second.results]
+    assert len(set(ids)) == 4 and all(i.startswith("bench-") for i in ids)
+    assert [req["headers"]["X-Request-Id"] for req in server.requests] == ids
