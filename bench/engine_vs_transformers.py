@@ -1,0 +1,106 @@
+"""Engine against transformers' generate with static batching, on one workload, in one run.
+
+64 requests, prompt lengths 16-512 and output lengths 8-256 (uniform, seeded), greedy,
+EOS ignored so both produce exactly the requested tokens. transformers runs the
+requests in fixed batches (left-padded, each batch generating until its longest
+request is done, the way static batching works); we try several batch sizes and
+compare against the best one. Throughput counts only requested output tokens.
+
+    python bench/engine_vs_transformers.py [--model DIR] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from pathlib import Path
+
+import torch
+
+
+def make_workload(n: int, vocab: int, seed: int = 0):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(5, vocab) for _ in range(rng.randint(16, 512))] for _ in range(n)]
+    outputs = [rng.randint(8, 256) for _ in range(n)]
+    return prompts, outputs
+
+
+def run_engine(model_dir: str, prompts, outputs, dtype: str) -> dict:
+    from splitserve.engine import LLM, SamplingParams
+
+    llm = LLM(model_dir, dtype=dtype, max_num_seqs=64, max_num_batched_tokens=2048)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outputs]
+    llm.generate(prompts[:2], params[:2])  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.token_ids) for o in outs)
+    assert produced == sum(outputs)
+    return {"seconds": elapsed, "output_tokens": produced, "output_tokens_per_s": produced / elapsed,
+            "preemptions": llm.engine.scheduler.num_preemptions}
+
+
+def run_transformers(model_dir: str, prompts, outputs, batch_size: int, dtype: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    pad = model.generation_config.eos_token_id[0]
+
+    def generate(batch_prompts, new_tokens):
+        width = max(len(p) for p in batch_prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts])
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, pad_token_id=pad)
+
+    generate(prompts[:2], 4)  # warm-up
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        generate(prompts[i : i + batch_size], max(outputs[i : i + batch_size]))
+    elapsed = time.perf_counter() - start
+    return {"batch_size": batch_size, "seconds": elapsed, "output_tokens_per_s": sum(outputs) / elapsed}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="checkpoint dir (default: the random-weight demo model)")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--hf-batch-sizes", default="8,16,64")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", help="write JSON results here")
+    args = ap.parse_args(argv)
+    from splitserve.engine.config import ModelConfig
+    from splitserve.engine.demo import ensure_demo_checkpoint
+
+    model_dir = args.model or str(ensure_demo_checkpoint())
+    prompts, outputs = make_workload(args.requests, ModelConfig.from_dir(model_dir).vocab_size)
+    torch.manual_seed(0)
+    engine = run_engine(model_dir, prompts, outputs, args.dtype)
+    print(f"splitserve engine : {engine['output_tokens_per_s']:8.1f} output tok/s ({engine['seconds']:.1f} s)")
+    hf_runs = []
+    for bs in (int(b) for b in args.hf_batch_sizes.split(",")):
+        r = run_transformers(model_dir, prompts, outputs, bs, args.dtype)
+        hf_runs.append(r)
+        print(f"transformers bs={bs:<3}: {r['output_tokens_per_s']:8.1f} output tok/s ({r['seconds']:.1f} s)")
+    best = max(hf_runs, key=lambda r: r["output_tokens_per_s"])
+    ratio = engine["output_tokens_per_s"] / best["output_tokens_per_s"]
+    print(f"ratio engine / best transformers (bs={best['batch_size']}): {ratio:.2f}x")
+    result = {
+        "benchmark": "engine_vs_transformers", "model": model_dir, "dtype": args.dtype,
+        "requests": args.requests, "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outputs),
+        "engine": engine, "transformers": hf_runs, "ratio_vs_best_transformers": ratio,
+        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(),
+                    "torch": torch.__version__},
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

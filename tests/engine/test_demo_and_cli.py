@@ -1,0 +1,37 @@
+"""The built-in demo checkpoint and the `splitserve generate` command."""
+
+import json
+import subprocess
+import sys
+
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.demo import DEMO_NAME, ensure_demo_checkpoint
+
+
+def test_demo_checkpoint_is_deterministic_labelled_and_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path / "a"))
+    first = ensure_demo_checkpoint()
+    assert first.name == DEMO_NAME and "random" in (first / "README.md").read_text()
+    assert ensure_demo_checkpoint() == first  # second call reuses it
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path / "b"))
+    second = ensure_demo_checkpoint()
+    for name in ("tokenizer.json", "config.json", "model.safetensors"):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    out = LLM(str(first), num_kv_blocks=32).generate(["Hello"], SamplingParams(temperature=0, max_tokens=4,
+                                                                               ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+
+
+def test_generate_cli_prints_json_and_rejects_bad_input(make_ckpt):
+    path = make_ckpt("llama")
+    ok = subprocess.run([sys.executable, "-m", "splitserve.cli", "generate", "--model", str(path),
+                         "--max-tokens", "5", "--json", "Hello world"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    row = json.loads(ok.stdout.strip())
+    assert len(row["token_ids"]) <= 5 and row["finish_reason"] in ("stop", "length")
+    bad = subprocess.run([sys.executable, "-m", "splitserve.cli", "generate", "--model", str(path),
+                          "--temperature", "-1", "x"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "temperature must be >= 0" in bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "splitserve.cli", "generate", "--model", "/nonexistent",
+                              "x"], capture_output=True, text=True)
+    assert missing.returncode == 2 and "/nonexistent/config.json: not found" in missing.stderr
