@@ -106,36 +106,40 @@ def choose_decode(
     if not decode_workers:
         raise NoHealthyWorker("no healthy decode worker: check worker heartbeats on the cluster "
                               "bus and splitserve_workers_healthy{role=\"decode\"}")
-    get_report, get_pending, get_matched = loads.get, (pending or {}).get, matched.get
+    get_report, get_matched = loads.get, matched.get
     credit = config.overlap_credit / max(prompt_blocks, 1)
     per_unit = config.requests_per_load_unit
-    queue: dict[str, int] = {}
-    load: dict[str, float] = {}
-    costs: dict[str, float] = {}
+    queue: list[int] = []
+    load: list[float] = []
+    cost: list[float] = []
     for w in decode_workers:  # decode_load() inlined: this loop is the hot path
         report = get_report(w)
         if report is None:
-            q, kv = get_pending(w, 0), 0.0
+            q, kv = 0, 0.0
         else:
-            q, kv = report.waiting + report.running + get_pending(w, 0), report.kv_usage
+            q, kv = report.waiting + report.running, report.kv_usage
             kv = 0.0 if kv < 0.0 else 1.0 if kv > 1.0 else kv
-        queue[w] = q
-        load[w] = lw = kv + q / per_unit
-        costs[w] = lw - credit * get_matched(w, 0)
-    lo, hi = min(queue.values()), max(queue.values())
+        if pending:
+            q += pending.get(w, 0)
+        queue.append(q)
+        lw = kv + q / per_unit
+        load.append(lw)
+        cost.append(lw - credit * get_matched(w, 0))
+    costs = dict(zip(decode_workers, cost, strict=True))
+    lo, hi = min(queue), max(queue)
     if hi - lo > config.imbalance_abs and hi > config.imbalance_ratio * lo:
-        least = [w for w in decode_workers if queue[w] == lo]
-        best_overlap = max(matched.get(w, 0) for w in least)
-        least = [w for w in least if matched.get(w, 0) == best_overlap]
+        least = [w for w, q in zip(decode_workers, queue, strict=True) if q == lo]
+        best_overlap = max(get_matched(w, 0) for w in least)
+        least = [w for w in least if get_matched(w, 0) == best_overlap]
         return _pick(least, rng), f"imbalance-guard(queues {lo}..{hi})", costs
-    best = min(costs.values())
-    tied = [w for w in decode_workers if costs[w] - best <= TIE_EPSILON]
+    best = min(cost)
+    tied = [i for i, c in enumerate(cost) if c - best <= TIE_EPSILON]
     reason = "best-cost"
     if len(tied) > 1:
-        least_load = min(load[w] for w in tied)
-        tied = [w for w in tied if load[w] - least_load <= TIE_EPSILON]
+        least_load = min(load[i] for i in tied)
+        tied = [i for i in tied if load[i] - least_load <= TIE_EPSILON]
         reason = f"tie-random-of-{len(tied)}" if len(tied) > 1 else "tie-least-loaded"
-    return _pick(tied, rng), reason, costs
+    return _pick([decode_workers[i] for i in tied], rng), reason, costs
 
 
 def choose_prefill(

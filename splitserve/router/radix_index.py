@@ -46,6 +46,7 @@ class RadixIndex:
         self._approx: dict[int, int] = {}  # hash -> bits held only approximately
         self._slot_of: dict[str, int] = {}
         self._worker_of: dict[int, str] = {}
+        self._worker_of_bit: dict[int, str] = {}  # 1 << slot -> worker (hot path)
         self._free_slots: list[int] = []
         self._held: dict[str, set[int]] = {}  # worker -> hashes it holds (any kind)
         # (expires_at, hash, slot); stale heap items are skipped when popped
@@ -81,6 +82,7 @@ class RadixIndex:
             slot = self._free_slots.pop() if self._free_slots else len(self._slot_of)
             self._slot_of[worker_id] = slot
             self._worker_of[slot] = worker_id
+            self._worker_of_bit[1 << slot] = worker_id
             self._held[worker_id] = set()
         return slot
 
@@ -138,7 +140,7 @@ class RadixIndex:
             return
         self.clear_worker(worker_id)
         slot = self._slot_of.pop(worker_id)
-        del self._worker_of[slot], self._held[worker_id]
+        del self._worker_of[slot], self._worker_of_bit[1 << slot], self._held[worker_id]
         self._free_slots.append(slot)
 
     def _clear_approx(self, h: int, slot: int) -> None:
@@ -230,22 +232,26 @@ class RadixIndex:
         if self._expiry_heap and self._expiry_heap[0][0] <= self._clock():
             self.expire()
         result: dict[str, int] = {}
-        worker_of = self._worker_of
+        worker_of_bit = self._worker_of_bit
         active = -1  # workers holding every block so far
         depth = 0
         for mask in map(self._mask.get, hashes):  # the lookups run in C
             mask = mask & active if mask is not None else 0
             if mask != active:
-                if depth:  # these workers' prefixes end here
-                    for slot in _bits(active & ~mask):
-                        result[worker_of[slot]] = depth
+                ended = active & ~mask if depth else 0  # these workers' prefixes end here
+                while ended:
+                    low = ended & -ended
+                    result[worker_of_bit[low]] = depth
+                    ended ^= low
                 if not mask:
                     break
                 active = mask
             depth += 1
         else:
-            for slot in _bits(active if depth else 0):
-                result[worker_of[slot]] = depth
+            while depth and active:
+                low = active & -active
+                result[worker_of_bit[low]] = depth
+                active ^= low
         if touch and depth:
             self._touch(hashes[:depth])
         return result
