@@ -93,7 +93,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         usable = (seq.num_tokens - 1) // self.block_size
-        self._extend_hashes(seq, usable)
+        self.ensure_hashes(seq, usable)
         hits = []
         for h in seq.block_hashes[:usable]:
             b = self.hash_to_block.get(h)
@@ -131,7 +131,7 @@ class BlockManager:
         full = seq.num_computed_tokens // self.block_size
         if full <= seq.num_registered_blocks:
             return
-        self._extend_hashes(seq, full)
+        self.ensure_hashes(seq, full)
         start = seq.num_registered_blocks
         for i in range(start, full):
             h, b = seq.block_hashes[i], seq.block_table[i]
@@ -143,7 +143,7 @@ class BlockManager:
         parent = seq.block_hashes[start - 1] if start > 0 else None
         self.events.append(BlockEvent("stored", seq.block_hashes[start:full], parent))
 
-    def _extend_hashes(self, seq: Sequence, n_blocks: int) -> None:
+    def ensure_hashes(self, seq: Sequence, n_blocks: int) -> None:
         have = len(seq.block_hashes)
         if have >= n_blocks:
             return

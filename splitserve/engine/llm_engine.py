@@ -56,11 +56,25 @@ class LLMEngine:
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.sequences: dict[str, Sequence] = {}
+        self.held: dict[str, Sequence] = {}  # finished, blocks kept for a KV push
+        self.remote: dict[str, Sequence] = {}  # waiting for KV from a prefill worker
 
     # ---- requests -------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
-        if request_id in self.sequences:
-            raise ValueError(f"request id {request_id!r} is already running")
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    hold_kv: bool = False, num_draws_done: int = 0) -> Sequence:
+        """Queue a request. `hold_kv` keeps its blocks after it finishes (prefill workers
+        push them, then call release_held). `num_draws_done`: sampled tokens this
+        request already produced elsewhere (migration), so a seeded stream continues."""
+        seq = self._new_sequence(request_id, prompt, params, num_draws_done)
+        seq.hold_kv = hold_kv
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def _new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                      num_draws_done: int = 0) -> Sequence:
+        if request_id in self.sequences or request_id in self.held or request_id in self.remote:
+            raise ValueError(f"request id {request_id!r} is already in use on this worker")
         tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(tokens)
         generator = None
@@ -71,9 +85,16 @@ class LLMEngine:
             max_total_tokens=self.max_total_tokens,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             generator=generator)
-        self.sequences[request_id] = seq
-        self.scheduler.add(seq)
+        for _ in range(num_draws_done):
+            self._skip_draw(seq)
         return seq
+
+    def _skip_draw(self, seq: Sequence) -> None:
+        """Advance a seeded generator past one sampled token (the sampler draws one
+        exponential per vocabulary entry per token for non-greedy requests)."""
+        if seq.generator is not None and not seq.params.greedy:
+            torch.empty(self.model_config.vocab_size, device=self.runner.device).exponential_(
+                generator=seq.generator)
 
     @property
     def max_total_tokens(self) -> int:
@@ -99,6 +120,14 @@ class LLMEngine:
         self.scheduler.abort(request_id)
         return True
 
+    def remote_prefill_blocks(self, seq: Sequence, skip_blocks: int) -> tuple[list[int], list[int]]:
+        """(block ids, chained hashes of the full ones) of the prompt from `skip_blocks` on."""
+        bs = self.config.block_size
+        n_blocks = -(-seq.num_prompt_tokens // bs)
+        full = seq.num_prompt_tokens // bs
+        self.block_manager.ensure_hashes(seq, full)
+        return seq.block_table[skip_blocks:n_blocks], seq.block_hashes[skip_blocks:full]
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
@@ -120,12 +149,66 @@ class LLMEngine:
             seq.detokenizer.add(token)
             reason = self._stop_reason(seq, token)
             if reason is not None:
-                if seq.stop_text_len is None:
-                    seq.detokenizer.flush()
-                self.scheduler.finish(seq, reason)
-                del self.sequences[seq.request_id]
+                self._finish(seq, reason)
             outputs.append(self._output(seq, [token], [lp] if lp is not None else []))
         return outputs
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.stop_text_len is None:
+            seq.detokenizer.flush()
+        self.scheduler.finish(seq, reason, free_blocks=not seq.hold_kv)
+        self.sequences.pop(seq.request_id, None)
+        if seq.hold_kv:
+            self.held[seq.request_id] = seq
+
+    # ---- disaggregation ---------------------------------------------------------------
+    def release_held(self, request_id: str) -> None:
+        """Prefill side: the KV was pushed (or the push failed); the blocks may go."""
+        seq = self.held.pop(request_id, None)
+        if seq is not None:
+            self.block_manager.free_sequence(seq)
+
+    def reserve_remote_prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
+                               num_draws_done: int = 0) -> Sequence | None:
+        """Decode side: allocate the prompt's blocks (reusing this worker's prefix cache)
+        for a prefill worker to fill. None when the pool cannot hold the prompt now."""
+        seq = self._new_sequence(request_id, prompt, params, num_draws_done)
+        cached = self.block_manager.match_prefix(seq)
+        new_tokens = seq.num_tokens - len(cached) * self.config.block_size
+        if not self.block_manager.can_admit(seq, cached, new_tokens):
+            return None
+        self.block_manager.admit(seq, cached)
+        self.block_manager.grow(seq, new_tokens)
+        seq.num_cached_tokens = seq.num_computed_tokens
+        self.scheduler.prefix_query_tokens += seq.num_tokens
+        self.scheduler.prefix_hit_tokens += seq.num_computed_tokens
+        self.remote[request_id] = seq
+        return seq
+
+    def complete_remote_prefill(self, request_id: str, first_token: int,
+                                logprob: TokenLogprobs | None) -> RequestOutput:
+        """Decode side: the prompt's KV arrived and the prefill worker sampled the first
+        token; the request joins the running batch."""
+        seq = self.remote.pop(request_id)
+        seq.num_computed_tokens = seq.num_tokens
+        self.block_manager.publish_full_blocks(seq)
+        self._skip_draw(seq)  # the first token was drawn on the prefill worker
+        seq.token_ids.append(first_token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        seq.detokenizer.add(first_token)
+        self.sequences[request_id] = seq
+        self.scheduler.add_running(seq)
+        reason = self._stop_reason(seq, first_token)
+        if reason is not None:
+            self._finish(seq, reason)
+        return self._output(seq, [first_token], [logprob] if logprob is not None else [])
+
+    def cancel_remote_prefill(self, request_id: str) -> None:
+        """Decode side: the remote prefill failed or the client left; free the blocks."""
+        seq = self.remote.pop(request_id, None)
+        if seq is not None:
+            self.block_manager.free_sequence(seq)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

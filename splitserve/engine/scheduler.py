@@ -110,12 +110,18 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, free_blocks: bool = True) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
-        self.bm.free_sequence(seq)
+        if free_blocks:
+            self.bm.free_sequence(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose prompt KV arrived from elsewhere joins the batch directly."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         for seq in list(self.running) + list(self.waiting):

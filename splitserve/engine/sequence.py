@@ -45,6 +45,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_text_len: int | None = None  # text is cut here when a stop string matched
     num_emitted_chars: int = 0  # text already handed out in streaming deltas
+    hold_kv: bool = False  # prefill worker: keep the blocks after finishing, until pushed
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
