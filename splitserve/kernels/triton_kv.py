@@ -3,8 +3,8 @@ unpacking whole blocks (every layer at once) for KV transfer.
 
 store_kv runs every forward pass on the hot path, so it reads no values on the host.
 pack/unpack serve transfers, where one host check of the block ids is cheap next to the
-copy and turns a bad id into a clear error instead of a wild write. Both copies move the
-raw bits (integers of the element's width), so they are byte-exact for every dtype.
+copy and turns a bad id into a clear error instead of a wild write. All three move raw
+bits (integers of the element's width), so they are byte-exact for every dtype.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def _store_kv_kernel(
                     mask=mask)
     k_dst = block * stride_kcb + in_block * stride_kct + heads[:, None] * stride_kch + dims[None, :] * stride_kcd
     v_dst = block * stride_vcb + in_block * stride_vct + heads[:, None] * stride_vch + dims[None, :] * stride_vcd
-    tl.store(k_cache_ptr + k_dst, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + v_dst, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + k_dst, key, mask=mask)
+    tl.store(v_cache_ptr + v_dst, value, mask=mask)
 
 
 def store_kv(
@@ -67,11 +67,16 @@ def store_kv(
         raise ValueError(f"{what}: slot_mapping must be int [n={key.shape[0]}], "
                          f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     launch = _store_kv_kernel.for_tensors(what, key, value, k_cache, v_cache, slot_mapping)
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"{what}: k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
     n, num_kv_heads, head_dim = key.shape
     if n == 0:
         return
+    # Rare (the engine stores in the cache dtype): convert with torch, whose rounding is
+    # the reference's; the kernel then moves raw bits only.
+    key, value = key.to(k_cache.dtype), value.to(k_cache.dtype)
     launch[(n,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        as_raw_bits(key), as_raw_bits(value), as_raw_bits(k_cache), as_raw_bits(v_cache), slot_mapping,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         NUM_KV_HEADS=num_kv_heads, HEADS_PAD=pow2(num_kv_heads), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=pow2(head_dim), BLOCK_SIZE=k_cache.shape[1], num_warps=4,

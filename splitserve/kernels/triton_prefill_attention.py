@@ -27,7 +27,10 @@ from splitserve.kernels.triton_common import (
 )
 
 TILE_N = 64  # keys per inner-loop step
-ROWS = 64  # query rows (tokens x grouped heads) per program
+# Query rows (tokens x grouped heads) per program, by element size: 128 rows over 8 warps
+# for 16-bit inputs (the usual flash-attention tile); float32 (no tensor cores, twice the
+# registers) spills with more than 32 rows. Checked with tests/kernels/compile_for_cuda.py.
+ROWS = {2: 128, 4: 32}
 LOG2E = 1.4426950408889634
 
 
@@ -139,7 +142,7 @@ def paged_prefill_attention(
         return out
     group = num_heads // num_kv_heads
     group_pad = pow2(group)
-    block_q = max(1, ROWS // group_pad)
+    block_q = max(1, ROWS.get(q.element_size(), 32) // group_pad)
     grid = (total_tokens // block_q + batch, num_kv_heads)
     launch[grid](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens,
@@ -149,6 +152,6 @@ def paged_prefill_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim, 16),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, TILE=TILE_N, SEQS_PAD=pow2(batch),
         PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype, q.device),
-        num_warps=4,
+        num_warps=8,
     )
     return out
