@@ -1,0 +1,145 @@
+"""Reading block regions out of a KV pool and writing a packed stream into one.
+
+A region is the part of one block a transfer carries: layers [layer_start, layer_end)
+of that block, contiguous in the block-major pool. On CPU pools regions are read as
+zero-copy memoryviews of the pool and written in place; on CUDA pools they are packed
+on the device and copied to the host once (the mooncake backend with RDMA writes GPU
+memory directly and does not come through here for the data, only for checksums).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from splitserve.engine.kv_cache import KVCachePool
+from splitserve.kernels import ops
+
+# torch warns that a tensor over gRPC's read-only buffer must not be written; we only
+# read from it (it is the source of a copy into the pool).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
+
+
+@dataclass(frozen=True)
+class RegionLayout:
+    block_nbytes: int
+    layer_nbytes: int
+    layer_start: int
+    layer_end: int
+    num_layers: int
+
+    @classmethod
+    def of(cls, pool: KVCachePool, layer_range: tuple[int, int] | None = None) -> RegionLayout:
+        spec = pool.spec
+        start, end = layer_range if layer_range is not None else (0, spec.num_layers)
+        if not 0 <= start < end <= spec.num_layers:
+            raise ValueError(f"layer range [{start}, {end}) is not inside the pool's {spec.num_layers} layers")
+        return cls(spec.block_nbytes, spec.block_nbytes // spec.num_layers, start, end, spec.num_layers)
+
+    @property
+    def region_nbytes(self) -> int:
+        return (self.layer_end - self.layer_start) * self.layer_nbytes
+
+    @property
+    def whole_blocks(self) -> bool:
+        return self.layer_start == 0 and self.layer_end == self.num_layers
+
+    def offset(self, block_id: int) -> int:
+        """Byte offset of a block's region from the start of the pool."""
+        return block_id * self.block_nbytes + self.layer_start * self.layer_nbytes
+
+
+def pool_bytes(pool: KVCachePool) -> torch.Tensor:
+    """The whole pool as a flat uint8 tensor (a view, on the pool's device)."""
+    return pool.data.view(-1).view(torch.uint8)
+
+
+def host_regions(pool: KVCachePool, block_ids: Sequence[int], layout: RegionLayout) -> list[memoryview]:
+    """One read-only view of host memory per block region, in block_ids order."""
+    n = layout.region_nbytes
+    if pool.data.device.type == "cpu":
+        flat = memoryview(pool_bytes(pool).numpy())
+        return [flat[layout.offset(b):layout.offset(b) + n] for b in block_ids]
+    ids = torch.tensor(list(block_ids), dtype=torch.long, device=pool.data.device)
+    packed = ops.pack_blocks(pool.data, ids)[:, layout.layer_start:layout.layer_end]
+    host = packed.contiguous().cpu().view(-1).view(torch.uint8).numpy()
+    flat = memoryview(host)
+    return [flat[i * n:(i + 1) * n] for i in range(len(block_ids))]
+
+
+def checksums(regions: Sequence[memoryview]) -> list[int]:
+    digest = xxhash.xxh3_64_intdigest
+    return [digest(r) for r in regions]
+
+
+def split_span(offset: int, length: int, region_nbytes: int) -> list[tuple[int, int, int, int]]:
+    """Pieces of stream bytes [offset, offset+length): (region index, offset in region,
+    offset in chunk, length). Pure; the receiver's write path is built on it."""
+    pieces, pos = [], 0
+    while pos < length:
+        index, within = divmod(offset + pos, region_nbytes)
+        n = min(region_nbytes - within, length - pos)
+        pieces.append((index, within, pos, n))
+        pos += n
+    return pieces
+
+
+class StreamWriter:
+    """Writes one push's packed stream into its destination blocks as chunks arrive,
+    hashing each region's bytes on the way in. Chunks must come in stream order."""
+
+    def __init__(self, pool: KVCachePool, dest_block_ids: Sequence[int], layout: RegionLayout):
+        self.pool = pool
+        self.dest = list(dest_block_ids)
+        self.layout = layout
+        self.total = layout.region_nbytes * len(self.dest)
+        self.received = 0
+        self._bytes = pool_bytes(pool)
+        self._hashers: dict[int, xxhash.xxh3_64] = {}
+
+    def write(self, offset: int, data: memoryview) -> list[tuple[int, int]]:
+        """Copy a chunk in place; returns (region index, xxh3) of regions it completed."""
+        if offset != self.received:
+            raise ValueError(f"chunk at byte {offset} but {self.received} bytes were received so far")
+        if offset + len(data) > self.total:
+            raise ValueError(f"chunk ends at byte {offset + len(data)}, past the transfer's {self.total} bytes")
+        size = self.layout.region_nbytes
+        done: list[tuple[int, int]] = []
+        whole: list[tuple[int, int]] = []  # (region index, offset in chunk) of complete regions
+        for index, within, at, n in split_span(offset, len(data), size):
+            piece = data[at:at + n]
+            if within == 0 and n == size:
+                whole.append((index, at))
+                done.append((index, xxhash.xxh3_64_intdigest(piece)))
+                continue
+            self._copy(self.layout.offset(self.dest[index]) + within, piece)
+            hasher = self._hashers.setdefault(index, xxhash.xxh3_64())
+            hasher.update(piece)
+            if within + n == size:
+                done.append((index, self._hashers.pop(index).intdigest()))
+        if whole:
+            self._write_whole(data, whole)
+        self.received += len(data)
+        return done
+
+    def _write_whole(self, data: memoryview, whole: list[tuple[int, int]]) -> None:
+        size = self.layout.region_nbytes
+        contiguous_in_chunk = all(at == whole[0][1] + k * size for k, (_, at) in enumerate(whole))
+        if self.layout.whole_blocks and contiguous_in_chunk:
+            # Full blocks: the unpack kernel scatters them (Triton on GPU, reference on CPU).
+            start = whole[0][1]
+            src = torch.frombuffer(data[start:start + size * len(whole)], dtype=torch.uint8)
+            src = src.to(self.pool.data.device).view(self.pool.data.dtype)
+            ids = torch.tensor([self.dest[i] for i, _ in whole], dtype=torch.long)
+            ops.unpack_blocks(src, self.pool.data, ids)
+            return
+        for index, at in whole:
+            self._copy(self.layout.offset(self.dest[index]), data[at:at + size])
+
+    def _copy(self, pool_offset: int, piece: memoryview) -> None:
+        src = torch.frombuffer(piece, dtype=torch.uint8)
+        self._bytes[pool_offset:pool_offset + len(piece)].copy_(src)

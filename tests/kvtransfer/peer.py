@@ -1,0 +1,128 @@
+"""The other process in KV transfer tests: a prefill-side sender or a decode-side receiver,
+run in a spawned child and driven over a multiprocessing pipe.
+
+Faults are injected by subclassing the real senders (no test hooks in production
+code): `corrupt` flips a source byte for the duration of an attempt (after the
+checksums were taken, like corruption on the wire), `slow` pauses after the first
+bytes, `stall` stops after the first bytes and never continues (the test kills it).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.kv_cache import KVCachePool, KVCacheSpec
+from splitserve.kvtransfer import KVReceiver, KVTransferConfig, KVTransferError
+from splitserve.kvtransfer.grpc_sender import GrpcSender
+from splitserve.kvtransfer.mooncake_sender import MooncakeSender
+from splitserve.kvtransfer.pool_io import pool_bytes
+
+# 16 KiB blocks: 4 layers x (K, V) x 16 tokens x 2 heads x 32 dims x bf16.
+SPEC = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.bfloat16)
+SOURCE_BLOCKS = 24
+SEED = 1234
+
+
+def source_pool(num_blocks: int = SOURCE_BLOCKS, seed: int = SEED) -> KVCachePool:
+    """The prefill pool both processes can rebuild bit-for-bit."""
+    pool = KVCachePool(SPEC, num_blocks)
+    gen = torch.Generator().manual_seed(seed)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=gen).to(SPEC.dtype))
+    return pool
+
+
+class _Faults:
+    behaviour = "normal"
+    progress = None  # multiprocessing Event, set once the first bytes are on their way
+    corrupted = 0
+
+    def _attempt(self, address, info, header, src_pool, src_block_ids, layout, regions, deadline):
+        if not self.behaviour.startswith("corrupt") or (self.behaviour == "corrupt_once" and self.corrupted):
+            return super()._attempt(address, info, header, src_pool, src_block_ids, layout, regions, deadline)
+        self.corrupted += 1
+        flat = pool_bytes(src_pool)
+        at = layout.offset(src_block_ids[-1]) + layout.region_nbytes // 2
+        flat[at] ^= 0x5A
+        try:
+            return super()._attempt(address, info, header, src_pool, src_block_ids, layout, regions, deadline)
+        finally:
+            flat[at] ^= 0x5A
+
+    def _pause(self) -> None:
+        self.progress.set()
+        if self.behaviour == "slow":
+            time.sleep(1.0)
+        elif self.behaviour == "stall":
+            threading.Event().wait()  # until the test kills this process
+
+
+class FaultyGrpcSender(_Faults, GrpcSender):
+    def _frames(self, header, regions):
+        for i, frame in enumerate(super()._frames(header, regions)):
+            yield frame
+            if i == 1 and self.behaviour in ("slow", "stall"):  # header + first chunk sent
+                self._pause()
+
+
+class FaultyMooncakeSender(_Faults, MooncakeSender):
+    def _write(self, call, outbox, attempt, endpoint, session, writes):
+        if self.behaviour == "stall":
+            dict(call.initial_metadata() or ())  # lease granted: the stream is attached
+            src, dst, lengths = writes
+            endpoint.write(session, src[:1], dst[:1], [min(lengths[0], 4096)])
+            self._pause()
+        if self.behaviour == "slow":
+            self._pause()
+        return super()._write(call, outbox, attempt, endpoint, session, writes)
+
+
+def sender_main(conn, backend: str, config: KVTransferConfig, progress) -> None:
+    cls = FaultyGrpcSender if backend == "grpc" else FaultyMooncakeSender
+    sender = cls(config)
+    sender.progress = progress
+    pool = source_pool()
+    while (msg := conn.recv()) is not None:
+        sender.behaviour = msg.pop("behaviour", "normal")
+        sender.corrupted = 0
+        start = time.monotonic()
+        try:
+            result = sender.push(src_pool=pool, **msg)
+            conn.send({"ok": True, "attempts": result.attempts, "nbytes": result.nbytes,
+                       "seconds": time.monotonic() - start})
+        except KVTransferError as exc:
+            conn.send({"ok": False, "reason": exc.reason, "detail": str(exc), "seconds": time.monotonic() - start})
+    sender.close()
+
+
+def receiver_main(conn, config: KVTransferConfig, num_blocks: int) -> None:
+    """A decode side with a real BlockManager; commands: expect, free, outcome."""
+    pool = KVCachePool(SPEC, num_blocks)
+    blocks = BlockManager(num_blocks, SPEC.block_size)
+    lock = threading.Lock()
+
+    def release(ids):
+        with lock:
+            blocks.release_blocks(ids)
+
+    receiver = KVReceiver(pool, config, worker_id="test-decode-child")
+    conn.send(receiver.start())
+    futures = {}
+    while (msg := conn.recv()) is not None:
+        cmd, *args = msg
+        if cmd == "expect":
+            request_id, n, timeout = args
+            with lock:
+                ids = blocks.allocate_blocks(n)
+            futures[request_id] = receiver.expect(request_id, ids, [], release, timeout=timeout)
+            conn.send(ids)
+        elif cmd == "free":
+            with lock:
+                conn.send(blocks.num_free_blocks)
+        elif cmd == "outcome":
+            result = futures[args[0]].result(timeout=args[1])
+            conn.send((result.ok, result.reason))
+    receiver.stop()
