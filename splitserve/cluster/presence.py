@@ -1,0 +1,96 @@
+"""Keeps one worker visible on the cluster bus: registration and heartbeat, periodic
+load reports, and its KV events numbered 1, 2, 3... (event 1 is `cleared`, so a
+router replaying an older stream of the same worker id drops what came before)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from splitserve.cluster.bus import BusError, ClusterBus
+from splitserve.cluster.messages import KVEvent, LoadReport, WorkerInfo
+from splitserve.engine.block_manager import BlockEvent
+
+log = logging.getLogger(__name__)
+
+
+class WorkerPresence:
+    def __init__(self, bus: ClusterBus, info: WorkerInfo, load: Callable[[], LoadReport],
+                 ttl: float = 6.0, load_interval: float = 0.5):
+        self.bus = bus
+        self.info = info
+        self.load = load
+        self.ttl = ttl
+        self.load_interval = load_interval
+        self._next_event_id = 1
+        self._events: asyncio.Queue[KVEvent] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self.visible = False
+
+    async def start(self) -> None:
+        self._queue_event("cleared", [], None)
+        await self.bus.register(self.info, self.ttl)
+        self.visible = True
+        self._tasks = [asyncio.create_task(self._heartbeats(), name="heartbeat"),
+                       asyncio.create_task(self._load_reports(), name="load-reports"),
+                       asyncio.create_task(self._publish_events(), name="kv-events")]
+
+    def publish_block_events(self, events: list[BlockEvent]) -> None:
+        """Called on the event loop with the engine's block events of one step."""
+        for e in events:
+            self._queue_event(e.kind, e.block_hashes, e.parent)
+
+    def _queue_event(self, kind: str, hashes: list[int], parent: int | None) -> None:
+        self._events.put_nowait(KVEvent(self.info.worker_id, self._next_event_id, kind, list(hashes), parent))
+        self._next_event_id += 1
+
+    async def hide(self) -> None:
+        """Leave the registry (draining): routers stop sending new requests here."""
+        self.visible = False
+        try:
+            await self.bus.deregister(self.info.worker_id)
+        except BusError as exc:
+            log.warning("worker %s: could not deregister from the bus: %s", self.info.worker_id, exc)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.visible:
+            await self.hide()
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl / 3)
+            if not self.visible:
+                continue
+            try:
+                if not await self.bus.heartbeat(self.info, self.ttl):
+                    log.warning("worker %s: registration had expired (bus unreachable or worker stalled "
+                                "> %.0fs); re-registered, routers will replay its KV events",
+                                self.info.worker_id, self.ttl)
+            except BusError as exc:
+                log.warning("worker %s: heartbeat failed: %s (check the bus / Redis)", self.info.worker_id, exc)
+
+    async def _load_reports(self) -> None:
+        while True:
+            try:
+                await self.bus.publish_load(self.load(), self.ttl)
+            except BusError as exc:
+                log.warning("worker %s: load report failed: %s", self.info.worker_id, exc)
+            await asyncio.sleep(self.load_interval)
+
+    async def _publish_events(self) -> None:
+        pending: KVEvent | None = None
+        while True:
+            event = pending or await self._events.get()
+            try:
+                await self.bus.publish_kv(event)
+                pending = None
+            except BusError as exc:
+                # Keep order and ids: retry the same event; routers resync on any gap anyway.
+                log.warning("worker %s: KV event %d not published: %s; retrying", self.info.worker_id,
+                            event.event_id, exc)
+                pending = event
+                await asyncio.sleep(0.5)

@@ -1,0 +1,116 @@
+"""Embedded mode: workers in other processes (Ray actors) reach the router process's
+in-process bus through a small gRPC service. Only what workers do is exposed
+(register, heartbeat, deregister, publish load, publish KV events); cluster mode
+uses Redis for all of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import grpc
+import msgpack
+
+from splitserve.cluster.bus import DEFAULT_MAXLEN, BusError, ClusterBus, KVRecord
+from splitserve.cluster.messages import KVEvent, LoadReport, WorkerInfo, decode, encode
+from splitserve.proto.build import ensure_built
+
+ensure_built()
+from splitserve.proto import worker_pb2 as pb  # noqa: E402
+from splitserve.proto import worker_pb2_grpc as pb_grpc  # noqa: E402
+
+
+class RemoteBus(ClusterBus):
+    """Worker side of the embedded bus."""
+
+    def __init__(self, address: str, cluster: str = "local", timeout: float = 5.0):
+        self.address = address
+        self.cluster = cluster
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = pb_grpc.BusStub(self._channel)
+
+    async def _call(self, method: str, payload: bytes, ttl: float = 0.0):
+        try:
+            reply = await self._stub.Call(pb.BusCall(method=method, payload=payload, ttl=ttl), timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise BusError(f"embedded bus at {self.address}: {method} failed: {exc.code().name} "
+                           f"{exc.details()}") from None
+        return msgpack.unpackb(reply.result, raw=False)
+
+    async def register(self, info: WorkerInfo, ttl: float) -> None:
+        await self._call("register", encode(info), ttl)
+
+    async def heartbeat(self, info: WorkerInfo, ttl: float) -> bool:
+        return bool(await self._call("heartbeat", encode(info), ttl))
+
+    async def deregister(self, worker_id: str) -> None:
+        await self._call("deregister", msgpack.packb(worker_id))
+
+    async def publish_load(self, report: LoadReport, ttl: float) -> None:
+        await self._call("publish_load", encode(report), ttl)
+
+    async def publish_kv(self, event: KVEvent, maxlen: int = DEFAULT_MAXLEN) -> str:
+        return await self._call("publish_kv", encode(event))
+
+    def _router_only(self, what: str):
+        raise BusError(f"{what} is read by routers from the embedded bus itself, not through {self.address}")
+
+    async def live_workers(self) -> dict[str, WorkerInfo]:
+        self._router_only("live_workers")
+
+    async def loads(self) -> dict[str, LoadReport]:
+        self._router_only("loads")
+
+    async def read_kv(self, positions: Mapping[str, str], block: float | None = None,
+                      count: int = 1000) -> list[KVRecord]:
+        self._router_only("read_kv")
+
+    async def kv_tail(self, worker_id: str) -> str:
+        self._router_only("kv_tail")
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class BusServicer(pb_grpc.BusServicer):
+    """Router side: applies workers' calls to the in-process bus."""
+
+    def __init__(self, bus: ClusterBus):
+        self.bus = bus
+
+    async def Call(self, request: pb.BusCall, context) -> pb.BusReply:  # noqa: N802 - gRPC name
+        m, payload, ttl = request.method, request.payload, request.ttl
+        try:
+            if m == "register":
+                result = await self.bus.register(decode(WorkerInfo, payload), ttl)
+            elif m == "heartbeat":
+                result = await self.bus.heartbeat(decode(WorkerInfo, payload), ttl)
+            elif m == "deregister":
+                result = await self.bus.deregister(msgpack.unpackb(payload, raw=False))
+            elif m == "publish_load":
+                result = await self.bus.publish_load(decode(LoadReport, payload), ttl)
+            elif m == "publish_kv":
+                result = await self.bus.publish_kv(decode(KVEvent, payload))
+            else:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown bus method {m!r}")
+                return pb.BusReply()
+        except (TypeError, ValueError, msgpack.UnpackException) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {m} payload: {exc}")
+            return pb.BusReply()
+        return pb.BusReply(result=msgpack.packb(result))
+
+
+def open_bus(url: str | None, cluster: str = "local") -> ClusterBus:
+    """None/"" -> a fresh in-process bus; redis://... -> Redis; grpc://host:port -> embedded bus."""
+    if not url:
+        from splitserve.cluster.inproc_bus import InProcBus
+
+        return InProcBus(cluster)
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from splitserve.cluster.redis_bus import RedisBus
+
+        return RedisBus(url, cluster)
+    if url.startswith("grpc://"):
+        return RemoteBus(url.removeprefix("grpc://"), cluster)
+    raise ValueError(f"bus URL {url!r}: expected redis://host:port[/db] (or grpc://host:port for embedded mode)")

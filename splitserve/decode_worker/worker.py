@@ -1,0 +1,250 @@
+"""Decode worker: receives KV from prefill workers (or prefills itself), runs continuous
+batching, and streams tokens to the router over gRPC `Generate`.
+
+Remote prefill, step by step: reserve the prompt's blocks (reusing this worker's
+prefix cache), lease the new ones to the KV receiver, ask the prefill worker to
+compute and push them, then admit the request with the first token it sampled.
+Any failure on that path (prefill worker down, transfer error, timeout) releases
+the lease and prefills locally instead: the client only sees a slower first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+
+from splitserve.cluster.messages import LoadReport, WorkerInfo
+from splitserve.cluster.presence import WorkerPresence
+from splitserve.cluster.remote_bus import open_bus
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.llm_engine import InvalidPromptError, LLMEngine, RequestOutput
+from splitserve.engine.sampling_params import InvalidSamplingParams
+from splitserve.kvtransfer import KVReceiver, KVTransferConfig
+from splitserve.metrics import Metrics
+from splitserve.proto.convert import (
+    logprob_from_proto,
+    logprob_to_proto,
+    pb,
+    sampling_from_proto,
+    sampling_to_proto,
+)
+from splitserve.proto.worker_pb2_grpc import (
+    DecodeWorkerServicer,
+    PrefillWorkerStub,
+    add_DecodeWorkerServicer_to_server,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeWorkerConfig:
+    engine: EngineConfig
+    worker_id: str = field(default_factory=lambda: f"decode-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    advertise_host: str | None = None  # address routers and prefill workers use (default: host)
+    bus_url: str | None = None
+    cluster: str = "local"
+    kv_backend: str = "grpc"
+    kv_protocol: str = "tcp"  # mooncake: tcp | rdma
+    rdma_device: str | None = None
+    prefill_timeout_s: float = 30.0
+    heartbeat_ttl_s: float = 6.0
+
+
+class DecodeWorker(DecodeWorkerServicer):
+    def __init__(self, config: DecodeWorkerConfig, metrics: Metrics | None = None, bus=None):
+        self.config = config
+        self._given_bus = bus  # tests and `splitserve serve` may share one bus object
+        self.worker_id = config.worker_id
+        self.metrics = metrics or Metrics()
+        self.streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self.draining = False
+        self.address = ""
+
+    async def start(self) -> str:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        engine = await asyncio.to_thread(LLMEngine, cfg.engine)
+        self.engine = AsyncEngine(engine, loop, self._dispatch, self._on_block_events)
+        self.engine.start()
+        host = cfg.advertise_host or cfg.host
+        self.receiver = KVReceiver(engine.runner.kv_pool, KVTransferConfig(
+            backend=cfg.kv_backend, host=cfg.host, mooncake_protocol=cfg.kv_protocol,
+            mooncake_device=cfg.rdma_device or ""), metrics=self.metrics, worker_id=self.worker_id)
+        kv_port = (await asyncio.to_thread(self.receiver.start)).rsplit(":", 1)[1]
+        self.kv_address = f"{host}:{kv_port}"  # what prefill workers dial (not 0.0.0.0)
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        add_DecodeWorkerServicer_to_server(self, self.server)
+        port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        await self.server.start()
+        self.address = f"{host}:{port}"
+        self.bus = self._given_bus or open_bus(cfg.bus_url, cfg.cluster)
+        info = WorkerInfo(self.worker_id, "decode", self.address, engine.model_id, cfg.engine.block_size,
+                          engine.num_total_blocks, cfg.kv_backend)
+        self.presence = WorkerPresence(self.bus, info, self.load_report, ttl=cfg.heartbeat_ttl_s)
+        await self.presence.start()
+        log.info("decode worker %s serving on %s (KV receiver %s, %d blocks)", self.worker_id, self.address,
+                 self.kv_address, engine.num_total_blocks)
+        return self.address
+
+    async def stop(self) -> None:
+        await self.presence.stop()
+        await self.server.stop(grace=1.0)
+        self.receiver.stop()
+        self.engine.stop()
+        if self._given_bus is None:
+            await self.bus.close()
+
+    # ---- state ------------------------------------------------------------------------
+    def load_report(self) -> LoadReport:
+        e = self.engine.engine
+        waiting, running = len(e.scheduler.waiting) + len(e.remote), len(e.scheduler.running)
+        usage = e.block_manager.usage
+        m, labels = self.metrics, {"role": "decode", "worker": self.worker_id}
+        m.num_requests_waiting.labels(**labels).set(waiting)
+        m.num_requests_running.labels(**labels).set(running)
+        m.kv_cache_usage.labels(**labels).set(usage)
+        return LoadReport(self.worker_id, "decode", waiting, running, usage)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self.streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    def _on_block_events(self, events) -> None:
+        self.presence.publish_block_events(events)
+
+    # ---- gRPC -------------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context):  # noqa: N802 - gRPC name
+        rid = request.request_id
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id} is draining")
+        if not rid or rid in self.streams:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is empty or in use")
+        try:
+            params = sampling_from_proto(request.sampling)
+        except InvalidSamplingParams as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {exc}")
+        resume = list(request.resume_token_ids)
+        if resume and params.max_tokens is not None:
+            params.max_tokens = max(1, params.max_tokens - len(resume))
+        prompt = list(request.prompt_token_ids) + resume
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.streams[rid] = queue
+        finished = False
+        fallback = ""
+        prefill_worker = self.worker_id
+        try:
+            first: RequestOutput | None = None
+            if request.prefill_address:
+                first, fallback = await self._remote_prefill(request, prompt, params, len(resume))
+                if first is not None:
+                    prefill_worker = request.prefill_worker_id
+            if first is None:
+                await self.engine.call(self.engine.engine.add_request, rid, prompt, params, False, len(resume))
+            header = True
+            while True:
+                out = first if first is not None else await queue.get()
+                first = None
+                chunk = pb.GenerateChunk(token_ids=out.new_token_ids, finish_reason=out.finish_reason or "",
+                                         logprobs=[logprob_to_proto(lp) for lp in out.new_logprobs])
+                if header:
+                    chunk.num_prompt_tokens = len(request.prompt_token_ids)
+                    chunk.num_cached_tokens = out.num_cached_tokens
+                    chunk.worker_id, chunk.prefill_worker_id = self.worker_id, prefill_worker
+                    chunk.prefill_fallback = fallback
+                    header = False
+                yield chunk
+                if out.finished:
+                    finished = True
+                    return
+        except InvalidPromptError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {exc}")
+        finally:
+            self.streams.pop(rid, None)
+            if not finished:  # the router went away (client disconnect, migration, abort)
+                await self._abort(rid)
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortReply:  # noqa: N802
+        return pb.AbortReply(found=await self._abort(request.request_id))
+
+    async def Health(self, request, context) -> pb.HealthReply:  # noqa: N802
+        r = self.load_report()
+        return pb.HealthReply(worker_id=self.worker_id, role="decode", draining=self.draining,
+                              running=r.running, waiting=r.waiting, kv_usage=r.kv_usage)
+
+    async def _abort(self, rid: str) -> bool:
+        self.receiver.abort(rid)
+        engine = self.engine.engine
+        return bool(await self.engine.call(lambda: engine.abort(rid) or (rid in engine.remote and (
+            engine.cancel_remote_prefill(rid) or True))))
+
+    # ---- remote prefill -----------------------------------------------------------------
+    async def _remote_prefill(self, request: pb.GenerateRequest, prompt: list[int], params,
+                              draws_done: int) -> tuple[RequestOutput | None, str]:
+        """(first output, "") on success; (None, why) when the caller should prefill locally."""
+        rid, engine = request.request_id, self.engine.engine
+        seq = await self.engine.call(engine.reserve_remote_prefill, rid, prompt, params, draws_done)
+        if seq is None:
+            return None, "no free KV blocks for the whole prompt yet"
+        skip = seq.num_cached_tokens // self.config.engine.block_size
+        dest, hashes = await self.engine.call(engine.remote_prefill_blocks, seq, skip)
+        released = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        lease = self.receiver.expect(rid, dest, hashes, lambda _ids: loop.call_soon_threadsafe(released.set),
+                                     timeout=self.config.prefill_timeout_s) if dest else None
+        try:
+            async with grpc.aio.insecure_channel(request.prefill_address) as channel:
+                reply = await PrefillWorkerStub(channel).Prefill(pb.PrefillRequest(
+                    request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
+                    kv_receiver_address=self.kv_address, kv_backend=self.config.kv_backend, skip_blocks=skip,
+                    dest_block_ids=dest, timeout_s=self.config.prefill_timeout_s,
+                ), timeout=self.config.prefill_timeout_s)
+            if lease is not None:
+                outcome = await asyncio.wrap_future(lease)
+                if not outcome.ok:
+                    raise RuntimeError(f"KV transfer {outcome.reason}: {outcome.detail}")
+            lp = logprob_from_proto(reply.first_logprob) if reply.has_logprob else None
+            return await self.engine.call(engine.complete_remote_prefill, rid, reply.first_token_id, lp), ""
+        except (grpc.aio.AioRpcError, RuntimeError) as exc:
+            why = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            log.warning("request %s: remote prefill on %s (%s) failed (%s); prefilling locally on %s",
+                        rid, request.prefill_worker_id, request.prefill_address, why, self.worker_id)
+            self.metrics.local_prefill_fallbacks.labels(worker=self.worker_id, reason=_reason(exc)).inc()
+            if lease is not None:
+                self.receiver.abort(rid, "remote prefill failed")
+                await asyncio.wrap_future(lease)
+                await asyncio.wait_for(released.wait(), timeout=self.config.prefill_timeout_s + 5)
+            await self.engine.call(engine.cancel_remote_prefill, rid)
+            return None, why
+        except BaseException:
+            if lease is not None:
+                self.receiver.abort(rid, "the request was cancelled")
+            await self.engine.call(engine.cancel_remote_prefill, rid)
+            raise
+
+    # ---- draining ------------------------------------------------------------------------
+    async def drain(self, timeout: float = 600.0) -> bool:
+        """Stop admitting, leave the registry, wait for every stream to finish."""
+        self.draining = True
+        await self.presence.hide()
+        deadline = time.monotonic() + timeout
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return not self.streams
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code().name.lower()
+    return "kv_transfer"

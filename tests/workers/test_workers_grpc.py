@@ -1,0 +1,101 @@
+"""A real decode worker and prefill worker on 127.0.0.1: disaggregated generation over
+gRPC with KV pushed between them, and the local fallback when the prefill worker fails."""
+
+import asyncio
+import random
+
+import grpc
+import pytest
+
+from splitserve.cluster.inproc_bus import InProcBus
+from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+from splitserve.engine import LLM, EngineConfig, SamplingParams
+from splitserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+from splitserve.proto.convert import pb, sampling_to_proto
+from splitserve.proto.worker_pb2_grpc import DecodeWorkerStub
+
+
+def engine_config(path):
+    return EngineConfig(model=str(path), num_kv_blocks=64, model_id="test-model")
+
+
+async def generate(address, rid, prompt, params, prefill=None):
+    async with grpc.aio.insecure_channel(address) as ch:
+        req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params))
+        if prefill is not None:
+            req.prefill_address, req.prefill_worker_id = prefill.address, prefill.worker_id
+        chunks = [c async for c in DecodeWorkerStub(ch).Generate(req)]
+    return chunks
+
+
+@pytest.fixture
+def prompts():
+    rng = random.Random(3)
+    shared = [rng.randrange(5, 1000) for _ in range(48)]
+    return [shared + [rng.randrange(5, 1000) for _ in range(n)] for n in (5, 21)]
+
+
+async def test_disaggregated_and_fallback_match_a_single_engine(make_ckpt, prompts):
+    path = make_ckpt("llama")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(str(path), num_kv_blocks=64).generate(prompts, params)]
+    bus = InProcBus()
+    decode = DecodeWorker(DecodeWorkerConfig(engine_config(path), worker_id="d0"), bus=bus)
+    prefill = PrefillWorker(PrefillWorkerConfig(engine_config(path), worker_id="p0"), bus=bus)
+    await asyncio.gather(decode.start(), prefill.start())
+    try:
+        assert set(await bus.live_workers()) == {"d0", "p0"}
+        # 1) disaggregated: prefill on p0, KV pushed into d0's blocks, decode on d0
+        chunks = await generate(decode.address, "r0", prompts[0], params, prefill)
+        assert [t for c in chunks for t in c.token_ids] == expected[0]
+        assert chunks[0].prefill_worker_id == "p0" and chunks[0].worker_id == "d0"
+        assert chunks[0].prefill_fallback == "" and chunks[-1].finish_reason == "length"
+        # 2) second prompt shares 3 blocks with the first: d0 holds them, p0 pushes only the rest
+        chunks = await generate(decode.address, "r1", prompts[1], params, prefill)
+        assert [t for c in chunks for t in c.token_ids] == expected[1]
+        assert chunks[0].num_cached_tokens == 48
+        # 3) prefill worker gone: the decode worker prefills locally, same tokens
+        await prefill.stop()
+        chunks = await generate(decode.address, "r2", prompts[0], params, prefill)
+        assert [t for c in chunks for t in c.token_ids] == expected[0]
+        assert chunks[0].prefill_worker_id == "d0" and "UNAVAILABLE" in chunks[0].prefill_fallback
+        await asyncio.sleep(0.2)
+        engine = decode.engine.engine
+        assert engine.num_free_blocks == engine.num_total_blocks
+        assert not engine.remote and not decode.receiver.in_flight()
+        # KV events reached the bus: d0 published stored blocks for the shared prefix
+        events = await bus.read_kv({"d0": "0-0"})
+        assert any(r.event.kind == "stored" for r in events)
+    finally:
+        await decode.stop()
+
+
+async def test_bad_requests_are_invalid_argument_and_cancel_frees_blocks(make_ckpt):
+    path = make_ckpt("llama")
+    decode = DecodeWorker(DecodeWorkerConfig(engine_config(path), worker_id="d1"), bus=InProcBus())
+    await decode.start()
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await generate(decode.address, "bad", [10**7], SamplingParams(max_tokens=3))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside the vocabulary" in err.value.details()
+        bad = sampling_to_proto(SamplingParams())
+        bad.top_p = 3.0
+        async with grpc.aio.insecure_channel(decode.address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [c async for c in DecodeWorkerStub(ch).Generate(
+                    pb.GenerateRequest(request_id="x", prompt_token_ids=[5, 6], sampling=bad))]
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.value.details()
+            # A client that goes away mid-stream: the request is aborted and its blocks freed.
+            call = DecodeWorkerStub(ch).Generate(pb.GenerateRequest(
+                request_id="long", prompt_token_ids=list(range(5, 200)),
+                sampling=sampling_to_proto(SamplingParams(max_tokens=3000, ignore_eos=True))))
+            await call.read()
+            call.cancel()
+        for _ in range(50):
+            await asyncio.sleep(0.05)
+            engine = decode.engine.engine
+            if engine.num_free_blocks == engine.num_total_blocks and not decode.streams:
+                break
+        assert engine.num_free_blocks == engine.num_total_blocks and not engine.sequences
+    finally:
+        await decode.stop()
