@@ -105,6 +105,7 @@ class IndexSync:
                 gapped.add(record.worker_id)
         for worker_id in gapped:
             await self._resync(worker_id)
+        self.index.flush_touches()  # the routing decisions' LRU touches, off their path
         if self.metrics is not None:
             self.metrics.router_index_blocks.set(self.index.num_blocks)
         return applied

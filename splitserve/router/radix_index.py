@@ -29,9 +29,11 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 
 # Rough bytes per node and per (node, worker) entry on CPython 3.11, for sizing
-# `max_blocks`; `splitserve bench router` prints the measured total.
-NODE_BYTES = 200
+# `max_blocks`: `splitserve bench router` measured ~400 MB RSS for 1M nodes holding
+# 2.7M entries.
+NODE_BYTES = 290
 ENTRY_BYTES = 40
+MAX_PENDING_TOUCHES = 4096
 
 
 class RadixIndex:
@@ -48,10 +50,14 @@ class RadixIndex:
         self._worker_of: dict[int, str] = {}
         self._worker_of_bit: dict[int, str] = {}  # 1 << slot -> worker (hot path)
         self._free_slots: list[int] = []
-        self._held: dict[str, set[int]] = {}  # worker -> hashes it holds (any kind)
+        # worker -> hashes it holds (any kind); dicts of ints rather than sets because
+        # CPython's collector skips them (a full GC pass over millions of set entries
+        # stalls the router for a good fraction of a second)
+        self._held: dict[str, dict[int, None]] = {}
         # (expires_at, hash, slot); stale heap items are skipped when popped
         self._expiry_heap: list[tuple[float, int, int]] = []
         self._approx_expiry: dict[tuple[int, int], float] = {}
+        self._pending_touch: dict[int, Sequence[int]] = {}  # last hash -> matched path
         self.pruned_blocks = 0  # nodes evicted by the memory bound, since creation
 
     # ---- sizes ------------------------------------------------------------------------
@@ -83,7 +89,7 @@ class RadixIndex:
             self._slot_of[worker_id] = slot
             self._worker_of[slot] = worker_id
             self._worker_of_bit[1 << slot] = worker_id
-            self._held[worker_id] = set()
+            self._held[worker_id] = {}
         return slot
 
     def _add_node(self, h: int, parent: int | None) -> None:
@@ -99,6 +105,8 @@ class RadixIndex:
         """`worker_id` cached the chain `hashes`, which continues the block `parent_hash`."""
         if not hashes:
             return
+        if self._pending_touch:
+            self.flush_touches()
         slot = self._slot(worker_id)
         bit = 1 << slot
         masks, approx, held = self._mask, self._approx, self._held[worker_id]
@@ -109,7 +117,7 @@ class RadixIndex:
             masks[h] |= bit
             if approx.get(h, 0) & bit:  # now known precisely: it no longer expires
                 self._clear_approx(h, slot)
-            held.add(h)
+            held[h] = None
             parent = h
         self._touch(hashes)
         self._enforce_bound()
@@ -120,8 +128,7 @@ class RadixIndex:
             return
         held = self._held[worker_id]
         for h in hashes:
-            if h in held:
-                held.discard(h)
+            if held.pop(h, 0) is None:
                 self._drop_bit(h, slot)
 
     def clear_worker(self, worker_id: str) -> None:
@@ -171,7 +178,7 @@ class RadixIndex:
             mask = self._mask.pop(h)
             deleted += 1
             for slot in _bits(mask):  # non-empty only when pruned for memory
-                self._held[self._worker_of[slot]].discard(h)
+                self._held[self._worker_of[slot]].pop(h, None)
                 if self._approx.get(h, 0) >> slot & 1:
                     self._clear_approx(h, slot)
             parent = self._parent.pop(h, None)
@@ -192,6 +199,8 @@ class RadixIndex:
         it caches them for `ttl` seconds (each new decision refreshes the TTL)."""
         if not hashes:
             return
+        if self._pending_touch:
+            self.flush_touches()
         slot = self._slot(worker_id)
         bit = 1 << slot
         expires = self._clock() + ttl
@@ -205,7 +214,7 @@ class RadixIndex:
                 continue  # already held precisely
             masks[h] |= bit
             approx[h] = approx.get(h, 0) | bit
-            held.add(h)
+            held[h] = None
             self._approx_expiry[(h, slot)] = expires
             heapq.heappush(self._expiry_heap, (expires, h, slot))
         self._touch(hashes)
@@ -220,7 +229,7 @@ class RadixIndex:
             expires, h, slot = heapq.heappop(heap)
             if self._approx_expiry.get((h, slot)) != expires:
                 continue  # refreshed, turned precise, or already gone
-            self._held[self._worker_of[slot]].discard(h)
+            self._held[self._worker_of[slot]].pop(h, None)
             self._drop_bit(h, slot)
             dropped += 1
         return dropped
@@ -253,8 +262,30 @@ class RadixIndex:
                 result[worker_of_bit[low]] = depth
                 active ^= low
         if touch and depth:
-            self._touch(hashes[:depth])
+            # Recency only matters when something is evicted, so the touch is queued and
+            # applied before the next update or by `flush_touches` (IndexSync calls it
+            # each poll): the decision path stays short, and a prefix matched many times
+            # between two flushes is touched once.
+            # A full queue (no updates for a while) makes this one touch now instead.
+            pending = self._pending_touch
+            last = hashes[depth - 1]
+            if pending.pop(last, None) is None and len(pending) >= MAX_PENDING_TOUCHES:
+                self._touch(hashes[:depth])
+            else:
+                pending[last] = hashes[:depth]
         return result
+
+    def flush_touches(self) -> None:
+        """Apply queued touches in the order the matches happened."""
+        pending, self._pending_touch = self._pending_touch, {}
+        masks = self._mask
+        for path in pending.values():
+            try:
+                self._touch(path)
+            except KeyError:  # part of the path was removed since the match
+                alive = [h for h in path if h in masks]
+                if alive:
+                    self._touch(alive)
 
     def _touch(self, path: Sequence[int]) -> None:
         """Mark a root-first chain most recently used, leaf first. Ancestors above the

@@ -34,7 +34,7 @@ def check_invariants(idx: RadixIndex) -> None:
         for slot in _bits(mask):
             held_from_masks[idx._worker_of[slot]].add(h)
         assert idx._approx.get(h, 0) & ~mask == 0
-    assert held_from_masks == idx._held
+    assert held_from_masks == {w: set(d) for w, d in idx._held.items()}
     for (h, slot), _ in idx._approx_expiry.items():
         assert idx._approx[h] >> slot & 1
 
@@ -139,6 +139,21 @@ def test_memory_bound_prunes_least_recently_touched_leaves():
     check_invariants(idx)
 
 
+def test_queued_touches_survive_removals_and_keep_match_order():
+    idx = RadixIndex(max_blocks=9)
+    a, b = chain(A), chain(B)  # b shares a's first two blocks, then has one of its own
+    idx.apply_stored("w1", None, a)
+    idx.apply_stored("w1", None, b)  # 5 nodes; a's leaf is now older than b's
+    idx.apply_removed("w1", [a[3]])  # a[2] becomes a leaf, still older than b[2]
+    idx.match(a)  # queued touch of a path whose last block is gone
+    idx.match(a[:3])  # a again: now a[2] is more recent than b[2]
+    idx.apply_stored("w2", None, chain([7] * 16))  # flushes the touches first; 8 nodes
+    idx.apply_stored("w2", None, chain([8] * 8))  # 10 > 9: the oldest leaf goes
+    assert b[2] not in idx and a[2] in idx  # without the touches a[2] would have gone
+    assert idx.match(a) == {"w1": 3}
+    check_invariants(idx)
+
+
 def test_bound_never_cuts_a_chain_in_the_middle():
     idx = RadixIndex(max_blocks=50)
     rng = random.Random(1)
@@ -148,6 +163,7 @@ def test_bound_never_cuts_a_chain_in_the_middle():
         # published one block at a time, as a decode worker does while generating
         for i, x in enumerate(h):
             idx.apply_stored(f"w{rng.randrange(3)}", h[i - 1] if i else None, [x])
+            idx.match(h[: rng.randrange(1, i + 2)])  # queued touches interleave with updates
         check_invariants(idx)
         assert idx.num_blocks <= 50
 
