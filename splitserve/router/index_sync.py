@@ -177,6 +177,11 @@ class IndexSync:
                           "the last known state)", exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+            except Exception:  # a bug must not silently freeze the index: log, go on
+                log.exception("router index sync failed; retrying in %.1fs (routing "
+                              "continues on the last known state)", backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
 
     def stop(self) -> None:
         self._stopped = True

@@ -4,6 +4,7 @@ and on the in-process bus."""
 import asyncio
 import random
 
+from splitserve.cluster.bus import BusError
 from splitserve.cluster.messages import KVEvent, LoadReport, WorkerInfo
 from splitserve.engine.hashing import block_hashes, hash_seed
 from splitserve.metrics import Metrics
@@ -204,3 +205,34 @@ async def test_background_loop_follows_workers_that_join_later(bus_factory):
     finally:
         sync.stop()
         await asyncio.wait_for(task, timeout=3)
+
+
+async def test_background_loop_survives_a_bus_outage(bus_factory, caplog):
+    bus = bus_factory()
+    sync = IndexSync(bus, RadixIndex(), refresh_interval=0.05, read_block=0.05)
+    real_live_workers = bus.live_workers
+    calls = 0
+
+    async def flaky():
+        nonlocal calls
+        calls += 1
+        if calls <= 2:  # injected failure: the first two registry reads fail
+            raise BusError("Redis at redis://x failed to list the workers entries: down")
+        return await real_live_workers()
+
+    bus.live_workers = flaky
+    d1 = Publisher(bus_factory(), "d1")
+    await d1.register()
+    await d1.publish("stored", PROMPTS[0])
+    task = asyncio.create_task(sync.run())
+    try:
+        for _ in range(100):
+            if sync.index.match(PROMPTS[0]):
+                break
+            await asyncio.sleep(0.05)
+        assert sync.index.match(PROMPTS[0]) == {"d1": len(PROMPTS[0])}
+        assert "routing continues on the last known state" in caplog.text
+    finally:
+        sync.stop()
+        await asyncio.wait_for(task, timeout=3)
+        bus.live_workers = real_live_workers
