@@ -233,6 +233,8 @@ class KVReceiver:
                   f"{header.checksums[i]:#018x}")
         log.warning("KV receiver %s: %s", self.worker_id, detail)
         retry = self.leases.checksum_failed(lease, detail)
+        if not retry:
+            detail += f"; gave up after {lease.failed_attempts} corrupted pushes, the lease is released"
         return _ack(header.request_id, "CHECKSUM_MISMATCH", detail, retry_allowed=retry, bytes_received=nbytes)
 
     # ---- housekeeping -------------------------------------------------------------------
