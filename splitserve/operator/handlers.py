@@ -6,6 +6,7 @@ child comes back within one resync interval).
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import time
@@ -104,6 +105,13 @@ async def autoscale(spec: InferenceSpec, replicas: Replicas, memo: kopf.Memo, pa
 
 async def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger,
                     scale: bool) -> None:
+    # The timer and a change handler can fire together for one object; one at a time.
+    async with memo.setdefault("lock", asyncio.Lock()):
+        await _reconcile(body, patch, memo, logger, scale)
+
+
+async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger,
+                     scale: bool) -> None:
     meta, status = body["metadata"], dict(body.get("status") or {})
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation", 0)
     previous = status.get("conditions") or []

@@ -8,8 +8,6 @@ calls the operator needs exist: get, server-side apply, merge-patch, delete.
 from __future__ import annotations
 
 import json
-import ssl
-import tempfile
 
 import aiohttp
 
@@ -41,37 +39,13 @@ def resource_path(api_version: str, kind: str, namespace: str, name: str | None 
     return path
 
 
-def _write_temp(data: str | bytes) -> str:
-    f = tempfile.NamedTemporaryFile(delete=False, suffix=".pem")  # noqa: SIM115 - path outlives us
-    f.write(data.encode() if isinstance(data, str) else data)
-    f.close()
-    return f.name
-
-
-def _ssl_context(info) -> ssl.SSLContext | bool:
-    if not info.server.startswith("https"):
-        return False
-    if info.insecure:
-        ctx = ssl.create_default_context()
-        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
-    elif info.ca_path or info.ca_data:
-        ca_data = info.ca_data.decode() if isinstance(info.ca_data, bytes) else info.ca_data
-        ctx = ssl.create_default_context(cafile=info.ca_path, cadata=ca_data)
-    else:
-        ctx = ssl.create_default_context()
-    if info.certificate_path or info.certificate_data:
-        cert = info.certificate_path or _write_temp(info.certificate_data)
-        key = info.private_key_path or _write_temp(info.private_key_data)
-        ctx.load_cert_chain(cert, key)
-    return ctx
-
-
 class KubeClient:
     def __init__(self, info):
         """`info`: a kopf.ConnectionInfo (server, CA, token or client certificate)."""
         self.server = info.server.rstrip("/")
         self._headers = {"Accept": "application/json", **info.as_http_headers()}
-        self._ssl = _ssl_context(info)
+        # kopf builds the TLS context (CA, client certificate, insecure flag) itself.
+        self._ssl = info.as_ssl_context() if info.server.startswith("https") else False
         self._session: aiohttp.ClientSession | None = None
 
     async def _request(self, method: str, path: str, body: dict | None = None,

@@ -166,7 +166,7 @@ def _model(d: dict, problems: list[str]) -> ModelSpec:
             problems.append("spec.model.path is required (the model directory)")
         elif value and model.source_type == "image" and not value.startswith("/"):
             problems.append(f"spec.model.{key} must be absolute when source.type is image, got {value!r}")
-        elif value and model.source_type != "image" and (value.startswith("/") or ".." in value.split("/")):
+        elif value and model.source_type != "image" and (value.startswith("/") or ".." in value):
             problems.append(f"spec.model.{key} must be relative to the volume root without '..', got {value!r}")
     return model
 
