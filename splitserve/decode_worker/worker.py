@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from splitserve.cluster.messages import LoadReport, WorkerInfo
-from splitserve.cluster.presence import WorkerPresence
+from splitserve.cluster.presence import WorkerPresence, advertised_host
 from splitserve.cluster.remote_bus import open_bus
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.config import EngineConfig
@@ -76,7 +76,7 @@ class DecodeWorker(DecodeWorkerServicer):
         engine = await asyncio.to_thread(LLMEngine, cfg.engine)
         self.engine = AsyncEngine(engine, loop, self._dispatch, self._on_block_events)
         self.engine.start()
-        host = cfg.advertise_host or cfg.host
+        host = advertised_host(cfg.host, cfg.advertise_host)
         self.receiver = KVReceiver(engine.runner.kv_pool, KVTransferConfig(
             backend=cfg.kv_backend, host=cfg.host, mooncake_protocol=cfg.kv_protocol,
             mooncake_device=cfg.rdma_device or ""), metrics=self.metrics, worker_id=self.worker_id)

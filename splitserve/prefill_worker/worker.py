@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from splitserve.cluster.messages import LoadReport, WorkerInfo
-from splitserve.cluster.presence import WorkerPresence
+from splitserve.cluster.presence import WorkerPresence, advertised_host
 from splitserve.cluster.remote_bus import open_bus
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.config import EngineConfig
@@ -44,6 +44,7 @@ class PrefillWorkerConfig:
     bus_url: str | None = None
     cluster: str = "local"
     heartbeat_ttl_s: float = 6.0
+    metrics_port: int = 0  # >0: serve GET /metrics and /health on this port
 
 
 class PrefillWorker(PrefillWorkerServicer):
@@ -65,17 +66,39 @@ class PrefillWorker(PrefillWorkerServicer):
         add_PrefillWorkerServicer_to_server(self, self.server)
         port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         await self.server.start()
-        self.address = f"{cfg.advertise_host or cfg.host}:{port}"
+        self.address = f"{advertised_host(cfg.host, cfg.advertise_host)}:{port}"
         self.bus = self._given_bus or open_bus(cfg.bus_url, cfg.cluster)
         info = WorkerInfo(self.worker_id, "prefill", self.address, engine.model_id, cfg.engine.block_size,
                           engine.num_total_blocks)
         self.presence = WorkerPresence(self.bus, info, self.load_report, ttl=cfg.heartbeat_ttl_s)
         await self.presence.start()
+        if cfg.metrics_port:
+            await self._serve_metrics(cfg.metrics_port)
         log.info("prefill worker %s serving on %s (%d KV blocks)", self.worker_id, self.address,
                  engine.num_total_blocks)
         return self.address
 
+    async def _serve_metrics(self, port: int) -> None:
+        from aiohttp import web
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        async def metrics(request):
+            return web.Response(body=generate_latest(self.metrics.registry),
+                                headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        async def health(request):
+            return web.json_response({"status": "ok", "worker_id": self.worker_id})
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/health", health)
+        self._admin = web.AppRunner(app, access_log=None)
+        await self._admin.setup()
+        await web.TCPSite(self._admin, self.config.host, port).start()
+
     async def stop(self) -> None:
+        if getattr(self, "_admin", None) is not None:
+            await self._admin.cleanup()
         await self.presence.stop()
         await self.server.stop(grace=1.0)
         for sender in self.senders.values():

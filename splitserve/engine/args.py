@@ -1,0 +1,43 @@
+"""Engine command-line flags, shared by `serve`, `decode-worker` and `prefill-pool`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from splitserve.engine.config import EngineConfig
+
+
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("engine")
+    g.add_argument("--model", help="Hugging Face checkpoint directory (default: the random-weight demo model)")
+    g.add_argument("--served-model-name", help="model name clients send; seeds the block-hash space "
+                                               "(must be the same on router and workers; default: directory name)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, help="KV blocks per worker (default: from --kv-cache-memory)")
+    g.add_argument("--kv-cache-memory", type=float, default=0.5, help="GiB of KV cache per worker")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--torch-threads", type=int, default=1, help="CPU threads per worker")
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
+    """(checkpoint dir, served name); builds the demo checkpoint when no --model is given."""
+    model = args.model
+    if model is None:
+        from splitserve.engine.demo import ensure_demo_checkpoint
+
+        model = str(ensure_demo_checkpoint())
+    elif not os.path.isfile(os.path.join(model, "config.json")):
+        raise SystemExit(f"{model}/config.json not found: --model must be a Hugging Face checkpoint directory")
+    return model, args.served_model_name or os.path.basename(os.path.normpath(model))
+
+
+def engine_config_from_args(args: argparse.Namespace, model: str, served: str) -> EngineConfig:
+    return EngineConfig(model=model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30),
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len, model_id=served)

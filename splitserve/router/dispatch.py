@@ -1,0 +1,168 @@
+"""The router's core: choose workers for a prompt, call the decode worker, and keep the
+stream going when that worker dies (migration: prompt + tokens so far, elsewhere)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from splitserve.cluster.bus import ClusterBus
+from splitserve.engine.hashing import block_hashes, hash_seed
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sequence import TokenLogprobs
+from splitserve.metrics import Metrics
+from splitserve.proto.convert import logprob_from_proto, pb, sampling_to_proto
+from splitserve.proto.worker_pb2_grpc import DecodeWorkerStub
+from splitserve.router import errors
+from splitserve.router.index_sync import IndexSync
+from splitserve.router.policy import NoHealthyWorker, PolicyConfig, RouteDecision, route
+from splitserve.router.radix_index import RadixIndex
+
+log = logging.getLogger(__name__)
+
+# gRPC codes that mean "this worker failed", as opposed to "this request is bad".
+_WORKER_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
+
+
+@dataclass
+class DispatchConfig:
+    model_id: str  # seeds the block-hash space; workers use the same
+    block_size: int = 16
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    max_migrations: int = 2
+    seed: int | None = None  # routing RNG (tie breaks); fixed in tests
+    index_max_blocks: int = 1_000_000
+
+
+@dataclass
+class StreamEvent:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+    decode_worker: str = ""
+    prefill_worker: str = ""
+
+
+class Dispatcher:
+    def __init__(self, config: DispatchConfig, bus: ClusterBus, metrics: Metrics | None = None):
+        self.config = config
+        self.bus = bus
+        self.metrics = metrics or Metrics()
+        self.seed = hash_seed(config.model_id)
+        self.index = RadixIndex(max_blocks=config.index_max_blocks)
+        self.sync = IndexSync(bus, self.index, metrics=self.metrics)
+        self.rng = random.Random(config.seed)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._sent: dict[str, list[float]] = {}  # worker -> send times since its last load report
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.sync.catch_up()
+        self._task = asyncio.create_task(self.sync.run(), name="index-sync")
+
+    async def stop(self) -> None:
+        self.sync.stop()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for ch in self._channels.values():
+            await ch.close()
+
+    def prompt_hashes(self, prompt: list[int]) -> list[int]:
+        return block_hashes(prompt, self.config.block_size, self.seed)
+
+    def _pending(self, worker: str) -> int:
+        report = self.sync.loads.get(worker)
+        since = report.timestamp if report is not None else 0.0
+        sent = [t for t in self._sent.get(worker, []) if t > since]
+        self._sent[worker] = sent
+        return len(sent)
+
+    def decide(self, prompt: list[int], exclude: set[str] = frozenset()) -> tuple[RouteDecision, list[int]]:
+        start = time.perf_counter()
+        hashes = self.prompt_hashes(prompt)
+        decode = [w for w in self.sync.live("decode") if w not in exclude]
+        if not decode:
+            raise NoHealthyWorker("no healthy decode worker" + (f" (excluding failed {sorted(exclude)})"
+                                                                 if exclude else ""))
+        prefill = self.sync.live("prefill")
+        workers = decode + prefill
+        decision = route(len(prompt), self.config.block_size, self.index.match(hashes), decode, prefill,
+                         self.sync.loads, self.rng, self.config.policy,
+                         pending={w: self._pending(w) for w in workers})
+        now = time.time()
+        for w in filter(None, (decision.decode_worker, decision.prefill_worker)):
+            self._sent.setdefault(w, []).append(now)
+            self.sync.record_routed(w, hashes)
+        self.metrics.router_decision_seconds.observe(time.perf_counter() - start)
+        self.metrics.router_requests.labels(worker=decision.decode_worker, path=decision.path).inc()
+        return decision, hashes
+
+    def _stub(self, worker: str) -> DecodeWorkerStub:
+        address = self.sync.workers[worker].info.address
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(
+                address, options=[("grpc.max_receive_message_length", 64 << 20)])
+        return DecodeWorkerStub(self._channels[address])
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       decision: RouteDecision) -> AsyncIterator[StreamEvent]:
+        """Stream one choice. Worker failures migrate the request (bounded); a request the
+        worker rejects raises APIError (400)."""
+        produced: list[int] = []
+        failed: set[str] = set()
+        attempt = 0
+        while True:
+            call = None
+            try:
+                req = pb.GenerateRequest(request_id=f"{request_id}/{attempt}" if attempt else request_id,
+                                         prompt_token_ids=prompt, sampling=sampling_to_proto(params),
+                                         resume_token_ids=produced)
+                if decision.prefill_worker:
+                    info = self.sync.workers.get(decision.prefill_worker)
+                    if info is not None:
+                        req.prefill_address, req.prefill_worker_id = info.info.address, decision.prefill_worker
+                call = self._stub(decision.decode_worker).Generate(req)
+                async for chunk in call:
+                    produced.extend(chunk.token_ids)
+                    yield StreamEvent(list(chunk.token_ids), [logprob_from_proto(lp) for lp in chunk.logprobs],
+                                      chunk.finish_reason or None, chunk.num_cached_tokens, chunk.worker_id,
+                                      chunk.prefill_worker_id)
+                    if chunk.finish_reason:
+                        return
+                reason = "stream ended without a finish reason"
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise errors.invalid_request(exc.details() or "rejected by the decode worker") from None
+                if exc.code() not in _WORKER_FAILURES:
+                    raise
+                reason = f"{exc.code().name}: {exc.details()}"
+            finally:
+                if call is not None:
+                    call.cancel()
+            failed.add(decision.decode_worker)
+            if attempt >= self.config.max_migrations:
+                raise WorkerFailure(f"request {request_id}: decode worker(s) {sorted(failed)} failed "
+                                    f"({reason}); gave up after {attempt} migration(s)")
+            attempt += 1
+            log.warning("request %s: decode worker %s failed after %d tokens (%s); migrating", request_id,
+                        decision.decode_worker, len(produced), reason)
+            self.metrics.request_migrations.labels(reason="worker_failure").inc()
+            try:
+                decision, _ = self.decide(prompt + produced, exclude=failed)
+            except NoHealthyWorker as exc:
+                raise WorkerFailure(f"request {request_id}: decode worker {sorted(failed)} failed ({reason}) "
+                                    f"and no other can take it over: {exc}") from None
+
+
+class WorkerFailure(RuntimeError):
+    """The request could not be completed on any decode worker (the server answers 503)."""

@@ -1,0 +1,79 @@
+"""`splitserve router`: one router replica (cluster mode). Replicas are stateless
+toward each other: each rebuilds its index from the workers' KV event streams in Redis."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import logging
+import os
+import signal
+
+from aiohttp import web
+
+from splitserve.cluster.bus import ClusterBus
+from splitserve.router.dispatch import DispatchConfig, Dispatcher
+from splitserve.router.policy import PolicyConfig
+from splitserve.router.server import RouterServer, ServerConfig
+
+log = logging.getLogger("splitserve.router")
+
+
+def add_router_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' (default: $SPLITSERVE_API_KEY)")
+    ap.add_argument("--disagg-min-uncached-tokens", type=int, default=256,
+                    help="prompts with fewer uncached tokens are prefilled by the decode worker")
+    ap.add_argument("--max-migrations", type=int, default=2)
+    ap.add_argument("--routing-seed", type=int, help="seed the router's tie-breaking (reproducible routing)")
+
+
+async def start_router(args: argparse.Namespace, model: str, served: str, bus: ClusterBus,
+                       block_size: int, max_model_len: int | None) -> tuple[web.AppRunner, Dispatcher]:
+    dispatcher = Dispatcher(DispatchConfig(
+        model_id=served, block_size=block_size, seed=args.routing_seed, max_migrations=args.max_migrations,
+        policy=PolicyConfig(disagg_min_uncached_tokens=args.disagg_min_uncached_tokens)), bus)
+    await dispatcher.start()
+    gc.freeze()  # the index is long-lived: keep it out of collections (routing-latency spikes)
+    server = RouterServer(ServerConfig(model, served, api_key=args.api_key, max_model_len=max_model_len),
+                          dispatcher)
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    return runner, dispatcher
+
+
+def main(argv: list[str] | None = None) -> int:
+    from splitserve.cluster.remote_bus import open_bus
+    from splitserve.engine.args import resolve_model
+
+    ap = argparse.ArgumentParser(prog="splitserve router", description=__doc__)
+    add_router_args(ap)
+    ap.add_argument("--model", help="checkpoint directory (tokenizer, chat template, context length)")
+    ap.add_argument("--served-model-name")
+    ap.add_argument("--redis-url", required=True, help="the cluster bus, e.g. redis://redis:6379/0")
+    ap.add_argument("--cluster", default="local", help="bus namespace: <namespace>.<InferenceDeployment name>")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model, served = resolve_model(args)
+
+    async def amain() -> None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        bus = open_bus(args.redis_url, args.cluster)
+        runner, dispatcher = await start_router(args, model, served, bus, args.block_size, args.max_model_len)
+        print(f"splitserve router: serving {served!r} on http://{args.host}:{args.port}/v1 "
+              f"(bus {args.redis_url}, cluster {args.cluster})", flush=True)
+        await stop.wait()
+        await runner.cleanup()
+        await dispatcher.stop()
+        await bus.close()
+
+    asyncio.run(amain())
+    return 0

@@ -1,0 +1,126 @@
+"""`splitserve serve`: the whole cluster on one machine.
+
+Starts a local Ray instance, hosts prefill and decode workers as Ray actors, and runs
+the router (HTTP) in this process. The cluster bus is in-process by default (workers
+reach it over a loopback gRPC bridge) or Redis with --redis-url. Ctrl-C stops all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+
+from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
+from splitserve.router.main import add_router_args, start_router
+
+log = logging.getLogger("splitserve.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="splitserve serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_router_args(ap)
+    ap.add_argument("--prefill-workers", type=int, default=1)
+    ap.add_argument("--decode-workers", type=int, default=1)
+    ap.add_argument("--redis-url", help="use Redis as the cluster bus (default: in-process)")
+    ap.add_argument("--kv-backend", choices=["grpc", "mooncake"], default="grpc")
+    add_engine_args(ap)
+    ap.add_argument("--log-level", default="INFO")
+    return ap
+
+
+async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    import ray
+
+    from splitserve.cluster.actors import WorkerActor
+    from splitserve.cluster.remote_bus import BusServicer, open_bus
+    from splitserve.decode_worker.worker import DecodeWorkerConfig
+    from splitserve.engine.demo import DEMO_LABEL
+    from splitserve.prefill_worker.worker import PrefillWorkerConfig
+
+    if args.model is None:
+        log.warning("no --model given: serving the %s", DEMO_LABEL)
+    model, served = await asyncio.to_thread(resolve_model, args)
+    engine = engine_config_from_args(args, model, served)
+
+    bus = open_bus(args.redis_url, "local")
+    bridge = None
+    worker_bus = args.redis_url
+    if not args.redis_url:  # workers live in Ray processes: give them a loopback door to our bus
+        import grpc
+
+        from splitserve.proto.worker_pb2_grpc import add_BusServicer_to_server
+
+        bridge = grpc.aio.server()
+        add_BusServicer_to_server(BusServicer(bus), bridge)
+        worker_bus = f"grpc://127.0.0.1:{bridge.add_insecure_port('127.0.0.1:0')}"
+        await bridge.start()
+
+    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, logging_level=logging.WARNING,
+             log_to_driver=True, configure_logging=False)
+    opts = {"num_cpus": 0}  # workers share the machine; torch threads are set per worker
+    actors = []
+    for i in range(args.decode_workers):
+        cfg = DecodeWorkerConfig(engine, worker_id=f"decode-{i}", bus_url=worker_bus, kv_backend=args.kv_backend)
+        actors.append(WorkerActor.options(name=f"decode-{i}", **opts).remote("decode", cfg, args.torch_threads))
+    for i in range(args.prefill_workers):
+        cfg = PrefillWorkerConfig(engine, worker_id=f"prefill-{i}", bus_url=worker_bus)
+        actors.append(WorkerActor.options(name=f"prefill-{i}", **opts).remote("prefill", cfg, args.torch_threads))
+
+    runner = dispatcher = None
+    try:
+        await asyncio.to_thread(ray.get, [a.address.remote() for a in actors])
+        runner, dispatcher = await start_router(args, model, served, bus, args.block_size, args.max_model_len)
+        expected = args.prefill_workers + args.decode_workers
+        deadline = time.monotonic() + 60
+        while len(dispatcher.sync.workers) < expected and time.monotonic() < deadline:
+            await dispatcher.sync.refresh()
+            await asyncio.sleep(0.1)
+        print(f"splitserve: serving {served!r} on http://{args.host}:{args.port}/v1 "
+              f"({args.prefill_workers} prefill + {args.decode_workers} decode workers, "
+              f"bus: {args.redis_url or 'in-process'}, KV transfer: {args.kv_backend})", flush=True)
+        await stop.wait()
+    finally:
+        print("splitserve: shutting down", flush=True)
+        if runner is not None:
+            await runner.cleanup()
+            await dispatcher.stop()
+        for a in actors:
+            try:
+                await asyncio.to_thread(ray.get, a.stop.remote(), timeout=30)
+            except Exception as exc:  # noqa: BLE001 - best effort at shutdown
+                log.warning("worker actor did not stop cleanly: %s", exc)
+        ray.shutdown()
+        if bridge is not None:
+            await bridge.stop(grace=1)
+        await bus.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.prefill_workers < 0 or args.decode_workers < 1:
+        print("splitserve serve: need --decode-workers >= 1 and --prefill-workers >= 0", file=sys.stderr)
+        return 2
+    if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
+        print(f"splitserve serve: {args.model}/config.json not found: --model must be a Hugging Face "
+              "checkpoint directory", file=sys.stderr)
+        return 2
+    if args.redis_url and not args.redis_url.startswith(("redis://", "rediss://", "unix://")):
+        print(f"splitserve serve: --redis-url {args.redis_url!r} must start with redis://", file=sys.stderr)
+        return 2
+
+    async def amain() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await run(args, stop)
+
+    asyncio.run(amain())
+    return 0
