@@ -1,0 +1,197 @@
+"""The InferenceDeployment CRD: structural schema, defaults, CEL rules, printer
+columns; example manifests accepted, invalid ones rejected.
+
+jsonschema checks the OpenAPI part. The CEL rules are evaluated with cel-python
+(pure-Python CEL) when installed, and in every case the operator's parse_spec must
+reject the same specs (it repeats the CEL rules; see splitserve/operator/spec.py).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from splitserve.operator.spec import SpecError, parse_spec
+
+from .conftest import REPO, crd_schema, load_crd
+
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+
+def apply_defaults(schema: dict, obj):
+    """The API server's structural defaulting: fill missing properties that have a
+    default, recursively (a defaulted `{}` gets its own children's defaults)."""
+    if isinstance(obj, dict) and schema.get("type") == "object":
+        for name, sub in (schema.get("properties") or {}).items():
+            if name not in obj and "default" in sub:
+                obj[name] = copy.deepcopy(sub["default"])
+            if name in obj:
+                obj[name] = apply_defaults(sub, obj[name])
+    elif isinstance(obj, list) and "items" in schema:
+        return [apply_defaults(schema["items"], x) for x in obj]
+    return obj
+
+
+def cel_rules(schema: dict, path: tuple = ()):
+    """(path, rule, message) of every x-kubernetes-validations rule."""
+    for v in schema.get("x-kubernetes-validations") or []:
+        yield path, v["rule"], v["message"]
+    for name, sub in (schema.get("properties") or {}).items():
+        yield from cel_rules(sub, path + (name,))
+
+
+def cel_failures(schema: dict, obj: dict) -> list[str]:
+    celpy = pytest.importorskip("celpy", reason="cel-python not installed: CEL rules not evaluated")
+    env = celpy.Environment()
+    failed = []
+    for path, rule, message in cel_rules(schema):
+        target = obj
+        for p in path:
+            target = target.get(p) if isinstance(target, dict) else None
+        if target is None:
+            continue
+        result = env.program(env.compile(rule)).evaluate({"self": celpy.json_to_cel(target)})
+        if not bool(result):
+            failed.append(message)
+    return failed
+
+
+@pytest.fixture(scope="module")
+def schema() -> dict:
+    return crd_schema(load_crd(), "v1alpha1")
+
+
+def test_crd_names_status_and_printer_columns():
+    crd = load_crd()
+    assert crd["metadata"]["name"] == "inferencedeployments.splitserve.io"
+    assert crd["spec"]["names"]["shortNames"] == ["infd"]
+    (version,) = crd["spec"]["versions"]
+    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns == {"Ready": '.status.conditions[?(@.type=="Ready")].status',
+                       "Prefill": ".status.prefillReplicas", "Decode": ".status.decodeReplicas",
+                       "Queue": ".status.queue", "Model": ".spec.model.servedName",
+                       "Age": ".metadata.creationTimestamp"}
+
+
+def test_schema_is_structural(schema):
+    """Every node has a type (or is int-or-string / preserve-unknown-fields)."""
+    def walk(node, where):
+        if node.get("x-kubernetes-int-or-string") or node.get("x-kubernetes-preserve-unknown-fields"):
+            return
+        assert "type" in node, f"{where} has no type"
+        for name, sub in (node.get("properties") or {}).items():
+            walk(sub, f"{where}.{name}")
+        if isinstance(node.get("additionalProperties"), dict):
+            walk(node["additionalProperties"], f"{where}.*")
+        if "items" in node:
+            walk(node["items"], f"{where}[]")
+    walk(schema, "")
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_are_valid(schema, path: Path):
+    obj = yaml.safe_load(path.read_text())
+    jsonschema.validate(obj, schema)
+    defaulted = apply_defaults(schema, copy.deepcopy(obj))
+    jsonschema.validate(defaulted, schema)
+    assert cel_failures(schema, defaulted) == []
+    parse_spec(obj["metadata"]["name"], obj["metadata"]["namespace"], obj["spec"], "img:1")
+
+
+def test_crd_defaults_match_the_operator_defaults(schema, minimal_spec):
+    """The operator parses a spec the API server did not default (old objects, tests)
+    exactly like one it did."""
+    obj = {"apiVersion": "splitserve.io/v1alpha1", "kind": "InferenceDeployment",
+           "metadata": {"name": "x", "namespace": "ns"}, "spec": minimal_spec}
+    defaulted = apply_defaults(schema, copy.deepcopy(obj))
+    assert defaulted["spec"]["decode"]["drainTimeoutSeconds"] == 600  # defaults did apply, nested
+    assert parse_spec("x", "ns", defaulted["spec"], "img:1") == parse_spec("x", "ns", minimal_spec, "img:1")
+
+
+# (what, patch applied to the minimal spec, text the schema error or the CEL message
+# contains, text parse_spec's error contains)
+INVALID_BY_SCHEMA = [
+    ("no model path", {"model": {"path": None}}, "'path' is a required property", "spec.model.path is required"),
+    ("unknown kv backend", {"kvTransfer": {"backend": "nccl"}}, "'nccl' is not one of", "backend must be grpc or mooncake"),
+    ("zero replicas", {"decode": {"replicas": 0}}, "0 is less than the minimum of 1", "spec.decode.replicas must be >= 1"),
+    ("block size not a power of two", {"blockSize": 12}, "12 is not one of", "power of two"),
+    ("redis url scheme", {"redis": {"url": "http://redis:6379"}}, "does not match", "must start with redis://"),
+    ("source type", {"model": {"source": {"type": "s3"}}}, "'s3' is not one of", "pvc, hostPath or image"),
+    ("replicas as string", {"router": {"replicas": "two"}}, "'two' is not of type 'integer'", "must be an integer"),
+]
+INVALID_BY_CEL = [
+    ("min > max", {"decode": {"minReplicas": 5, "maxReplicas": 2, "replicas": 2}},
+     "minReplicas must be <= maxReplicas", "spec.decode.minReplicas (5) must be <= spec.decode.maxReplicas (2)"),
+    ("replicas above max", {"prefill": {"replicas": 9, "maxReplicas": 4}},
+     "replicas must lie within", "spec.prefill.replicas (9) must lie within [minReplicas, maxReplicas] = [1, 4]"),
+    ("rdma without mooncake", {"kvTransfer": {"rdmaDevice": "mlx5_0"}},
+     "rdmaDevice is only used by the mooncake backend", "rdmaDevice is only used by the mooncake backend"),
+    ("absolute path on a pvc", {"model": {"path": "/etc"}}, "model.path must be absolute for source.type image",
+     "must be relative to the volume root"),
+    ("escaping the volume", {"model": {"path": "../secrets"}}, "model.path must be absolute for source.type image",
+     "must be relative to the volume root"),
+    ("relative path in an image", {"model": {"source": {"type": "image", "claimName": None}}},
+     "model.path must be absolute for source.type image", "must be absolute when source.type is image"),
+    ("pvc without claim", {"model": {"source": {"claimName": None}}},
+     "source.claimName is required", "claimName is required"),
+    ("low watermark 1", {"autoscaling": {"lowWatermark": 1.0}}, "lowWatermark must lie strictly between 0 and 1",
+     "lowWatermark must lie strictly between 0 and 1"),
+    ("batched tokens below seqs", {"decode": {"maxNumSeqs": 512, "maxNumBatchedTokens": 256}},
+     "maxNumBatchedTokens must be >= maxNumSeqs", "maxNumBatchedTokens (256) must be >= spec.decode.maxNumSeqs (512)"),
+]
+
+
+def _merge(base: dict, patch: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, dict):
+            out[k] = _merge(out.get(k, {}), v)
+        else:
+            out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("what,patch,schema_error,operator_error", INVALID_BY_SCHEMA, ids=[c[0] for c in INVALID_BY_SCHEMA])
+def test_schema_rejects(schema, minimal_spec, what, patch, schema_error, operator_error):
+    obj = {"apiVersion": "splitserve.io/v1alpha1", "kind": "InferenceDeployment",
+           "metadata": {"name": "x", "namespace": "ns"}, "spec": _merge(minimal_spec, patch)}
+    with pytest.raises(jsonschema.ValidationError) as err:
+        jsonschema.validate(apply_defaults(schema, obj), schema)
+    assert schema_error in err.value.message
+    with pytest.raises(SpecError) as err:
+        parse_spec("x", "ns", obj["spec"], "img:1")
+    assert operator_error in str(err.value)
+
+
+@pytest.mark.parametrize("what,patch,cel_message,operator_error", INVALID_BY_CEL, ids=[c[0] for c in INVALID_BY_CEL])
+def test_cel_rules_reject(schema, minimal_spec, what, patch, cel_message, operator_error):
+    obj = {"apiVersion": "splitserve.io/v1alpha1", "kind": "InferenceDeployment",
+           "metadata": {"name": "x", "namespace": "ns"}, "spec": _merge(minimal_spec, patch)}
+    defaulted = apply_defaults(schema, obj)
+    jsonschema.validate(defaulted, schema)  # passes: only CEL catches these
+    with pytest.raises(SpecError) as err:
+        parse_spec("x", "ns", obj["spec"], "img:1")
+    assert operator_error in str(err.value)
+    assert any(cel_message in m for m in cel_failures(schema, defaulted))
+
+
+def test_name_length_rule(schema, minimal_spec):
+    long_name = "n" * 41
+    obj = {"metadata": {"name": long_name, "namespace": "ns"}, "spec": minimal_spec}
+    assert "metadata.name must be at most 40 characters" in " ".join(cel_failures(schema, obj)[:1])
+    with pytest.raises(SpecError, match="at most 40 characters"):
+        parse_spec(long_name, "ns", minimal_spec, "img:1")
+
+
+def test_parse_spec_never_crashes_on_garbage():
+    for garbage in (None, [], "spec", {"model": "x"}, {"model": {"servedName": 3, "path": []}},
+                    {"autoscaling": {"targetWaitingPerReplica": "lots"}}, {"decode": []}):
+        with pytest.raises(SpecError):
+            parse_spec("x", "ns", garbage, "img:1")
