@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=sorted(TARGETS), default="grpc")
     parser.add_argument("--size-mb", type=int, default=64, help="KV bytes to move per round, in MiB")
     parser.add_argument("--repeat", type=int, default=3, help="rounds; GB/s are medians over rounds")
-    parser.add_argument("--chunk-mb", type=float, default=16, help="grpc message size in MiB")
+    parser.add_argument("--chunk-mb", type=float, default=KVTransferConfig.chunk_bytes / (1 << 20),
+                        help="grpc message size in MiB")
     parser.add_argument("--protocol", choices=("tcp", "rdma"), default="tcp", help="mooncake transport")
     parser.add_argument("--device", default="", help="mooncake RDMA device name, e.g. mlx5_0")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
