@@ -143,11 +143,12 @@ class DecodeWorker(DecodeWorkerServicer):
         self.streams[rid] = queue
         finished = False
         fallback = ""
+        prefill_cached = 0
         prefill_worker = self.worker_id
         try:
             first: RequestOutput | None = None
             if request.prefill_address:
-                first, fallback = await self._remote_prefill(request, prompt, params, len(resume))
+                first, fallback, prefill_cached = await self._remote_prefill(request, prompt, params, len(resume))
                 if first is not None:
                     prefill_worker = request.prefill_worker_id
             if first is None:
@@ -162,7 +163,7 @@ class DecodeWorker(DecodeWorkerServicer):
                     chunk.num_prompt_tokens = len(request.prompt_token_ids)
                     chunk.num_cached_tokens = out.num_cached_tokens
                     chunk.worker_id, chunk.prefill_worker_id = self.worker_id, prefill_worker
-                    chunk.prefill_fallback = fallback
+                    chunk.prefill_fallback, chunk.prefill_cached_tokens = fallback, prefill_cached
                     header = False
                 yield chunk
                 if out.finished:
@@ -191,12 +192,13 @@ class DecodeWorker(DecodeWorkerServicer):
 
     # ---- remote prefill -----------------------------------------------------------------
     async def _remote_prefill(self, request: pb.GenerateRequest, prompt: list[int], params,
-                              draws_done: int) -> tuple[RequestOutput | None, str]:
-        """(first output, "") on success; (None, why) when the caller should prefill locally."""
+                              draws_done: int) -> tuple[RequestOutput | None, str, int]:
+        """(first output, "", prefill worker's cached tokens) on success; (None, why, 0) when
+        the caller should prefill locally."""
         rid, engine = request.request_id, self.engine.engine
         seq = await self.engine.call(engine.reserve_remote_prefill, rid, prompt, params, draws_done)
         if seq is None:
-            return None, "no free KV blocks for the whole prompt yet"
+            return None, "no free KV blocks for the whole prompt yet", 0
         skip = seq.num_cached_tokens // self.config.engine.block_size
         dest, hashes = await self.engine.call(engine.remote_prefill_blocks, seq, skip)
         released = asyncio.Event()
@@ -215,7 +217,8 @@ class DecodeWorker(DecodeWorkerServicer):
                 if not outcome.ok:
                     raise RuntimeError(f"KV transfer {outcome.reason}: {outcome.detail}")
             lp = logprob_from_proto(reply.first_logprob) if reply.has_logprob else None
-            return await self.engine.call(engine.complete_remote_prefill, rid, reply.first_token_id, lp), ""
+            first = await self.engine.call(engine.complete_remote_prefill, rid, reply.first_token_id, lp)
+            return first, "", reply.num_cached_tokens
         except (grpc.aio.AioRpcError, RuntimeError) as exc:
             why = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             log.warning("request %s: remote prefill on %s (%s) failed (%s); prefilling locally on %s",
@@ -226,7 +229,7 @@ class DecodeWorker(DecodeWorkerServicer):
                 await asyncio.wrap_future(lease)
                 await asyncio.wait_for(released.wait(), timeout=self.config.prefill_timeout_s + 5)
             await self.engine.call(engine.cancel_remote_prefill, rid)
-            return None, why
+            return None, why, 0
         except BaseException:
             if lease is not None:
                 self.receiver.abort(rid, "the request was cancelled")

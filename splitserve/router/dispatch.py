@@ -50,6 +50,7 @@ class StreamEvent:
     num_cached_tokens: int = 0
     decode_worker: str = ""
     prefill_worker: str = ""
+    prefill_cached_tokens: int = 0
 
 
 class Dispatcher:
@@ -136,7 +137,7 @@ class Dispatcher:
                     produced.extend(chunk.token_ids)
                     yield StreamEvent(list(chunk.token_ids), [logprob_from_proto(lp) for lp in chunk.logprobs],
                                       chunk.finish_reason or None, chunk.num_cached_tokens, chunk.worker_id,
-                                      chunk.prefill_worker_id)
+                                      chunk.prefill_worker_id, chunk.prefill_cached_tokens)
                     if chunk.finish_reason:
                         return
                 reason = "stream ended without a finish reason"

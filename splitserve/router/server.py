@@ -143,6 +143,7 @@ class RouterServer:
         body_choices = [R.Choice(c.index, c.text.text, c.finish_reason, c.logprobs_out(chat) if c.want_logprobs
                                  else None) for c in choices]
         build = R.chat_completion_response if chat else R.completion_response
+        headers["X-Splitserve-Workers"] = "; ".join(f"{k}={v}" for k, v in choices[0].served_by.items())
         return web.json_response(build(rid, req.model, now_s(), body_choices, usage), headers=headers)
 
     @staticmethod
@@ -203,6 +204,7 @@ class ChoiceRun:
         self.logprobs: list = []
         self.finish_reason: str | None = None
         self.cached_tokens = 0
+        self.served_by: dict[str, str | int] = {}  # who actually served it (after any migration)
         self.start = time.monotonic()
 
     async def events(self):
@@ -212,6 +214,9 @@ class ChoiceRun:
         last = None
         async for ev in self.server.dispatcher.generate(sub_id, self.prompt, self.params, self.decision):
             now = time.monotonic()
+            if ev.decode_worker:  # first chunk from a (possibly new) decode worker
+                self.served_by = {"decode": ev.decode_worker, "prefill": ev.prefill_worker,
+                                  "decode_cached": ev.num_cached_tokens, "prefill_cached": ev.prefill_cached_tokens}
             if last is None:
                 self.cached_tokens = ev.num_cached_tokens
                 m.time_to_first_token.labels(model=model).observe(now - self.start)

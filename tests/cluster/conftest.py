@@ -1,51 +1,19 @@
 """Fixtures: a real `redis-server` on a free 127.0.0.1 port, and `bus`, which runs each
 test once on Redis and once on the in-process bus."""
 
-import shutil
-import socket
-import subprocess
-import time
 import uuid
 
 import pytest
-import redis
 
 from splitserve.cluster.inproc_bus import InProcBus
 from splitserve.cluster.redis_bus import RedisBus
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers.processes import start_redis
 
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("redis-server is not installed: run scripts/setup.sh (apt install redis-server)")
-    workdir = tmp_path_factory.mktemp("redis")
-    for _ in range(5):  # another process may grab the port between probe and bind
-        port = _free_port()
-        proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(host="127.0.0.1", port=port)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        client.close()
-        if proc.poll() is None:
-            break
-    else:
-        pytest.fail("could not start redis-server on a free port")
-    yield f"redis://127.0.0.1:{port}/0"
+    url, proc = start_redis(tmp_path_factory.mktemp("redis"))
+    yield url
     proc.terminate()
     proc.wait(timeout=10)
 

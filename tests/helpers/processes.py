@@ -1,0 +1,83 @@
+"""Real processes for tests: redis-server, `splitserve serve`, `splitserve router`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_redis(workdir: Path) -> tuple[str, subprocess.Popen]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed: run scripts/setup.sh (apt install redis-server)")
+    for _ in range(5):  # another process may grab the port between probe and bind
+        port = free_port()
+        proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--dir", str(workdir)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(host="127.0.0.1", port=port)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        client.close()
+        if proc.poll() is None:
+            return f"redis://127.0.0.1:{port}/0", proc
+    raise RuntimeError("could not start redis-server on a free port")
+
+
+class SplitserveProcess:
+    """`splitserve <command> ...` as a child process; ready when it prints its URL."""
+
+    def __init__(self, command: str, args: list[str], ready_text: str = "serving", timeout: float = 180):
+        self.port = free_port()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_ACCEPT_CALLS_FROM_PYTHON_VERSION_MISMATCH": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", command, "--port", str(self.port),
+                                      *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=env, start_new_session=True)
+        self.lines: list[str] = []
+        ready = threading.Event()
+
+        def read():
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if ready_text in line and "http://" in line:
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        ready.wait(timeout)
+        if self.proc.poll() is not None or not any(ready_text in ln for ln in self.lines):
+            self.stop()
+            raise RuntimeError(f"splitserve {command} did not start:\n" + "".join(self.lines[-60:]))
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)  # Ctrl-C: the command stops everything it started
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
