@@ -1,0 +1,66 @@
+"""The transformers baseline of the kernel benchmark: LlamaForCausalLM built from a
+LlamaConfig of the same shape (random init, same dtype and device), timed on the same
+prefill and decode work with `generate`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from splitserve.kernels.bench_model import LlamaShape
+
+
+def build_hf_llama(shape: LlamaShape, dtype: torch.dtype, device: torch.device, max_position: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+        vocab_size=shape.vocab, max_position_embeddings=max_position, rms_norm_eps=shape.rms_eps,
+        tie_word_embeddings=False,
+    )
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in the target dtype: no float32 copy of 8B weights
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def measure_hf(
+    shape: LlamaShape,
+    dtype: torch.dtype,
+    device: torch.device,
+    batches: list[int],
+    context: int,
+    prefill_tokens: int,
+    new_tokens: int,
+    timer: Callable[[Callable[[], object], int, int], float],
+) -> dict:
+    """Seconds per decode step (generate, greedy, dynamic cache) at each batch size with
+    `context` prompt tokens, and seconds for one `prefill_tokens` prompt (logits of the
+    last token only, as a server computes them)."""
+    model = build_hf_llama(shape, dtype, device, max(context + new_tokens, prefill_tokens) + 1)
+    out: dict = {"decode": [], "attention_implementation": getattr(model.config, "_attn_implementation", None)}
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    with torch.no_grad():
+        prompt = torch.randint(0, shape.vocab, (1, prefill_tokens), generator=gen).to(device)
+        seconds = timer(lambda: model(prompt, logits_to_keep=1), 1, 3)
+        out["prefill"] = {"tokens": prefill_tokens, "seconds": seconds}
+        for batch in batches:
+            ids = torch.randint(0, shape.vocab, (batch, context), generator=gen).to(device)
+            mask = torch.ones_like(ids)
+
+            def run(n, ids=ids, mask=mask):
+                return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False, pad_token_id=0)
+
+            # the difference of two generate calls leaves the decode steps alone
+            first = timer(lambda run=run: run(1), 1, 3)  # prefill + one token
+            full = timer(lambda run=run: run(new_tokens), 1, 3)
+            out["decode"].append({"batch": batch, "context": context,
+                                  "seconds_per_step": (full - first) / max(1, new_tokens - 1)})
+    return out
