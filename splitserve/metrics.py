@@ -107,9 +107,23 @@ class Metrics:
         self.operator_scale_events = Counter(
             "splitserve_operator_scale_events_total", "Scaling decisions applied, by direction.",
             ["namespace", "deployment", "role", "direction"], registry=r)
+        self._engine_totals: dict[tuple, float] = {}
         self.operator_reconcile_errors = Counter(
             "splitserve_operator_reconcile_errors_total", "Reconciliations that failed.",
             ["namespace", "deployment"], registry=r)
+
+
+    def sync_engine_counters(self, role: str, worker: str, prefix_queries: int, prefix_hits: int,
+                             preemptions: int) -> None:
+        """Engines keep running totals; counters advance by the difference since last time."""
+        labels = {"role": role, "worker": worker}
+        for counter, total in ((self.prefix_cache_queries, prefix_queries), (self.prefix_cache_hits, prefix_hits),
+                               (self.num_preemptions, preemptions)):
+            key = (id(counter), role, worker)
+            delta = total - self._engine_totals.get(key, 0)
+            if delta > 0:
+                counter.labels(**labels).inc(delta)
+            self._engine_totals[key] = total
 
 
 def exported_metric_names() -> set[str]:

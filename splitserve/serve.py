@@ -66,15 +66,17 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
     opts = {"num_cpus": 0}  # workers share the machine; torch threads are set per worker
     actors = []
     for i in range(args.decode_workers):
-        cfg = DecodeWorkerConfig(engine, worker_id=f"decode-{i}", bus_url=worker_bus, kv_backend=args.kv_backend)
+        cfg = DecodeWorkerConfig(engine, worker_id=f"decode-{i}", bus_url=worker_bus, kv_backend=args.kv_backend,
+                                 admin_port=0)
         actors.append(WorkerActor.options(name=f"decode-{i}", **opts).remote("decode", cfg, args.torch_threads))
     for i in range(args.prefill_workers):
-        cfg = PrefillWorkerConfig(engine, worker_id=f"prefill-{i}", bus_url=worker_bus)
+        cfg = PrefillWorkerConfig(engine, worker_id=f"prefill-{i}", bus_url=worker_bus, metrics_port=0)
         actors.append(WorkerActor.options(name=f"prefill-{i}", **opts).remote("prefill", cfg, args.torch_threads))
 
     runner = dispatcher = None
     try:
-        await asyncio.to_thread(ray.get, [a.address.remote() for a in actors])
+        for line in await asyncio.to_thread(ray.get, [a.describe.remote() for a in actors]):
+            print(f"splitserve: {line}", flush=True)
         runner, dispatcher = await start_router(args, model, served, bus, args.block_size, args.max_model_len)
         expected = args.prefill_workers + args.decode_workers
         deadline = time.monotonic() + 60

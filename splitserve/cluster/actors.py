@@ -53,6 +53,11 @@ class WorkerActor:
     def worker_id(self) -> str:
         return self.worker.worker_id
 
+    def describe(self) -> str:
+        url = getattr(self.worker, "admin_url", "") or getattr(self.worker, "metrics_url", "")
+        return f"{self.role} worker {self.worker.worker_id}: gRPC {self.worker.address}" + (
+            f", metrics {url}/metrics" if url else "")
+
     def drain(self, timeout: float = 600.0) -> bool:
         if self.role != "decode":
             return True

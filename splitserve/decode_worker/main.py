@@ -1,8 +1,6 @@
 """`splitserve decode-worker`: one decode worker (cluster mode, a Kubernetes Deployment).
 
-Admin HTTP (--admin-port): GET /health (200 ready, 503 starting or draining),
-GET /metrics, GET /drain (stop admitting, leave the registry, return 200 once every
-stream has finished; the pod's preStop hook calls it before SIGTERM).
+Admin HTTP on --admin-port: /health, /metrics, /drain (see decode_worker/admin.py).
 """
 
 from __future__ import annotations
@@ -15,32 +13,9 @@ import signal
 import socket
 
 import torch
-from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
-
-
-def admin_app(worker: DecodeWorker, drain_timeout: float) -> web.Application:
-    async def health(request):
-        ok = bool(worker.address) and not worker.draining
-        status = "ok" if ok else ("draining" if worker.draining else "starting")
-        return web.json_response({"status": status, "worker_id": worker.worker_id,
-                                  "streams": len(worker.streams)}, status=200 if ok else 503)
-
-    async def metrics(request):
-        return web.Response(body=generate_latest(worker.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def drain(request):
-        done = await worker.drain(drain_timeout)
-        return web.json_response({"drained": done, "streams_left": len(worker.streams)}, status=200 if done else 504)
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/drain", drain)
-    return app
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,21 +42,18 @@ def main(argv: list[str] | None = None) -> int:
     config = DecodeWorkerConfig(engine_config_from_args(args, model, served), worker_id=args.worker_id,
                                 host=args.host, port=args.port, advertise_host=advertise, bus_url=args.redis_url,
                                 cluster=args.cluster, kv_backend=args.kv_backend, kv_protocol=args.kv_protocol,
-                                rdma_device=args.rdma_device)
+                                rdma_device=args.rdma_device, admin_port=args.admin_port,
+                                drain_timeout_s=args.drain_timeout)
 
     async def amain() -> None:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         worker = DecodeWorker(config)
-        runner = web.AppRunner(admin_app(worker, args.drain_timeout), access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, args.host, args.admin_port).start()
         await worker.start()
         await stop.wait()
         await worker.drain(args.drain_timeout)
         await worker.stop()
-        await runner.cleanup()
 
     asyncio.run(amain())
     return 0

@@ -58,6 +58,8 @@ class DecodeWorkerConfig:
     rdma_device: str | None = None
     prefill_timeout_s: float = 30.0
     heartbeat_ttl_s: float = 6.0
+    admin_port: int | None = None  # /health, /metrics, /drain; 0: any free port; None: off
+    drain_timeout_s: float = 600.0
 
 
 class DecodeWorker(DecodeWorkerServicer):
@@ -69,10 +71,17 @@ class DecodeWorker(DecodeWorkerServicer):
         self.streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self.draining = False
         self.address = ""
+        self.admin_url = ""
+        self._admin = None
 
     async def start(self) -> str:
         cfg = self.config
         loop = asyncio.get_running_loop()
+        if cfg.admin_port is not None:  # up first: /health says "starting" while the model loads
+            from splitserve.decode_worker.admin import admin_app, start_admin
+
+            self._admin, port = await start_admin(admin_app(self, cfg.drain_timeout_s), cfg.host, cfg.admin_port)
+            self.admin_url = f"http://{advertised_host(cfg.host, cfg.advertise_host)}:{port}"
         engine = await asyncio.to_thread(LLMEngine, cfg.engine)
         self.engine = AsyncEngine(engine, loop, self._dispatch, self._on_block_events)
         self.engine.start()
@@ -92,8 +101,8 @@ class DecodeWorker(DecodeWorkerServicer):
                           engine.num_total_blocks, cfg.kv_backend)
         self.presence = WorkerPresence(self.bus, info, self.load_report, ttl=cfg.heartbeat_ttl_s)
         await self.presence.start()
-        log.info("decode worker %s serving on %s (KV receiver %s, %d blocks)", self.worker_id, self.address,
-                 self.kv_address, engine.num_total_blocks)
+        log.info("decode worker %s serving on %s (KV receiver %s, %d blocks%s)", self.worker_id, self.address,
+                 self.kv_address, engine.num_total_blocks, f", admin {self.admin_url}" if self.admin_url else "")
         return self.address
 
     async def stop(self) -> None:
@@ -103,12 +112,17 @@ class DecodeWorker(DecodeWorkerServicer):
         self.engine.stop()
         if self._given_bus is None:
             await self.bus.close()
+        if self._admin is not None:
+            await self._admin.cleanup()
 
     # ---- state ------------------------------------------------------------------------
     def load_report(self) -> LoadReport:
         e = self.engine.engine
         waiting, running = len(e.scheduler.waiting) + len(e.remote), len(e.scheduler.running)
         usage = e.block_manager.usage
+        sched = e.scheduler
+        self.metrics.sync_engine_counters("decode", self.worker_id, sched.prefix_query_tokens, sched.prefix_hit_tokens,
+                                          sched.num_preemptions)
         m, labels = self.metrics, {"role": "decode", "worker": self.worker_id}
         m.num_requests_waiting.labels(**labels).set(waiting)
         m.num_requests_running.labels(**labels).set(running)

@@ -44,7 +44,7 @@ class PrefillWorkerConfig:
     bus_url: str | None = None
     cluster: str = "local"
     heartbeat_ttl_s: float = 6.0
-    metrics_port: int = 0  # >0: serve GET /metrics and /health on this port
+    metrics_port: int | None = None  # GET /metrics and /health; 0: any free port; None: off
 
 
 class PrefillWorker(PrefillWorkerServicer):
@@ -72,7 +72,8 @@ class PrefillWorker(PrefillWorkerServicer):
                           engine.num_total_blocks)
         self.presence = WorkerPresence(self.bus, info, self.load_report, ttl=cfg.heartbeat_ttl_s)
         await self.presence.start()
-        if cfg.metrics_port:
+        self.metrics_url = ""
+        if cfg.metrics_port is not None:
             await self._serve_metrics(cfg.metrics_port)
         log.info("prefill worker %s serving on %s (%d KV blocks)", self.worker_id, self.address,
                  engine.num_total_blocks)
@@ -92,9 +93,10 @@ class PrefillWorker(PrefillWorkerServicer):
         app = web.Application()
         app.router.add_get("/metrics", metrics)
         app.router.add_get("/health", health)
-        self._admin = web.AppRunner(app, access_log=None)
-        await self._admin.setup()
-        await web.TCPSite(self._admin, self.config.host, port).start()
+        from splitserve.decode_worker.admin import start_admin
+
+        self._admin, bound = await start_admin(app, self.config.host, port)
+        self.metrics_url = f"http://{advertised_host(self.config.host, self.config.advertise_host)}:{bound}"
 
     async def stop(self) -> None:
         if getattr(self, "_admin", None) is not None:
@@ -112,6 +114,9 @@ class PrefillWorker(PrefillWorkerServicer):
         waiting = list(e.scheduler.waiting) + [s for s in e.scheduler.running if s.num_computed_tokens < s.num_tokens]
         queued_tokens = sum(s.num_tokens - s.num_computed_tokens for s in waiting)
         usage = e.block_manager.usage
+        sched = e.scheduler
+        self.metrics.sync_engine_counters("prefill", self.worker_id, sched.prefix_query_tokens, sched.prefix_hit_tokens,
+                                          sched.num_preemptions)
         labels = {"role": "prefill", "worker": self.worker_id}
         self.metrics.num_requests_waiting.labels(**labels).set(len(e.scheduler.waiting))
         self.metrics.num_requests_running.labels(**labels).set(len(e.scheduler.running))

@@ -26,6 +26,8 @@ from splitserve.router.radix_index import RadixIndex
 
 log = logging.getLogger(__name__)
 
+ROUTING_MODES = ("prefix", "round-robin", "random")
+
 # gRPC codes that mean "this worker failed", as opposed to "this request is bad".
 _WORKER_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
                     grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
@@ -39,6 +41,7 @@ class DispatchConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     max_migrations: int = 2
     seed: int | None = None  # routing RNG (tie breaks); fixed in tests
+    mode: str = "prefix"  # prefix | round-robin | random (baselines for benchmarks)
     index_max_blocks: int = 1_000_000
 
 
@@ -65,6 +68,9 @@ class Dispatcher:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._sent: dict[str, list[float]] = {}  # worker -> send times since its last load report
         self._task: asyncio.Task | None = None
+        self._rr = 0
+        if config.mode not in ROUTING_MODES:
+            raise ValueError(f"routing mode {config.mode!r} is not one of {ROUTING_MODES}")
 
     async def start(self) -> None:
         await self.sync.catch_up()
@@ -97,6 +103,13 @@ class Dispatcher:
                                                                  if exclude else ""))
         prefill = self.sync.live("prefill")
         workers = decode + prefill
+        if self.config.mode != "prefix":  # baseline: ignore overlap and load for the decode choice
+            decode = sorted(decode)
+            if self.config.mode == "round-robin":
+                self._rr += 1
+                decode = [decode[self._rr % len(decode)]]
+            else:
+                decode = [self.rng.choice(decode)]
         decision = route(len(prompt), self.config.block_size, self.index.match(hashes), decode, prefill,
                          self.sync.loads, self.rng, self.config.policy,
                          pending={w: self._pending(w) for w in workers})

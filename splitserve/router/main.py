@@ -29,12 +29,15 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
                     help="prompts with fewer uncached tokens are prefilled by the decode worker")
     ap.add_argument("--max-migrations", type=int, default=2)
     ap.add_argument("--routing-seed", type=int, help="seed the router's tie-breaking (reproducible routing)")
+    ap.add_argument("--routing-mode", choices=["prefix", "round-robin", "random"], default="prefix",
+                    help="decode-worker choice; round-robin and random are baselines for benchmarks")
 
 
 async def start_router(args: argparse.Namespace, model: str, served: str, bus: ClusterBus,
                        block_size: int, max_model_len: int | None) -> tuple[web.AppRunner, Dispatcher]:
     dispatcher = Dispatcher(DispatchConfig(
         model_id=served, block_size=block_size, seed=args.routing_seed, max_migrations=args.max_migrations,
+        mode=args.routing_mode,
         policy=PolicyConfig(disagg_min_uncached_tokens=args.disagg_min_uncached_tokens)), bus)
     await dispatcher.start()
     gc.freeze()  # the index is long-lived: keep it out of collections (routing-latency spikes)

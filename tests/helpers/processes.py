@@ -47,7 +47,7 @@ def start_redis(workdir: Path) -> tuple[str, subprocess.Popen]:
 class SplitserveProcess:
     """`splitserve <command> ...` as a child process; ready when it prints its URL."""
 
-    def __init__(self, command: str, args: list[str], ready_text: str = "serving", timeout: float = 180):
+    def __init__(self, command: str, args: list[str], timeout: float = 180):
         self.port = free_port()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_ACCEPT_CALLS_FROM_PYTHON_VERSION_MISMATCH": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", command, "--port", str(self.port),
@@ -59,16 +59,21 @@ class SplitserveProcess:
         def read():
             for line in self.proc.stdout:
                 self.lines.append(line)
-                if ready_text in line and "http://" in line:
+                if self._is_banner(line):
                     ready.set()
             ready.set()
 
         threading.Thread(target=read, daemon=True).start()
         ready.wait(timeout)
-        if self.proc.poll() is not None or not any(ready_text in ln for ln in self.lines):
+        if self.proc.poll() is not None or not any(self._is_banner(ln) for ln in self.lines):
             self.stop()
             raise RuntimeError(f"splitserve {command} did not start:\n" + "".join(self.lines[-60:]))
         self.base_url = f"http://127.0.0.1:{self.port}"
+
+    @staticmethod
+    def _is_banner(line: str) -> bool:
+        """`splitserve: serving ... on http://...` (serve) or `splitserve router: serving ...`."""
+        return line.startswith("splitserve") and ": serving " in line and " on http://" in line
 
     def log(self) -> str:
         return "".join(self.lines)
