@@ -35,12 +35,13 @@ def prompts():
     return [shared + [rng.randrange(5, 1000) for _ in range(n)] for n in (5, 21)]
 
 
-async def test_disaggregated_and_fallback_match_a_single_engine(make_ckpt, prompts):
+@pytest.mark.parametrize("kv_backend", ["grpc", "mooncake"])
+async def test_disaggregated_and_fallback_match_a_single_engine(make_ckpt, prompts, kv_backend):
     path = make_ckpt("llama")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = [o.token_ids for o in LLM(str(path), num_kv_blocks=64).generate(prompts, params)]
     bus = InProcBus()
-    decode = DecodeWorker(DecodeWorkerConfig(engine_config(path), worker_id="d0"), bus=bus)
+    decode = DecodeWorker(DecodeWorkerConfig(engine_config(path), worker_id="d0", kv_backend=kv_backend), bus=bus)
     prefill = PrefillWorker(PrefillWorkerConfig(engine_config(path), worker_id="p0"), bus=bus)
     await asyncio.gather(decode.start(), prefill.start())
     try:
