@@ -27,7 +27,8 @@ def render_monitors(spec: InferenceSpec) -> list[dict]:
         out.append({
             "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": c.metadata(spec, "prefill"),
             "spec": {"selector": {"matchLabels": head},
-                     "podMetricsEndpoints": [{"port": "metrics", "path": "/metrics", "interval": spec.scrape_interval}]},
+                     "podMetricsEndpoints": [{"port": "pool-metrics", "path": "/metrics",
+                                              "interval": spec.scrape_interval}]},
         })
     return out
 

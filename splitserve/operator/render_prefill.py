@@ -52,10 +52,12 @@ def render_prefill(spec: InferenceSpec, replicas: int, ray_version: str) -> list
     head = _container(spec, "ray-head", {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}})
     head["command"] = ["/bin/bash", "-c", "--"]
     head["args"] = [head_command(spec)]
-    head["ports"] = [{"name": "gcs", "containerPort": 6379, "protocol": "TCP"},
+    # KubeRay's own port names (gcs-server, dashboard, client; "metrics" is Ray's 8080),
+    # plus the pool's metrics under a name of ours.
+    head["ports"] = [{"name": "gcs-server", "containerPort": 6379, "protocol": "TCP"},
                      {"name": "dashboard", "containerPort": 8265, "protocol": "TCP"},
                      {"name": "client", "containerPort": 10001, "protocol": "TCP"},
-                     {"name": "metrics", "containerPort": c.ADMIN_PORT, "protocol": "TCP"}]
+                     {"name": "pool-metrics", "containerPort": c.ADMIN_PORT, "protocol": "TCP"}]
     worker = _container(spec, "ray-worker", p.resources)
     worker["command"] = ["/bin/bash", "-c", "--"]
     worker["args"] = ['ulimit -n 65536 || true; exec $KUBERAY_GEN_RAY_START_CMD']

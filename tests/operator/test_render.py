@@ -59,6 +59,10 @@ def test_monitors_render_when_enabled_and_validate():
     assert ("PodMonitor", "llama3-8b-decode") in manifests and ("PodMonitor", "llama3-8b-prefill") in manifests
     head_monitor = manifests[("PodMonitor", "llama3-8b-prefill")]
     assert head_monitor["spec"]["selector"]["matchLabels"]["splitserve.io/ray-node"] == "head"
+    ray = manifests[("RayCluster", "llama3-8b-prefill")]
+    head_ports = ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]
+    assert {"name": "pool-metrics", "containerPort": 8081, "protocol": "TCP"} in head_ports
+    assert head_monitor["spec"]["podMetricsEndpoints"][0]["port"] == "pool-metrics"
 
 
 def containers(m):
