@@ -3,7 +3,7 @@ the model volume. Pure functions of the parsed spec."""
 
 from __future__ import annotations
 
-from .spec import InferenceSpec
+from .spec import InferenceSpec, RoleSpec
 
 MODEL_MOUNT = "/models"
 ROUTER_PORT = 8000
@@ -122,3 +122,17 @@ def common_args(spec: InferenceSpec) -> list[str]:
     """Flags every component takes; the Redis URL goes through the env var so a
     later change to secret-sourced URLs touches one place."""
     return ["--redis-url", "$(SPLITSERVE_REDIS_URL)", "--cluster", spec.cluster]
+
+
+def engine_args(spec: InferenceSpec, role: RoleSpec) -> list[str]:
+    """Flags every engine (decode worker, prefill pool) takes. The served name seeds
+    the block-hash space: router and workers must pass the same one."""
+    m = spec.model
+    args = ["--served-model-name", m.served_name, "--block-size", str(spec.block_size),
+            "--device", "cuda" if role.gpus else "cpu", "--dtype", m.dtype,
+            "--max-num-seqs", str(role.max_num_seqs), "--max-num-batched-tokens", str(role.max_num_batched_tokens)]
+    if m.max_model_len:
+        args += ["--max-model-len", str(m.max_model_len)]
+    if role.kv_cache_memory_gib:
+        args += ["--kv-cache-memory", f"{role.kv_cache_memory_gib:g}"]
+    return args

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import render_common as c
+from .render_prefill import WORKER_METRICS_PORT
 from .spec import InferenceSpec
 
 OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "splitserve-operator"}
@@ -23,12 +24,14 @@ def render_monitors(spec: InferenceSpec) -> list[dict]:
             "spec": {"selector": {"matchLabels": c.selector_labels(spec, "decode")},
                      "podMetricsEndpoints": [{"port": "admin", "path": "/metrics", "interval": spec.scrape_interval}]},
         })
-        head = {**c.selector_labels(spec, "prefill"), "splitserve.io/ray-node": "head"}
+        # Head pods expose the pool driver's metrics, worker pods each actor's; a pod
+        # without the named port is simply not scraped on it.
         out.append({
             "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": c.metadata(spec, "prefill"),
-            "spec": {"selector": {"matchLabels": head},
-                     "podMetricsEndpoints": [{"port": "pool-metrics", "path": "/metrics",
-                                              "interval": spec.scrape_interval}]},
+            "spec": {"selector": {"matchLabels": c.selector_labels(spec, "prefill")},
+                     "podMetricsEndpoints": [
+                         {"port": port, "path": "/metrics", "interval": spec.scrape_interval}
+                         for port in ("pool-metrics", "actor-metrics")]},
         })
     return out
 
@@ -64,11 +67,11 @@ def render_network_policies(spec: InferenceSpec) -> list[dict]:
     if not spec.network_policy:
         return []
     same_deployment = {"podSelector": {"matchLabels": {"splitserve.io/deployment": spec.name}}}
-    scrape = {"ports": [_port(c.ADMIN_PORT)]}
     out = [
         _netpol(spec, "router", [{"ports": [_port(c.ROUTER_PORT)]}]),
-        _netpol(spec, "decode", [{"from": [same_deployment]}, scrape]),
-        _netpol(spec, "prefill", [{"from": [same_deployment]}, scrape]),
+        _netpol(spec, "decode", [{"from": [same_deployment]}, {"ports": [_port(c.ADMIN_PORT)]}]),
+        _netpol(spec, "prefill", [{"from": [same_deployment]},
+                                  {"ports": [_port(c.ADMIN_PORT), _port(WORKER_METRICS_PORT)]}]),
     ]
     if not spec.redis_url:
         operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR_POD_LABELS}}

@@ -14,6 +14,7 @@ from .render_workloads import kv_args
 from .spec import InferenceSpec
 
 PREFILL_GROUP = "prefill"
+WORKER_METRICS_PORT = 8082  # each prefill actor's /metrics, on the Ray worker pods
 
 
 def _container(spec: InferenceSpec, name: str, resources: dict) -> dict:
@@ -38,7 +39,8 @@ def head_command(spec: InferenceSpec) -> str:
     # the worker group's replicas; the pool keeps one prefill actor per worker pod.
     pool = ["splitserve", "prefill-pool", "--model", c.model_dir(spec), "--replicas", str(spec.prefill.replicas),
             *c.common_args(spec), *kv_args(spec), "--port", str(c.PREFILL_GRPC_PORT),
-            "--metrics-port", str(c.ADMIN_PORT)]
+            "--metrics-port", str(c.ADMIN_PORT), "--worker-metrics-port", str(WORKER_METRICS_PORT),
+            "--gpus-per-worker", str(spec.prefill.gpus), *c.engine_args(spec, spec.prefill)]
     # `$(SPLITSERVE_REDIS_URL)` is Kubernetes' env expansion for args; inside a shell
     # string it must become a shell variable instead.
     pool_cmd = " ".join(pool).replace("$(SPLITSERVE_REDIS_URL)", '"$SPLITSERVE_REDIS_URL"')
@@ -61,7 +63,8 @@ def render_prefill(spec: InferenceSpec, replicas: int, ray_version: str) -> list
     worker = _container(spec, "ray-worker", p.resources)
     worker["command"] = ["/bin/bash", "-c", "--"]
     worker["args"] = ['ulimit -n 65536 || true; exec $KUBERAY_GEN_RAY_START_CMD']
-    worker["ports"] = [{"name": "grpc", "containerPort": c.PREFILL_GRPC_PORT, "protocol": "TCP"}]
+    worker["ports"] = [{"name": "grpc", "containerPort": c.PREFILL_GRPC_PORT, "protocol": "TCP"},
+                       {"name": "actor-metrics", "containerPort": WORKER_METRICS_PORT, "protocol": "TCP"}]
     metadata = c.metadata(spec, "prefill")
     metadata["annotations"] = {"ray.io/overwrite-container-cmd": "true"}
     return [{

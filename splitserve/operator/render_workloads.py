@@ -30,11 +30,15 @@ def _deployment(spec: InferenceSpec, role: str, replicas: int, pod_spec: dict,
 
 
 def render_router(spec: InferenceSpec) -> list[dict]:
-    args = ["router", "--host", "0.0.0.0", "--port", str(c.ROUTER_PORT), "--model", c.model_dir(spec),
+    # The router only tokenizes: it reads tokenizer, chat template and context length
+    # from --model, so a separate tokenizer directory takes that place. Block hashes
+    # are seeded by the served name, not the path, so they still match the workers'.
+    args = ["router", "--host", "0.0.0.0", "--port", str(c.ROUTER_PORT),
+            "--model", c.tokenizer_dir(spec) or c.model_dir(spec),
             "--served-model-name", spec.model.served_name, *c.common_args(spec),
             "--block-size", str(spec.block_size)]
-    if spec.model.tokenizer:
-        args += ["--tokenizer", c.tokenizer_dir(spec)]
+    if spec.model.max_model_len:
+        args += ["--max-model-len", str(spec.model.max_model_len)]
     container = {
         "name": "router", "image": spec.image, "imagePullPolicy": spec.image_pull_policy,
         "command": ["splitserve"], "args": args, "env": c.env(spec),
@@ -64,7 +68,8 @@ def render_decode(spec: InferenceSpec, replicas: int) -> list[dict]:
     d = spec.decode
     args = ["decode-worker", "--model", c.model_dir(spec), "--host", "0.0.0.0", "--port", str(c.DECODE_GRPC_PORT),
             "--admin-port", str(c.ADMIN_PORT), *c.common_args(spec), *kv_args(spec),
-            "--max-num-seqs", str(d.max_num_seqs), "--max-num-batched-tokens", str(d.max_num_batched_tokens)]
+            *(["--kv-protocol", "rdma"] if spec.rdma_device else []),
+            "--drain-timeout", str(spec.drain_timeout_seconds), *c.engine_args(spec, d)]
     container = {
         "name": "decode", "image": spec.image, "imagePullPolicy": spec.image_pull_policy,
         "command": ["splitserve"], "args": args, "env": c.env(spec),

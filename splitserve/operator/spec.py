@@ -35,6 +35,8 @@ class ModelSpec:
     claim_name: str = ""
     host_path: str = ""
     tokenizer: str = ""  # same convention as `path`; empty = the model directory
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None  # None: the checkpoint's own context length
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,16 @@ class RoleSpec:
     max_num_seqs: int = 256
     node_selector: dict = field(default_factory=dict)
     tolerations: list = field(default_factory=list)
+    kv_cache_memory_gib: float | None = None  # None: the engine's default
+
+    @property
+    def gpus(self) -> int:
+        """GPUs per pod, from resources (limits win); decides --device cuda vs cpu."""
+        for section in ("limits", "requests"):
+            value = (self.resources.get(section) or {}).get("nvidia.com/gpu")
+            if value is not None:
+                return int(value)
+        return 0
 
 
 @dataclass(frozen=True)
@@ -136,7 +148,14 @@ def _role(d: dict, where: str, problems: list[str], replicas: int, maximum: int)
         max_num_seqs=_int(d, "maxNumSeqs", 256, where, problems, minimum=1),
         node_selector=d.get("nodeSelector", {}) or {},
         tolerations=list(d.get("tolerations", []) or []),
+        kv_cache_memory_gib=_float(d, "kvCacheMemoryGiB", 0.0, where, problems) or None,
     )
+    if role.kv_cache_memory_gib is not None and role.kv_cache_memory_gib <= 0:
+        problems.append(f"{where}.kvCacheMemoryGiB must be > 0")
+    try:
+        role.gpus  # noqa: B018 - validates the quantity
+    except (TypeError, ValueError):
+        problems.append(f"{where}.resources nvidia.com/gpu must be a whole number")
     # The CRD's CEL rules, repeated (see module docstring).
     if role.min_replicas > role.max_replicas:
         problems.append(f"{where}.minReplicas ({role.min_replicas}) must be <= "
@@ -152,7 +171,11 @@ def _model(d: dict, problems: list[str]) -> ModelSpec:
     model = ModelSpec(
         served_name=str(d.get("servedName", "")), source_type=str(source.get("type", "pvc")),
         path=str(d.get("path", "")), claim_name=str(source.get("claimName", "")),
-        host_path=str(source.get("hostPath", "")), tokenizer=str(d.get("tokenizer", "")))
+        host_path=str(source.get("hostPath", "")), tokenizer=str(d.get("tokenizer", "")),
+        dtype=str(d.get("dtype", "bfloat16")),
+        max_model_len=_int(d, "maxModelLen", 0, "spec.model", problems) or None)
+    if model.dtype not in ("bfloat16", "float16", "float32"):
+        problems.append(f"spec.model.dtype must be bfloat16, float16 or float32, got {model.dtype!r}")
     if not model.served_name:
         problems.append("spec.model.servedName is required (the name clients pass as `model`)")
     if model.source_type not in ("pvc", "hostPath", "image"):

@@ -123,6 +123,8 @@ INVALID_BY_SCHEMA = [
     ("redis url scheme", {"redis": {"url": "http://redis:6379"}}, "does not match", "must start with redis://"),
     ("source type", {"model": {"source": {"type": "s3"}}}, "'s3' is not one of", "pvc, hostPath or image"),
     ("replicas as string", {"router": {"replicas": "two"}}, "'two' is not of type 'integer'", "must be an integer"),
+    ("negative kv cache", {"decode": {"kvCacheMemoryGiB": -1}}, "-1 is less than the minimum of 0", "kvCacheMemoryGiB must be > 0"),
+    ("unknown dtype", {"model": {"dtype": "int4"}}, "'int4' is not one of", "dtype must be bfloat16, float16 or float32"),
 ]
 INVALID_BY_CEL = [
     ("min > max", {"decode": {"minReplicas": 5, "maxReplicas": 2, "replicas": 2}},

@@ -58,11 +58,13 @@ def test_monitors_render_when_enabled_and_validate():
     assert ("ServiceMonitor", "llama3-8b-router") in manifests
     assert ("PodMonitor", "llama3-8b-decode") in manifests and ("PodMonitor", "llama3-8b-prefill") in manifests
     head_monitor = manifests[("PodMonitor", "llama3-8b-prefill")]
-    assert head_monitor["spec"]["selector"]["matchLabels"]["splitserve.io/ray-node"] == "head"
+    assert "splitserve.io/ray-node" not in head_monitor["spec"]["selector"]["matchLabels"]
+    assert [e["port"] for e in head_monitor["spec"]["podMetricsEndpoints"]] == ["pool-metrics", "actor-metrics"]
     ray = manifests[("RayCluster", "llama3-8b-prefill")]
     head_ports = ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]
     assert {"name": "pool-metrics", "containerPort": 8081, "protocol": "TCP"} in head_ports
-    assert head_monitor["spec"]["podMetricsEndpoints"][0]["port"] == "pool-metrics"
+    worker_ports = ray["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["ports"]
+    assert {"name": "actor-metrics", "containerPort": 8082, "protocol": "TCP"} in worker_ports
 
 
 def containers(m):
@@ -100,13 +102,16 @@ def test_component_commands_follow_the_contracts():
                               "--model", "/models/Meta-Llama-3-8B-Instruct",
                               "--served-model-name", "llama-3-8b-instruct",
                               "--redis-url", "$(SPLITSERVE_REDIS_URL)", "--cluster", "inference.llama3-8b",
-                              "--block-size", "16"]
+                              "--block-size", "16", "--max-model-len", "8192"]
     decode_dep = m[("Deployment", "llama3-8b-decode")]
     decode = decode_dep["spec"]["template"]["spec"]["containers"][0]
+    engine = ["--served-model-name", "llama-3-8b-instruct", "--block-size", "16", "--device", "cuda",
+              "--dtype", "bfloat16"]
     assert decode["args"] == ["decode-worker", "--model", "/models/Meta-Llama-3-8B-Instruct", "--host", "0.0.0.0",
                               "--port", "50052", "--admin-port", "8081", "--redis-url", "$(SPLITSERVE_REDIS_URL)",
-                              "--cluster", "inference.llama3-8b", "--kv-backend", "grpc",
-                              "--max-num-seqs", "256", "--max-num-batched-tokens", "8192"]
+                              "--cluster", "inference.llama3-8b", "--kv-backend", "grpc", "--drain-timeout", "600",
+                              *engine, "--max-num-seqs", "256", "--max-num-batched-tokens", "8192",
+                              "--max-model-len", "8192", "--kv-cache-memory", "40"]
     assert decode_dep["spec"]["replicas"] == 3
     env = {e["name"]: e.get("value") for e in decode["env"]}
     assert env["SPLITSERVE_REDIS_URL"] == "redis://llama3-8b-redis.inference.svc:6379/0"
@@ -117,7 +122,8 @@ def test_component_commands_follow_the_contracts():
     assert head["args"][0].endswith(
         "exec splitserve prefill-pool --model /models/Meta-Llama-3-8B-Instruct --replicas 2 "
         '--redis-url "$SPLITSERVE_REDIS_URL" --cluster inference.llama3-8b --kv-backend grpc '
-        "--port 50051 --metrics-port 8081")
+        "--port 50051 --metrics-port 8081 --worker-metrics-port 8082 --gpus-per-worker 1 "
+        + " ".join(engine) + " --max-num-seqs 256 --max-num-batched-tokens 16384 --max-model-len 8192")
     assert '"${KUBERAY_GEN_RAY_START_CMD//--block/}"' in head["args"][0]
     (group,) = ray["spec"]["workerGroupSpecs"]
     assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (2, 1, 8)
@@ -128,8 +134,8 @@ def test_rdma_and_image_source():
     m = by_kind_name(render(SPECS["mistral-image-rdma.yaml"]))
     decode_pod = m[("Deployment", "mistral-7b-decode")]["spec"]["template"]["spec"]
     args = decode_pod["containers"][0]["args"]
-    assert args[args.index("--kv-backend"):args.index("--kv-backend") + 4] == [
-        "--kv-backend", "mooncake", "--rdma-device", "mlx5_0"]
+    assert args[args.index("--kv-backend"):args.index("--kv-backend") + 6] == [
+        "--kv-backend", "mooncake", "--rdma-device", "mlx5_0", "--kv-protocol", "rdma"]
     assert args[args.index("--model") + 1] == "/opt/models/Mistral-7B-Instruct-v0.3"
     assert not any(v["name"] == "model" for v in decode_pod["volumes"])  # baked into the image
     assert decode_pod["imagePullSecrets"] == [{"name": "registry-internal"}]
@@ -140,13 +146,20 @@ def test_rdma_and_image_source():
 
 def test_host_path_source_and_tokenizer(minimal_spec):
     minimal_spec["model"] = {"servedName": "m", "source": {"type": "hostPath", "hostPath": "/data/models"},
-                             "path": "qwen", "tokenizer": "qwen-tokenizer"}
+                             "path": "qwen", "tokenizer": "qwen-tokenizer", "maxModelLen": 4096, "dtype": "float32"}
     spec = parse_spec("q", "ns", minimal_spec, "img:1")
     m = by_kind_name(render(spec))
     pod = m[("Deployment", "q-router")]["spec"]["template"]["spec"]
     assert {"name": "model", "hostPath": {"path": "/data/models", "type": "Directory"}} in pod["volumes"]
     assert {"name": "model", "mountPath": "/models", "readOnly": True} in pod["containers"][0]["volumeMounts"]
-    assert pod["containers"][0]["args"][-2:] == ["--tokenizer", "/models/qwen-tokenizer"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "/models/qwen-tokenizer"  # the router only tokenizes
+    assert args[-2:] == ["--max-model-len", "4096"]
+    decode = m[("Deployment", "q-decode")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert decode[decode.index("--model") + 1] == "/models/qwen"
+    assert decode[decode.index("--device") + 1] == "cpu"  # no GPU requested
+    assert decode[decode.index("--dtype") + 1] == "float32"
+    assert decode[decode.index("--max-model-len") + 1] == "4096"
 
 
 def test_decode_scale_down_drains():
