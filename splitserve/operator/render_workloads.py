@@ -78,7 +78,10 @@ def render_decode(spec: InferenceSpec, replicas: int) -> list[dict]:
         # Loading weights can take minutes; liveness starts only after the first success.
         "startupProbe": _probe("/health", c.ADMIN_PORT, 10, 90),
         "readinessProbe": _probe("/health", c.ADMIN_PORT, 5, 2),
-        "livenessProbe": _probe("/health", c.ADMIN_PORT, 15, 4),
+        # /health answers 503 while draining, so liveness must not use it: a drain may
+        # take drainTimeoutSeconds and must not be cut short by a restart.
+        "livenessProbe": {"tcpSocket": {"port": c.ADMIN_PORT}, "periodSeconds": 15, "failureThreshold": 4,
+                          "timeoutSeconds": 5},
         # Scale-down drains: /drain stops admission and returns once no stream is left
         # (finished or handed off); the grace period bounds how long that may take.
         "lifecycle": {"preStop": {"httpGet": {"path": "/drain", "port": c.ADMIN_PORT}}},
