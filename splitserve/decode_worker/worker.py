@@ -40,8 +40,12 @@ from splitserve.proto.worker_pb2_grpc import (
     PrefillWorkerStub,
     add_DecodeWorkerServicer_to_server,
 )
+from splitserve.security.tls import TLSConfig, add_port, aio_channel
 
 log = logging.getLogger(__name__)
+
+# A restarted peer is dialled again within 2 s (gRPC's default backoff grows to 2 min).
+RECONNECT_OPTIONS = [("grpc.max_reconnect_backoff_ms", 2000), ("grpc.initial_reconnect_backoff_ms", 200)]
 
 
 @dataclass
@@ -60,6 +64,7 @@ class DecodeWorkerConfig:
     heartbeat_ttl_s: float = 6.0
     admin_port: int | None = None  # /health, /metrics, /drain; 0: any free port; None: off
     drain_timeout_s: float = 600.0
+    tls: TLSConfig | None = None  # mutual TLS on its gRPC server, KV receiver and prefill calls
 
 
 class DecodeWorker(DecodeWorkerServicer):
@@ -73,6 +78,7 @@ class DecodeWorker(DecodeWorkerServicer):
         self.address = ""
         self.admin_url = ""
         self._admin = None
+        self._prefill_channels: dict[str, grpc.aio.Channel] = {}
 
     async def start(self) -> str:
         cfg = self.config
@@ -88,15 +94,15 @@ class DecodeWorker(DecodeWorkerServicer):
         host = advertised_host(cfg.host, cfg.advertise_host)
         self.receiver = KVReceiver(engine.runner.kv_pool, KVTransferConfig(
             backend=cfg.kv_backend, host=cfg.host, mooncake_protocol=cfg.kv_protocol,
-            mooncake_device=cfg.rdma_device or ""), metrics=self.metrics, worker_id=self.worker_id)
+            mooncake_device=cfg.rdma_device or "", tls=cfg.tls), metrics=self.metrics, worker_id=self.worker_id)
         kv_port = (await asyncio.to_thread(self.receiver.start)).rsplit(":", 1)[1]
         self.kv_address = f"{host}:{kv_port}"  # what prefill workers dial (not 0.0.0.0)
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
         add_DecodeWorkerServicer_to_server(self, self.server)
-        port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        port = add_port(self.server, f"{cfg.host}:{cfg.port}", cfg.tls)
         await self.server.start()
         self.address = f"{host}:{port}"
-        self.bus = self._given_bus or open_bus(cfg.bus_url, cfg.cluster)
+        self.bus = self._given_bus or open_bus(cfg.bus_url, cfg.cluster, cfg.tls)
         info = WorkerInfo(self.worker_id, "decode", self.address, engine.model_id, cfg.engine.block_size,
                           engine.num_total_blocks, cfg.kv_backend)
         self.presence = WorkerPresence(self.bus, info, self.load_report, ttl=cfg.heartbeat_ttl_s)
@@ -108,6 +114,8 @@ class DecodeWorker(DecodeWorkerServicer):
     async def stop(self) -> None:
         await self.presence.stop()
         await self.server.stop(grace=1.0)
+        for channel in self._prefill_channels.values():
+            await channel.close()
         self.receiver.stop()
         self.engine.stop()
         if self._given_bus is None:
@@ -128,6 +136,12 @@ class DecodeWorker(DecodeWorkerServicer):
         m.num_requests_running.labels(**labels).set(running)
         m.kv_cache_usage.labels(**labels).set(usage)
         return LoadReport(self.worker_id, "decode", waiting, running, usage)
+
+    def kv_state(self) -> dict:
+        """Block accounting for /health: after every request has ended, free == total."""
+        e = self.engine.engine
+        return {"free_blocks": e.num_free_blocks, "total_blocks": e.num_total_blocks, "sequences": len(e.sequences),
+                "remote_prefills": len(e.remote), "kv_leases": len(self.receiver.in_flight())}
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -161,7 +175,9 @@ class DecodeWorker(DecodeWorkerServicer):
         prefill_worker = self.worker_id
         try:
             first: RequestOutput | None = None
-            if request.prefill_address:
+            if request.prefill_address and resume and params.seed is not None and not params.greedy:
+                fallback = "a migrated seeded request is prefilled here (the prefill worker cannot resume its RNG)"
+            elif request.prefill_address:
                 first, fallback, prefill_cached = await self._remote_prefill(request, prompt, params, len(resume))
                 if first is not None:
                     prefill_worker = request.prefill_worker_id
@@ -205,6 +221,12 @@ class DecodeWorker(DecodeWorkerServicer):
             engine.cancel_remote_prefill(rid) or True))))
 
     # ---- remote prefill -----------------------------------------------------------------
+    def _prefill_channel(self, address: str) -> grpc.aio.Channel:
+        # One channel per prefill worker: with mTLS a handshake per request would cost more than the RPC.
+        if address not in self._prefill_channels:
+            self._prefill_channels[address] = aio_channel(address, self.config.tls, RECONNECT_OPTIONS)
+        return self._prefill_channels[address]
+
     async def _remote_prefill(self, request: pb.GenerateRequest, prompt: list[int], params,
                               draws_done: int) -> tuple[RequestOutput | None, str, int]:
         """(first output, "", prefill worker's cached tokens) on success; (None, why, 0) when
@@ -220,8 +242,8 @@ class DecodeWorker(DecodeWorkerServicer):
         lease = self.receiver.expect(rid, dest, hashes, lambda _ids: loop.call_soon_threadsafe(released.set),
                                      timeout=self.config.prefill_timeout_s) if dest else None
         try:
-            async with grpc.aio.insecure_channel(request.prefill_address) as channel:
-                reply = await PrefillWorkerStub(channel).Prefill(pb.PrefillRequest(
+            reply = await PrefillWorkerStub(self._prefill_channel(request.prefill_address)).Prefill(
+                pb.PrefillRequest(
                     request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
                     kv_receiver_address=self.kv_address, kv_backend=self.config.kv_backend, skip_blocks=skip,
                     dest_block_ids=dest, timeout_s=self.config.prefill_timeout_s,
@@ -245,10 +267,21 @@ class DecodeWorker(DecodeWorkerServicer):
             await self.engine.call(engine.cancel_remote_prefill, rid)
             return None, why, 0
         except BaseException:
-            if lease is not None:
+            # Cancelled (client gone). The blocks may only be reused once the receiver says
+            # no write can still land in them (one-sided writes cannot be recalled).
+            if lease is None:
+                await self.engine.call(engine.cancel_remote_prefill, rid)
+            else:
                 self.receiver.abort(rid, "the request was cancelled")
-            await self.engine.call(engine.cancel_remote_prefill, rid)
+                asyncio.get_running_loop().create_task(self._free_after_release(rid, released))
             raise
+
+    async def _free_after_release(self, rid: str, released: asyncio.Event) -> None:
+        try:
+            await asyncio.wait_for(released.wait(), timeout=self.config.prefill_timeout_s + 30)
+        except TimeoutError:
+            log.error("request %s: KV receiver never released its lease; freeing the blocks anyway", rid)
+        await self.engine.call(self.engine.engine.cancel_remote_prefill, rid)
 
     # ---- draining ------------------------------------------------------------------------
     async def drain(self, timeout: float = 600.0) -> bool:
