@@ -17,6 +17,7 @@ import time
 
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.router.main import add_router_args, start_router
+from splitserve.security.tls import add_port, tls_from_args
 
 log = logging.getLogger("splitserve.serve")
 
@@ -47,6 +48,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
         log.warning("no --model given: serving the %s", DEMO_LABEL)
     model, served = await asyncio.to_thread(resolve_model, args)
     engine = engine_config_from_args(args, model, served)
+    tls = tls_from_args(args)
 
     bus = open_bus(args.redis_url, "local")
     bridge = None
@@ -58,8 +60,9 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
         bridge = grpc.aio.server()
         add_BusServicer_to_server(BusServicer(bus), bridge)
-        worker_bus = f"grpc://127.0.0.1:{bridge.add_insecure_port('127.0.0.1:0')}"
+        worker_bus = f"grpc://127.0.0.1:{add_port(bridge, '127.0.0.1:0', tls)}"
         await bridge.start()
+        print(f"splitserve: embedded bus bridge on {worker_bus}{' (mTLS)' if tls else ''}", flush=True)
 
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, logging_level=logging.WARNING,
              log_to_driver=True, configure_logging=False)
@@ -67,10 +70,10 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
     actors = []
     for i in range(args.decode_workers):
         cfg = DecodeWorkerConfig(engine, worker_id=f"decode-{i}", bus_url=worker_bus, kv_backend=args.kv_backend,
-                                 admin_port=0)
+                                 admin_port=0, tls=tls)
         actors.append(WorkerActor.options(name=f"decode-{i}", **opts).remote("decode", cfg, args.torch_threads))
     for i in range(args.prefill_workers):
-        cfg = PrefillWorkerConfig(engine, worker_id=f"prefill-{i}", bus_url=worker_bus, metrics_port=0)
+        cfg = PrefillWorkerConfig(engine, worker_id=f"prefill-{i}", bus_url=worker_bus, metrics_port=0, tls=tls)
         actors.append(WorkerActor.options(name=f"prefill-{i}", **opts).remote("prefill", cfg, args.torch_threads))
 
     runner = dispatcher = None

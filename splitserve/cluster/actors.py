@@ -55,8 +55,9 @@ class WorkerActor:
 
     def describe(self) -> str:
         url = getattr(self.worker, "admin_url", "") or getattr(self.worker, "metrics_url", "")
+        kv = getattr(self.worker, "kv_address", "")
         return f"{self.role} worker {self.worker.worker_id}: gRPC {self.worker.address}" + (
-            f", metrics {url}/metrics" if url else "")
+            f", KV receiver {kv}" if kv else "") + (f", metrics {url}/metrics" if url else "")
 
     def drain(self, timeout: float = 600.0) -> bool:
         if self.role != "decode":

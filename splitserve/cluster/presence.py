@@ -79,17 +79,23 @@ class WorkerPresence:
             await self.hide()
 
     async def _heartbeats(self) -> None:
+        failing = False
         while True:
-            await asyncio.sleep(self.ttl / 3)
+            # After a failure retry every 0.2 s: a restarted Redis has lost the registry, and
+            # routers wait only briefly (one TTL) for workers to re-register.
+            await asyncio.sleep(0.2 if failing else self.ttl / 3)
             if not self.visible:
                 continue
             try:
                 if not await self.bus.heartbeat(self.info, self.ttl):
-                    log.warning("worker %s: registration had expired (bus unreachable or worker stalled "
-                                "> %.0fs); re-registered, routers will replay its KV events",
-                                self.info.worker_id, self.ttl)
+                    log.warning("worker %s: registration had expired (bus restarted or unreachable, or worker "
+                                "stalled > %.0fs); re-registered", self.info.worker_id, self.ttl)
+                failing = False
             except BusError as exc:
-                log.warning("worker %s: heartbeat failed: %s (check the bus / Redis)", self.info.worker_id, exc)
+                if not failing:
+                    log.warning("worker %s: heartbeat failed: %s (check the bus / Redis); retrying every 0.2 s",
+                                self.info.worker_id, exc)
+                failing = True
 
     async def _load_reports(self) -> None:
         while True:

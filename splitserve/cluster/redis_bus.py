@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
@@ -24,6 +25,9 @@ from splitserve.cluster.messages import KVEvent, LoadReport, WorkerInfo, decode,
 log = logging.getLogger(__name__)
 
 SOCKET_TIMEOUT_S = 30.0  # must exceed the longest blocking read
+# After an outage or a Redis restart (which loses every registration) routers keep the
+# workers they knew for this long, while the workers re-register (they retry every 0.2 s).
+REGISTRY_GRACE_S = 6.0
 
 
 class RedisBus(ClusterBus):
@@ -36,6 +40,9 @@ class RedisBus(ClusterBus):
         except ValueError as exc:
             raise BusError(f"invalid Redis URL {url!r}: {exc} (expected "
                            "redis://host:port/db)") from None
+        self._outage_at: float | None = None  # monotonic time of the last failure or restart seen
+        self._run_id: str | None = None  # Redis server instance: a new one means its data is gone
+        self._known: dict[str, WorkerInfo] = {}  # the registry as last read while Redis was healthy
 
     def _key(self, kind: str, worker_id: str) -> str:
         return f"{self._prefix}{kind}:{worker_id}"
@@ -46,6 +53,7 @@ class RedisBus(ClusterBus):
         try:
             yield
         except RedisError as exc:
+            self._outage_at = time.monotonic()
             raise BusError(f"Redis at {self.url} failed to {what}: {exc}. Check that Redis is "
                            f"up and --redis-url points at it.") from exc
 
@@ -69,7 +77,19 @@ class RedisBus(ClusterBus):
                                      self._key("load", worker_id), self._key("kv", worker_id))
 
     async def live_workers(self) -> dict[str, WorkerInfo]:
-        return await self._read_all("workers", WorkerInfo)
+        async with self._call("identify the Redis server"):
+            run_id = (await self._redis.info("server")).get("run_id")
+        if self._run_id is not None and run_id != self._run_id:
+            log.warning("Redis at %s restarted (run id %s -> %s): its registry is empty until workers "
+                        "re-register; keeping the %d known workers for %.0fs", self.url, self._run_id, run_id,
+                        len(self._known), REGISTRY_GRACE_S)
+            self._outage_at = time.monotonic()
+        self._run_id = run_id
+        live = await self._read_all("workers", WorkerInfo)
+        if self._outage_at is not None and time.monotonic() - self._outage_at < REGISTRY_GRACE_S:
+            return {**self._known, **live}
+        self._known = live
+        return live
 
     # ---- load reports ------------------------------------------------------------------
     async def publish_load(self, report: LoadReport, ttl: float) -> None:

@@ -7,6 +7,7 @@ uses Redis for all of it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import fields
 
 import grpc
 import msgpack
@@ -14,6 +15,7 @@ import msgpack
 from splitserve.cluster.bus import DEFAULT_MAXLEN, BusError, ClusterBus, KVRecord
 from splitserve.cluster.messages import KVEvent, LoadReport, WorkerInfo, decode, encode
 from splitserve.proto.build import ensure_built
+from splitserve.security.tls import TLSConfig, aio_channel
 
 ensure_built()
 from splitserve.proto import worker_pb2 as pb  # noqa: E402
@@ -23,11 +25,11 @@ from splitserve.proto import worker_pb2_grpc as pb_grpc  # noqa: E402
 class RemoteBus(ClusterBus):
     """Worker side of the embedded bus."""
 
-    def __init__(self, address: str, cluster: str = "local", timeout: float = 5.0):
+    def __init__(self, address: str, cluster: str = "local", timeout: float = 5.0, tls: TLSConfig | None = None):
         self.address = address
         self.cluster = cluster
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = aio_channel(address, tls)
         self._stub = pb_grpc.BusStub(self._channel)
 
     async def _call(self, method: str, payload: bytes, ttl: float = 0.0):
@@ -82,27 +84,59 @@ class BusServicer(pb_grpc.BusServicer):
     async def Call(self, request: pb.BusCall, context) -> pb.BusReply:  # noqa: N802 - gRPC name
         m, payload, ttl = request.method, request.payload, request.ttl
         try:
+            if m in ("register", "heartbeat", "publish_load") and not 0 < ttl <= MAX_TTL_S:
+                raise ValueError(f"ttl {ttl} is not in (0, {MAX_TTL_S}]")
             if m == "register":
-                result = await self.bus.register(decode(WorkerInfo, payload), ttl)
+                result = await self.bus.register(checked(WorkerInfo, payload), ttl)
             elif m == "heartbeat":
-                result = await self.bus.heartbeat(decode(WorkerInfo, payload), ttl)
+                result = await self.bus.heartbeat(checked(WorkerInfo, payload), ttl)
             elif m == "deregister":
-                result = await self.bus.deregister(msgpack.unpackb(payload, raw=False))
+                worker_id = msgpack.unpackb(payload, raw=False)
+                if not isinstance(worker_id, str):
+                    raise TypeError(f"a worker id must be a string, got {type(worker_id).__name__}")
+                result = await self.bus.deregister(worker_id)
             elif m == "publish_load":
-                result = await self.bus.publish_load(decode(LoadReport, payload), ttl)
+                result = await self.bus.publish_load(checked(LoadReport, payload), ttl)
             elif m == "publish_kv":
-                result = await self.bus.publish_kv(decode(KVEvent, payload))
+                result = await self.bus.publish_kv(checked(KVEvent, payload))
             else:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown bus method {m!r}")
                 return pb.BusReply()
-        except (TypeError, ValueError, msgpack.UnpackException) as exc:
+        except (TypeError, ValueError, KeyError, msgpack.UnpackException) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {m} payload: {exc}")
+            return pb.BusReply()
+        except BusError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{m}: {exc}")
             return pb.BusReply()
         return pb.BusReply(result=msgpack.packb(result))
 
 
-def open_bus(url: str | None, cluster: str = "local") -> ClusterBus:
-    """None/"" -> a fresh in-process bus; redis://... -> Redis; grpc://host:port -> embedded bus."""
+MAX_TTL_S = 3600.0
+_FIELD_TYPES = {"str": str, "int": int, "float": (int, float), "Role": str, "list[int]": list,
+                "int | None": (int, type(None))}
+
+
+def checked(cls: type, payload: bytes):
+    """decode() plus a type check of every field: a message from another process must not
+    put a non-string worker id or a non-list of hashes into the routers' state."""
+    message = decode(cls, payload)
+    for f in fields(cls):
+        value, expected = getattr(message, f.name), _FIELD_TYPES.get(str(f.type), object)
+        if isinstance(value, bool) or not isinstance(value, expected):
+            raise TypeError(f"{cls.__name__}.{f.name} must be {f.type}, got {type(value).__name__}")
+    if isinstance(message, KVEvent):
+        if message.kind not in ("stored", "removed", "cleared"):
+            raise ValueError(f"KVEvent.kind {message.kind!r} is not stored, removed or cleared")
+        if not all(isinstance(h, int) and not isinstance(h, bool) for h in message.block_hashes):
+            raise TypeError("KVEvent.block_hashes must be integers")
+    if isinstance(message, WorkerInfo) and message.role not in ("prefill", "decode"):
+        raise ValueError(f"WorkerInfo.role {message.role!r} is not prefill or decode")
+    return message
+
+
+def open_bus(url: str | None, cluster: str = "local", tls: TLSConfig | None = None) -> ClusterBus:
+    """None/"" -> a fresh in-process bus; redis://... -> Redis; grpc://host:port -> embedded bus
+    (over mutual TLS when `tls` is given)."""
     if not url:
         from splitserve.cluster.inproc_bus import InProcBus
 
@@ -112,5 +146,5 @@ def open_bus(url: str | None, cluster: str = "local") -> ClusterBus:
 
         return RedisBus(url, cluster)
     if url.startswith("grpc://"):
-        return RemoteBus(url.removeprefix("grpc://"), cluster)
+        return RemoteBus(url.removeprefix("grpc://"), cluster, tls=tls)
     raise ValueError(f"bus URL {url!r}: expected redis://host:port[/db] (or grpc://host:port for embedded mode)")

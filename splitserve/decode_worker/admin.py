@@ -1,4 +1,5 @@
-"""Decode worker admin HTTP: GET /health (200 ready, 503 starting or draining),
+"""Decode worker admin HTTP: GET /health (200 ready, 503 starting or draining; block
+accounting under "kv"),
 GET /metrics, GET /drain (stop admitting, leave the registry, answer once every
 stream has finished; the pod's preStop hook calls it before SIGTERM)."""
 
@@ -12,8 +13,10 @@ def admin_app(worker, drain_timeout: float) -> web.Application:
     async def health(request):
         ok = bool(worker.address) and not worker.draining
         status = "ok" if ok else ("draining" if worker.draining else "starting")
-        return web.json_response({"status": status, "worker_id": worker.worker_id,
-                                  "streams": len(worker.streams)}, status=200 if ok else 503)
+        body = {"status": status, "worker_id": worker.worker_id, "streams": len(worker.streams)}
+        if hasattr(worker, "engine"):  # once the model is loaded
+            body["kv"] = worker.kv_state()
+        return web.json_response(body, status=200 if ok else 503)
 
     async def metrics(request):
         return web.Response(body=generate_latest(worker.metrics.registry),

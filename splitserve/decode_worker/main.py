@@ -16,6 +16,7 @@ import torch
 
 from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
+from splitserve.security.tls import add_tls_args, tls_from_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-protocol", choices=["tcp", "rdma"], default="tcp", help="mooncake transport")
     ap.add_argument("--rdma-device", help="RDMA device for mooncake, e.g. mlx5_0")
     ap.add_argument("--drain-timeout", type=float, default=600.0)
+    add_tls_args(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.torch_threads)
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                                 host=args.host, port=args.port, advertise_host=advertise, bus_url=args.redis_url,
                                 cluster=args.cluster, kv_backend=args.kv_backend, kv_protocol=args.kv_protocol,
                                 rdma_device=args.rdma_device, admin_port=args.admin_port,
-                                drain_timeout_s=args.drain_timeout)
+                                drain_timeout_s=args.drain_timeout, tls=tls_from_args(args))
 
     async def amain() -> None:
         stop = asyncio.Event()
@@ -51,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         worker = DecodeWorker(config)
         await worker.start()
+        print(f"splitserve decode-worker: {worker.worker_id} serving gRPC on {worker.address}, KV receiver "
+              f"{worker.kv_address}, admin {worker.admin_url or '(off)'}", flush=True)
         await stop.wait()
         await worker.drain(args.drain_timeout)
         await worker.stop()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve.security.tls import TLSConfig
+
 BACKENDS = ("grpc", "mooncake")
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 GRPC_DEFAULT_MAX_MESSAGE = 4 << 20  # gRPC's own default receive limit
@@ -35,6 +37,9 @@ class KVTransferConfig:
     # stream ended, so that a write already on the wire cannot land in blocks that
     # were handed to another request (one-sided writes cannot be recalled).
     one_sided_quarantine_s: float = 2.0
+    # Mutual TLS on the gRPC stream (PushBlocks/Describe); None: plaintext. Mooncake's
+    # one-sided data path is not covered (its TCP/RDMA transport has no TLS).
+    tls: TLSConfig | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -34,6 +34,7 @@ from splitserve.kvtransfer.wire import (
     validate_header,
 )
 from splitserve.metrics import Metrics
+from splitserve.security.tls import add_port
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class KVReceiver:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=slots, thread_name_prefix="kv-recv"),
                              options=cfg.grpc_options(), maximum_concurrent_rpcs=slots)
         server.add_generic_rpc_handlers((frames.server_handler(self._push_blocks, self._describe),))
-        port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        port = add_port(server, f"{cfg.host}:{cfg.port}", cfg.tls)
         if port == 0:
             raise OSError(f"KV receiver of worker {self.worker_id} could not listen on {cfg.host}:{cfg.port}")
         server.start()

@@ -29,6 +29,7 @@ from splitserve.kvtransfer.wire import (
     dtype_name,
 )
 from splitserve.metrics import Metrics
+from splitserve.security.tls import sync_channel
 
 _RPC_REASONS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
@@ -118,7 +119,7 @@ class KVSender(ABC):
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = grpc.insecure_channel(address, options=self.config.grpc_options())
+                channel = sync_channel(address, self.config.tls, self.config.grpc_options())
                 self._channels[address] = channel
             return channel
 

@@ -1,9 +1,11 @@
 """`splitserve prefill-pool`: the Ray driver of the prefill pool (runs on the KubeRay head).
 
-Keeps --replicas prefill actors alive on the Ray cluster: Ray restarts a crashed actor
-(max_restarts); an actor that is gone for good is replaced. Each actor serves gRPC on
-its node and registers itself on the bus, so routers reach it directly.
-Metrics of the pool itself on --metrics-port (/metrics, /health).
+Keeps prefill actors alive on the Ray cluster: --replicas of them, or with
+--one-per-worker-node one actor pinned to each live Ray worker node (what the operator
+uses: it scales the KubeRay worker group, and the pool follows the nodes). Ray restarts
+a crashed actor (max_restarts); one gone for good is replaced; actors of vanished nodes
+are dropped. Each actor serves gRPC on its node and registers itself on the bus, so
+routers reach it directly. Metrics of the pool itself on --metrics-port (/metrics, /health).
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
+from splitserve.metrics import Metrics
 from splitserve.prefill_worker.worker import PrefillWorkerConfig
+from splitserve.security.tls import add_tls_args, tls_from_args
 
 log = logging.getLogger("splitserve.prefill_pool")
 
@@ -55,44 +59,65 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--redis-url", required=True)
     ap.add_argument("--cluster", default="local")
     ap.add_argument("--kv-backend", choices=["grpc", "mooncake"], default="grpc")
+    ap.add_argument("--kv-protocol", choices=["tcp", "rdma"], default="tcp", help="mooncake transport")
     ap.add_argument("--rdma-device")
+    ap.add_argument("--one-per-worker-node", action="store_true",
+                    help="one actor per live Ray worker node (ignores --replicas once worker nodes exist)")
     ap.add_argument("--port", type=int, default=50051, help="gRPC port of each prefill actor (0: any)")
     ap.add_argument("--metrics-port", type=int, default=8081, help="the pool driver's own /metrics")
     ap.add_argument("--worker-metrics-port", type=int, default=8082, help="each prefill actor's /metrics")
     ap.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS", "auto"))
     ap.add_argument("--gpus-per-worker", type=float, default=0.0)
+    add_tls_args(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.replicas < 0:
         raise SystemExit("--replicas must be >= 0")
     model, served = resolve_model(args)
     engine = engine_config_from_args(args, model, served)
+    tls = tls_from_args(args)  # the files must exist at the same paths on every Ray node (a mounted secret)
     ray.init(address=args.ray_address, logging_level=logging.WARNING)
-    registry = CollectorRegistry()
-    alive = Gauge("splitserve_prefill_pool_actors", "Prefill actors alive in the pool.", registry=registry)
-    actors: dict[int, object] = {}
+    metrics = Metrics(CollectorRegistry())
+    actors: dict[str, object] = {}
 
-    def spawn(i: int):
-        cfg = PrefillWorkerConfig(engine, worker_id=f"{args.cluster}-prefill-{i}", host="0.0.0.0", port=args.port,
+    def wanted() -> dict[str, str | None]:
+        """slot name -> node id to pin to (None: anywhere)."""
+        if args.one_per_worker_node:
+            nodes = [n["NodeID"] for n in ray.nodes()
+                     if n["Alive"] and "node:__internal_head__" not in n.get("Resources", {})]
+            if nodes:
+                return {f"node-{n[:12]}": n for n in nodes}
+        return {f"slot-{i}": None for i in range(args.replicas)}
+
+    def spawn(slot: str, node_id: str | None):
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        cfg = PrefillWorkerConfig(engine, worker_id=f"{args.cluster}-prefill-{slot}", host="0.0.0.0", port=args.port,
                                   advertise_host=None, bus_url=args.redis_url, cluster=args.cluster,
-                                  metrics_port=args.worker_metrics_port)
-        actor = WorkerActor.options(name=f"prefill-{i}", lifetime="detached", get_if_exists=True,
-                                    num_cpus=1, num_gpus=args.gpus_per_worker).remote("prefill", cfg,
+                                  metrics_port=args.worker_metrics_port, kv_protocol=args.kv_protocol,
+                                  rdma_device=args.rdma_device)
+        placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)} if node_id else {}
+        return WorkerActor.options(name=f"prefill-{slot}", lifetime="detached", get_if_exists=True, num_cpus=1,
+                                   num_gpus=args.gpus_per_worker, **placement).remote("prefill", cfg,
                                                                                       args.torch_threads)
-        return actor
 
-    serve_metrics(args.metrics_port, registry, lambda: bool(actors))
-    while True:  # reconcile: one actor per replica slot, replaced when dead for good
-        for i in range(args.replicas):
-            if i not in actors:
-                actors[i] = spawn(i)
+    serve_metrics(args.metrics_port, metrics.registry, lambda: bool(actors))
+    while True:  # reconcile the actors against the slots
+        slots = wanted()
+        for slot, node_id in slots.items():
+            if slot not in actors:
+                actors[slot] = spawn(slot, node_id)
             try:
-                ray.get(actors[i].address.remote(), timeout=30)
+                ray.get(actors[slot].address.remote(), timeout=30)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-                log.warning("prefill actor %d is not answering (%s); replacing it", i, exc)
-                ray.kill(actors.pop(i), no_restart=True)
-        for i in [i for i in actors if i >= args.replicas]:  # scaled down
-            ray.get(actors[i].stop.remote(), timeout=60)
-            ray.kill(actors.pop(i), no_restart=True)
-        alive.set(len(actors))
+                log.warning("prefill actor %s is not answering (%s); replacing it", slot, exc)
+                ray.kill(actors.pop(slot), no_restart=True)
+        for slot in [s for s in actors if s not in slots]:  # scaled down, or its node left
+            log.info("prefill actor %s no longer wanted; stopping it", slot)
+            try:
+                ray.get(actors[slot].stop.remote(), timeout=60)
+            except Exception as exc:  # noqa: BLE001 - its node may be gone already
+                log.warning("prefill actor %s did not stop cleanly: %s", slot, exc)
+            ray.kill(actors.pop(slot), no_restart=True)
+        metrics.prefill_pool_actors.set(len(actors))
         time.sleep(5)

@@ -23,15 +23,18 @@ from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import InvalidPromptError, LLMEngine, RequestOutput
 from splitserve.engine.sampling_params import InvalidSamplingParams
-from splitserve.kvtransfer import BACKENDS, KVTransferError, create_sender
+from splitserve.kvtransfer import BACKENDS, KVTransferConfig, KVTransferError, create_sender
 from splitserve.metrics import Metrics
 from splitserve.proto.convert import logprob_to_proto, pb, sampling_from_proto
 from splitserve.proto.worker_pb2_grpc import (
     PrefillWorkerServicer,
     add_PrefillWorkerServicer_to_server,
 )
+from splitserve.security.tls import TLSConfig, add_port
 
 log = logging.getLogger(__name__)
+
+MAX_PUSH_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -45,6 +48,9 @@ class PrefillWorkerConfig:
     cluster: str = "local"
     heartbeat_ttl_s: float = 6.0
     metrics_port: int | None = None  # GET /metrics and /health; 0: any free port; None: off
+    tls: TLSConfig | None = None  # mutual TLS on its gRPC server and its KV pushes
+    kv_protocol: str = "tcp"  # mooncake transport: tcp | rdma
+    rdma_device: str | None = None
 
 
 class PrefillWorker(PrefillWorkerServicer):
@@ -64,10 +70,10 @@ class PrefillWorker(PrefillWorkerServicer):
         self.engine.start()
         self.server = grpc.aio.server()
         add_PrefillWorkerServicer_to_server(self, self.server)
-        port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        port = add_port(self.server, f"{cfg.host}:{cfg.port}", cfg.tls)
         await self.server.start()
         self.address = f"{advertised_host(cfg.host, cfg.advertise_host)}:{port}"
-        self.bus = self._given_bus or open_bus(cfg.bus_url, cfg.cluster)
+        self.bus = self._given_bus or open_bus(cfg.bus_url, cfg.cluster, cfg.tls)
         info = WorkerInfo(self.worker_id, "prefill", self.address, engine.model_id, cfg.engine.block_size,
                           engine.num_total_blocks)
         self.presence = WorkerPresence(self.bus, info, self.load_report, ttl=cfg.heartbeat_ttl_s)
@@ -88,7 +94,7 @@ class PrefillWorker(PrefillWorkerServicer):
                                 headers={"Content-Type": CONTENT_TYPE_LATEST})
 
         async def health(request):
-            return web.json_response({"status": "ok", "worker_id": self.worker_id})
+            return web.json_response({"status": "ok", "worker_id": self.worker_id, "kv": self.kv_state()})
 
         app = web.Application()
         app.router.add_get("/metrics", metrics)
@@ -108,6 +114,12 @@ class PrefillWorker(PrefillWorkerServicer):
         self.engine.stop()
         if self._given_bus is None:
             await self.bus.close()
+
+    def kv_state(self) -> dict:
+        """Block accounting for /health: after every prefill has ended, free == total."""
+        e = self.engine.engine
+        return {"free_blocks": e.num_free_blocks, "total_blocks": e.num_total_blocks, "sequences": len(e.sequences),
+                "held_for_push": len(e.held), "waiters": len(self.waiters)}
 
     def load_report(self) -> LoadReport:
         e = self.engine.engine
@@ -135,11 +147,18 @@ class PrefillWorker(PrefillWorkerServicer):
 
     def _sender(self, backend: str):
         if backend not in self.senders:
-            self.senders[backend] = create_sender(backend, metrics=self.metrics)
+            cfg = KVTransferConfig(backend=backend, tls=self.config.tls, mooncake_protocol=self.config.kv_protocol,
+                                   mooncake_device=self.config.rdma_device or "")
+            self.senders[backend] = create_sender(backend, cfg, metrics=self.metrics)
         return self.senders[backend]
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:  # noqa: N802
         rid, engine = request.request_id, self.engine.engine
+        if not rid or rid in self.waiters:  # never touch another caller's request
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is empty or in use")
+        if not 0 <= request.timeout_s <= MAX_PUSH_TIMEOUT_S:  # also rejects NaN
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request {rid}: timeout_s {request.timeout_s} is not in [0, {MAX_PUSH_TIMEOUT_S}]")
         if request.kv_backend not in BACKENDS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request {rid}: kv_backend {request.kv_backend!r} is not one of {BACKENDS}")

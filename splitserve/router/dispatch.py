@@ -23,15 +23,17 @@ from splitserve.router import errors
 from splitserve.router.index_sync import IndexSync
 from splitserve.router.policy import NoHealthyWorker, PolicyConfig, RouteDecision, route
 from splitserve.router.radix_index import RadixIndex
+from splitserve.security.tls import TLSConfig, aio_channel
 
 log = logging.getLogger(__name__)
 
 ROUTING_MODES = ("prefix", "round-robin", "random")
 
-# gRPC codes that mean "this worker failed", as opposed to "this request is bad".
-_WORKER_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-                    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
+# Every gRPC code except INVALID_ARGUMENT ("this request is bad") means "this worker
+# failed" (crashed, restarting, draining, refusing our certificate...): migrate.
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
+                    # a restarted worker is dialled again within 2 s (gRPC's default backoff grows to 2 min)
+                    ("grpc.max_reconnect_backoff_ms", 2000), ("grpc.initial_reconnect_backoff_ms", 200)]
 
 
 @dataclass
@@ -43,6 +45,7 @@ class DispatchConfig:
     seed: int | None = None  # routing RNG (tie breaks); fixed in tests
     mode: str = "prefix"  # prefix | round-robin | random (baselines for benchmarks)
     index_max_blocks: int = 1_000_000
+    tls: TLSConfig | None = None  # mutual TLS to the decode workers
 
 
 @dataclass
@@ -121,11 +124,14 @@ class Dispatcher:
         self.metrics.router_requests.labels(worker=decision.decode_worker, path=decision.path).inc()
         return decision, hashes
 
-    def _stub(self, worker: str) -> DecodeWorkerStub:
-        address = self.sync.workers[worker].info.address
+    def _stub(self, worker: str) -> DecodeWorkerStub | None:
+        """None when the worker has left the registry since it was chosen."""
+        state = self.sync.workers.get(worker)
+        if state is None:
+            return None
+        address = state.info.address
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(
-                address, options=[("grpc.max_receive_message_length", 64 << 20)])
+            self._channels[address] = aio_channel(address, self.config.tls, _CHANNEL_OPTIONS)
         return DecodeWorkerStub(self._channels[address])
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -137,6 +143,10 @@ class Dispatcher:
         attempt = 0
         while True:
             call = None
+            if produced and params.max_tokens is not None and len(produced) >= params.max_tokens:
+                # the worker died between its last token and the finish: nothing is left to generate
+                yield StreamEvent([], [], "length")
+                return
             try:
                 req = pb.GenerateRequest(request_id=f"{request_id}/{attempt}" if attempt else request_id,
                                          prompt_token_ids=prompt, sampling=sampling_to_proto(params),
@@ -145,7 +155,10 @@ class Dispatcher:
                     info = self.sync.workers.get(decision.prefill_worker)
                     if info is not None:
                         req.prefill_address, req.prefill_worker_id = info.info.address, decision.prefill_worker
-                call = self._stub(decision.decode_worker).Generate(req)
+                stub = self._stub(decision.decode_worker)
+                if stub is None:
+                    raise _Gone(decision.decode_worker)
+                call = stub.Generate(req)
                 async for chunk in call:
                     produced.extend(chunk.token_ids)
                     yield StreamEvent(list(chunk.token_ids), [logprob_from_proto(lp) for lp in chunk.logprobs],
@@ -157,9 +170,9 @@ class Dispatcher:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise errors.invalid_request(exc.details() or "rejected by the decode worker") from None
-                if exc.code() not in _WORKER_FAILURES:
-                    raise
                 reason = f"{exc.code().name}: {exc.details()}"
+            except _Gone:
+                reason = "it left the registry (stopped heartbeating)"
             finally:
                 if call is not None:
                     call.cancel()
@@ -176,6 +189,10 @@ class Dispatcher:
             except NoHealthyWorker as exc:
                 raise WorkerFailure(f"request {request_id}: decode worker {sorted(failed)} failed ({reason}) "
                                     f"and no other can take it over: {exc}") from None
+
+
+class _Gone(Exception):
+    """The chosen decode worker is no longer registered."""
 
 
 class WorkerFailure(RuntimeError):

@@ -13,9 +13,11 @@ import signal
 from aiohttp import web
 
 from splitserve.cluster.bus import ClusterBus
+from splitserve.router.admission import AdmissionConfig
 from splitserve.router.dispatch import DispatchConfig, Dispatcher
 from splitserve.router.policy import PolicyConfig
 from splitserve.router.server import RouterServer, ServerConfig
+from splitserve.security.tls import add_tls_args, tls_from_args
 
 log = logging.getLogger("splitserve.router")
 
@@ -31,19 +33,31 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--routing-seed", type=int, help="seed the router's tie-breaking (reproducible routing)")
     ap.add_argument("--routing-mode", choices=["prefix", "round-robin", "random"], default="prefix",
                     help="decode-worker choice; round-robin and random are baselines for benchmarks")
+    ap.add_argument("--max-queued-requests", type=int,
+                    help="requests this router keeps in flight; beyond it: 429 with Retry-After (default: no bound)")
+    ap.add_argument("--request-timeout", type=float,
+                    help="seconds a request may take end to end; then it is aborted on every worker and the "
+                         "client gets 504 (default: no deadline)")
+    add_tls_args(ap)
 
 
 async def start_router(args: argparse.Namespace, model: str, served: str, bus: ClusterBus,
                        block_size: int, max_model_len: int | None) -> tuple[web.AppRunner, Dispatcher]:
+    try:
+        admission = AdmissionConfig(args.max_queued_requests, args.request_timeout)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     dispatcher = Dispatcher(DispatchConfig(
         model_id=served, block_size=block_size, seed=args.routing_seed, max_migrations=args.max_migrations,
-        mode=args.routing_mode,
+        mode=args.routing_mode, tls=tls_from_args(args),
         policy=PolicyConfig(disagg_min_uncached_tokens=args.disagg_min_uncached_tokens)), bus)
     await dispatcher.start()
     gc.freeze()  # the index is long-lived: keep it out of collections (routing-latency spikes)
-    server = RouterServer(ServerConfig(model, served, api_key=args.api_key, max_model_len=max_model_len),
-                          dispatcher)
-    runner = web.AppRunner(server.app(), access_log=None)
+    server = RouterServer(ServerConfig(model, served, api_key=args.api_key, max_model_len=max_model_len,
+                                       admission=admission), dispatcher)
+    # handler_cancellation: a client that disconnects cancels its handler, which cancels
+    # the worker streams (the decode workers abort the request and free its blocks).
+    runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     return runner, dispatcher

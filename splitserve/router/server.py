@@ -1,5 +1,5 @@
 """The router's OpenAI-compatible HTTP API (aiohttp): /v1/completions, /v1/chat/completions
-(SSE when `stream`), /v1/models, /health, /metrics.
+(SSE when `stream`), /v1/models, /health, /metrics, /openapi.json.
 
 Tokenize once here, route by prefix, stream from the decode worker, detokenize here.
 Client mistakes get OpenAI-format 4xx errors; nothing a client sends produces a 5xx.
@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -21,8 +22,10 @@ from splitserve.engine.config import ModelConfig
 from splitserve.engine.tokenizer import ChatTemplateError, Tokenizer
 from splitserve.router import errors, protocol
 from splitserve.router import responses as R
+from splitserve.router.admission import Admission, AdmissionConfig, check_request_limits
 from splitserve.router.dispatch import Dispatcher, WorkerFailure
 from splitserve.router.errors import APIError
+from splitserve.router.openapi import openapi_document
 from splitserve.router.policy import NoHealthyWorker
 from splitserve.router.text_output import TextAssembler
 
@@ -35,6 +38,7 @@ class ServerConfig:
     served_model_name: str
     api_key: str | None = None
     max_model_len: int | None = None
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
 
 class RouterServer:
@@ -47,6 +51,9 @@ class RouterServer:
         self.vocab_size = model.vocab_size
         self.max_model_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
         self.created = int(time.time())
+        self.admission = Admission(config.admission)
+        self._openapi = json.dumps(openapi_document(config.served_model_name, self.max_model_len,
+                                                    auth=bool(config.api_key))).encode()
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=64 << 20)
@@ -55,6 +62,7 @@ class RouterServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/openapi.json", self.openapi)
         return app
 
     # ---- middleware ---------------------------------------------------------------------
@@ -64,11 +72,20 @@ class RouterServer:
             return await handler(request)
         except APIError as exc:
             self.metrics.request_errors.labels(model=self.config.served_model_name, code=str(exc.status)).inc()
-            return web.Response(status=exc.status, body=exc.to_json(), content_type="application/json")
-        except web.HTTPException as exc:  # 404/405 from aiohttp's own routing, in OpenAI shape
+            return web.Response(status=exc.status, body=exc.to_json(), content_type="application/json",
+                                headers=getattr(exc, "headers", None))
+        except web.HTTPException as exc:  # 404/405/413 from aiohttp itself, in OpenAI shape
             err = APIError(exc.status, f"{request.method} {request.path}: {exc.reason}",
                            "not_found_error" if exc.status == 404 else "invalid_request_error")
             return web.Response(status=exc.status, body=err.to_json(), content_type="application/json")
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise  # the client went away: nothing to answer
+        except Exception:  # a bug: say so in OpenAI's shape, with the id to find the traceback under
+            rid = request.headers.get("X-Request-Id") or R.new_request_id(False)
+            log.exception("request %s (%s %s) failed with an internal error", rid, request.method, request.path)
+            err = errors.server_error(rid)
+            self.metrics.request_errors.labels(model=self.config.served_model_name, code="500").inc()
+            return web.Response(status=500, body=err.to_json(), content_type="application/json")
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
@@ -94,7 +111,11 @@ class RouterServer:
         if request.query.get("index_digest"):  # O(index size): for tests and debugging only
             snap = sorted((h, sorted(ws)) for h, ws in index.snapshot().items())
             body["index"]["digest"] = hashlib.sha256(repr(snap).encode()).hexdigest()
+        body["admission"] = self.admission.snapshot()
         return web.json_response(body, status=200 if decode else 503)
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._openapi, content_type="application/json")
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry),
@@ -124,7 +145,16 @@ class RouterServer:
         max_tokens = protocol.check_prompt_length(len(prompt), req.params.max_tokens, self.max_model_len,
                                                   "messages" if chat else "prompt")
         params = replace(req.params, max_tokens=max_tokens)
+        check_request_limits(params)
         rid = request.headers.get("X-Request-Id") or R.new_request_id(chat)
+        started = self.admission.enter(rid)  # 429 beyond --max-queued-requests
+        try:
+            return await self._admitted(request, req, prompt, params, rid, chat)
+        finally:  # also on client disconnect (the handler is cancelled) and deadline
+            self.admission.leave(started)
+
+    async def _admitted(self, request: web.Request, req, prompt: list[int], params, rid: str,
+                        chat: bool) -> web.StreamResponse:
         try:
             decision, _ = self.dispatcher.decide(prompt)
         except NoHealthyWorker as exc:
@@ -133,12 +163,17 @@ class RouterServer:
         headers = {"X-Request-Id": rid, "X-Splitserve-Route": decision.header_value()}
         choices = [ChoiceRun(self, rid, i, prompt, self._choice_params(params, i), decision)
                    for i in range(params.n)]
+        timeout = self.admission.config.request_timeout_s
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         if req.stream:
-            return await self._stream(request, req, choices, chat, headers)
+            return await self._stream(request, req, choices, chat, headers, deadline)
         try:
-            await asyncio.gather(*(c.run_to_end() for c in choices))
+            async with asyncio.timeout_at(deadline):
+                await asyncio.gather(*(c.run_to_end() for c in choices))
         except WorkerFailure as exc:
             raise APIError(503, str(exc), "service_unavailable", code="worker_failure") from None
+        except TimeoutError:
+            raise deadline_exceeded(rid, timeout) from None
         usage = R.Usage(len(prompt), sum(len(c.text.token_ids) for c in choices), choices[0].cached_tokens)
         body_choices = [R.Choice(c.index, c.text.text, c.finish_reason, c.logprobs_out(chat) if c.want_logprobs
                                  else None) for c in choices]
@@ -151,7 +186,8 @@ class RouterServer:
         seed = None if params.seed is None else params.seed + index
         return replace(params, n=1, seed=seed)
 
-    async def _stream(self, request, req, choices: list[ChoiceRun], chat: bool, headers) -> web.StreamResponse:
+    async def _stream(self, request, req, choices: list[ChoiceRun], chat: bool, headers,
+                      deadline: float | None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -173,14 +209,22 @@ class RouterServer:
         try:
             remaining = len(tasks)
             while remaining:
-                item = await queue.get()
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        item = await queue.get()
+                except TimeoutError:  # the deadline passed: stop the workers, tell the client, end the stream
+                    for t in tasks:
+                        t.cancel()
+                    await resp.write(R.sse_error(deadline_exceeded(choices[0].rid,
+                                                                   self.admission.config.request_timeout_s)))
+                    break
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, APIError):
                     await resp.write(R.sse_error(item))
                 else:
                     await resp.write(R.sse(item))
-            if req.include_usage:
+            if req.include_usage and not remaining:
                 usage = R.Usage(len(choices[0].prompt), sum(len(c.text.token_ids) for c in choices),
                                 choices[0].cached_tokens)
                 await resp.write(R.sse(R.usage_chunk(choices[0].rid, req.model, created, usage, chat)))
@@ -250,9 +294,12 @@ class ChoiceRun:
     async def chunks(self, model: str, created: int, chat: bool):
         first = True
         offset = 0
+        pending: list = []  # logprobs of tokens whose text is held back: sent with the next chunk
         async for text, lps, finish in self.events():
+            pending.extend(lps)
             if not text and finish is None and not first:
                 continue  # nothing visible yet (held back, or an incomplete character)
+            lps, pending = pending, []
             lp_out = [self._token_logprob(lp) for lp in lps] if self.want_logprobs else None
             if chat:
                 yield R.chat_chunk(self.rid, model, created, self.index, text if text or not first else "",
@@ -261,6 +308,12 @@ class ChoiceRun:
                 yield R.completion_chunk(self.rid, model, created, self.index, text, finish, lp_out, offset)
             offset += len(text)
             first = False
+
+
+def deadline_exceeded(rid: str, timeout: float | None) -> APIError:
+    return APIError(504, f"request {rid} did not finish within its deadline of {timeout}s (--request-timeout); "
+                    "it was aborted on every worker. Ask for fewer tokens or retry later.", "timeout_error",
+                    code="request_timeout")
 
 
 def now_s() -> int:

@@ -1,0 +1,67 @@
+"""One prefill worker as a plain process, without Ray (cluster mode with Redis).
+
+`python -m splitserve.prefill_worker.main --redis-url redis://... --port 50051`
+Kubernetes runs prefill workers through `splitserve prefill-pool` (Ray actors); this
+entry point is for machines without Ray and for fault-injection tests, where a test
+kills the worker's process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+
+import torch
+
+from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
+from splitserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
+from splitserve.security.tls import add_tls_args, tls_from_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="splitserve prefill-worker", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(ap)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=50051)
+    ap.add_argument("--metrics-port", type=int, default=8082, help="/metrics and /health (with block accounting)")
+    ap.add_argument("--advertise-host", default=os.environ.get("POD_IP"))
+    ap.add_argument("--worker-id", default=os.environ.get("POD_NAME") or f"prefill-{socket.gethostname()}")
+    ap.add_argument("--redis-url", required=True)
+    ap.add_argument("--cluster", default="local")
+    add_tls_args(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None, worker_class: type[PrefillWorker] = PrefillWorker) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(args.torch_threads)
+    model, served = resolve_model(args)
+    config = PrefillWorkerConfig(engine_config_from_args(args, model, served), worker_id=args.worker_id,
+                                 host=args.host, port=args.port, advertise_host=args.advertise_host,
+                                 bus_url=args.redis_url, cluster=args.cluster, metrics_port=args.metrics_port,
+                                 tls=tls_from_args(args))
+
+    async def amain() -> None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        worker = worker_class(config)
+        await worker.start()
+        print(f"splitserve prefill-worker: {worker.worker_id} serving gRPC on {worker.address}, "
+              f"metrics {worker.metrics_url}", flush=True)
+        await stop.wait()
+        await worker.stop()
+
+    asyncio.run(amain())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""The OpenAPI 3 document of the router's HTTP API, served at GET /openapi.json.
+
+It describes what the server accepts and answers, limits included (`n`, `stop`,
+`seed`...), so generated clients and fuzzers (schemathesis in tests/security) work
+from it. Fields the parser accepts but ignores (any unknown field) are allowed by
+`additionalProperties`; the OpenAI parameters this server refuses (echo, logit_bias,
+penalties, tools...) are listed with the values it accepts.
+"""
+
+from __future__ import annotations
+
+from splitserve.router.admission import (
+    INT32_MAX,
+    INT64_MAX,
+    MAX_CHOICES,
+    MAX_STOP_SEQUENCES,
+    MAX_STOP_TOKEN_IDS,
+    UINT32_MAX,
+)
+
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+
+_SAMPLING = {
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES, "default": 1},
+    "temperature": {"type": "number", "minimum": 0, "default": 1.0},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0},
+    "top_k": {"type": "integer", "minimum": -1, "maximum": INT32_MAX, "default": -1,
+              "description": "-1: no top-k cut"},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1, "default": 0.0},
+    "seed": {"type": "integer", "minimum": -(2**63) + MAX_CHOICES, "maximum": INT64_MAX - MAX_CHOICES,
+             "description": "choice i uses seed + i"},
+    "stop": {"oneOf": [{"type": "string", "minLength": 1},
+                       {"type": "array", "maxItems": MAX_STOP_SEQUENCES, "items": {"type": "string", "minLength": 1}}]},
+    "stop_token_ids": {"type": "array", "maxItems": MAX_STOP_TOKEN_IDS, "items": {"type": "integer", "minimum": 0,
+                                                                    "maximum": UINT32_MAX}},
+    "ignore_eos": {"type": "boolean", "default": False},
+    "skip_special_tokens": {"type": "boolean", "default": True},
+    "stream": {"type": "boolean", "default": False},
+    "stream_options": {"type": "object", "description": "only with stream: true",
+                       "properties": {"include_usage": {"type": "boolean"}}},
+    "user": {"type": "string"},
+    # Known OpenAI parameters this server cannot honour: only their neutral values pass.
+    "echo": {"type": "boolean", "enum": [False]},
+    "suffix": {"type": "string", "maxLength": 0},
+    "best_of": {"type": "integer", "enum": [1]},
+    "presence_penalty": {"type": "number", "enum": [0]},
+    "frequency_penalty": {"type": "number", "enum": [0]},
+}
+
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": "string", "nullable": True},
+                   "code": {"type": "string", "nullable": True}}}}}
+
+
+def _error(description: str, retry_after: bool = False) -> dict:
+    out = {"description": description, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    if retry_after:
+        out["headers"] = {"Retry-After": {"description": "seconds to wait before retrying",
+                                          "schema": {"type": "integer", "minimum": 1}}}
+    return out
+
+
+def _generation_responses(kind: str) -> dict:
+    return {
+        "200": {"description": f"the {kind} (JSON), or a text/event-stream of chunks when stream is true",
+                "content": {"application/json": {"schema": {"type": "object", "required": ["id", "object", "choices"],
+                                                            "properties": {"id": {"type": "string"},
+                                                                           "object": {"type": "string"},
+                                                                           "choices": {"type": "array"},
+                                                                           "usage": {"type": "object"}}}},
+                            "text/event-stream": {"schema": {"type": "string"}}}},
+        "400": _error("invalid request (names the parameter)"),
+        "401": _error("missing or wrong API key"),
+        "404": _error("unknown model"),
+        "413": _error("request body larger than 64 MiB"),
+        "429": _error("too many requests in flight (--max-queued-requests)", retry_after=True),
+        "503": _error("no healthy decode worker, or every worker tried failed"),
+        "504": _error("the request's deadline (--request-timeout) passed"),
+    }
+
+
+def openapi_document(served_model: str, max_model_len: int, auth: bool) -> dict:
+    completion = {"type": "object", "required": ["model", "prompt"], "additionalProperties": True, "properties": {
+        "model": {"type": "string", "enum": [served_model]},
+        "prompt": {"description": f"text or token ids; prompt + max_tokens <= {max_model_len} tokens",
+                   "oneOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS,
+                             {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
+                             {"type": "array", "minItems": 1, "maxItems": 1, "items": _TOKEN_IDS}]},
+        "max_tokens": {"type": "integer", "minimum": 1, "default": 16},
+        "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+        **_SAMPLING}}
+    message = {"type": "object", "required": ["role"], "properties": {
+        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+            "type": "object", "required": ["type", "text"],
+            "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]},
+        "name": {"type": "string"}}}
+    chat = {"type": "object", "required": ["model", "messages"], "additionalProperties": True, "properties": {
+        "model": {"type": "string", "enum": [served_model]},
+        "messages": {"type": "array", "minItems": 1, "items": message},
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "max_completion_tokens": {"type": "integer", "minimum": 1},
+        "logprobs": {"type": "boolean", "default": False},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20, "description": "needs logprobs: true"},
+        "response_format": {"type": "object", "properties": {"type": {"type": "string", "enum": ["text"]}}},
+        **_SAMPLING}}
+    security = [{"bearer": []}] if auth else []
+    plain = {"200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "splitserve router", "version": "1",
+                 "description": "OpenAI-compatible completions served by disaggregated prefill/decode workers."},
+        "paths": {
+            "/v1/completions": {"post": {
+                "operationId": "createCompletion", "security": security,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": completion}}},
+                "responses": _generation_responses("completion")}},
+            "/v1/chat/completions": {"post": {
+                "operationId": "createChatCompletion", "security": security,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": chat}}},
+                "responses": _generation_responses("chat completion")}},
+            "/v1/models": {"get": {
+                "operationId": "listModels", "security": security,
+                "responses": {"200": {"description": "the served model", "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["object", "data"],
+                    "properties": {"object": {"type": "string"}, "data": {"type": "array"}}}}}},
+                    "401": _error("missing or wrong API key")}}},
+            "/health": {"get": {"operationId": "health", "responses": {
+                "200": {"description": "ready", "content": {"application/json": {"schema": {"type": "object"}}}},
+                "503": {"description": "no decode worker", "content": {"application/json": {
+                    "schema": {"type": "object"}}}}}}},
+            "/metrics": {"get": {"operationId": "metrics", "responses": plain}},
+            "/openapi.json": {"get": {"operationId": "openapi", "responses": {
+                "200": {"description": "this document", "content": {"application/json": {
+                    "schema": {"type": "object"}}}}}}},
+        },
+        "components": {"schemas": {"Error": _ERROR},
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    }

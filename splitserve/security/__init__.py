@@ -1,0 +1,1 @@
+"""Transport security: mutual TLS for the gRPC links (see tls.py)."""

@@ -1,0 +1,192 @@
+"""A cluster of real OS processes for fault injection: redis-server (restartable on its
+port), decode workers (`splitserve decode-worker`), plain prefill worker processes and
+routers (`splitserve router`). Each process can be SIGKILLed like a crashed pod."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+import requests
+
+from tests.helpers.processes import free_port
+
+SERVED = "tiny-llama"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Proc:
+    """A child process whose output is kept; ready once a line matches `banner`."""
+
+    def __init__(self, name: str, argv: list[str], banner: str, timeout: float = 120):
+        self.name = name
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                     start_new_session=True, cwd=ROOT)
+        self.lines: list[str] = []
+        self.match: re.Match | None = None
+        ready = threading.Event()
+        pattern = re.compile(banner)
+
+        def read():
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if self.match is None and (m := pattern.search(line)):
+                    self.match = m
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        ready.wait(timeout)
+        if self.match is None:
+            self.kill()
+            raise RuntimeError(f"{name} did not start:\n" + "".join(self.lines[-40:]))
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, nothing is cleaned up by the process itself."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def rss_bytes(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def _module(name: str) -> list[str]:
+    return [sys.executable, "-m", name]
+
+
+@dataclass
+class Cluster:
+    model: Path
+    workdir: Path
+    tls_args: list[str] = field(default_factory=list)
+    redis_port: int = field(default_factory=free_port)
+    redis: subprocess.Popen | None = None
+    decode: dict[str, Proc] = field(default_factory=dict)
+    prefill: dict[str, Proc] = field(default_factory=dict)
+    routers: list[Proc] = field(default_factory=list)
+    engine_args: list[str] = field(default_factory=lambda: ["--num-kv-blocks", "256", "--max-num-seqs", "32"])
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    # ---- processes ------------------------------------------------------------------
+    def start_redis(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed: run scripts/setup.sh (apt install redis-server)")
+        self.redis = subprocess.Popen([binary, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
+                                       "--appendonly", "no", "--dir", str(self.workdir)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(host="127.0.0.1", port=self.redis_port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.redis.poll() is not None:
+                    raise RuntimeError(f"redis-server did not start on port {self.redis_port}") from None
+                time.sleep(0.05)
+        client.close()
+
+    def kill_redis(self) -> None:
+        self.redis.kill()
+        self.redis.wait(timeout=10)
+
+    def common(self) -> list[str]:
+        return ["--model", str(self.model), "--served-model-name", SERVED, "--redis-url", self.redis_url,
+                *self.tls_args]
+
+    def start_decode(self, worker_id: str) -> Proc:
+        p = Proc(worker_id, [*_module("splitserve.cli"), "decode-worker", *self.common(), *self.engine_args,
+                             "--worker-id", worker_id, "--port", "0", "--admin-port", "0", "--drain-timeout", "5"],
+                 r"serving gRPC on (\S+), KV receiver (\S+), admin (\S+)")
+        self.decode[worker_id] = p
+        return p
+
+    def start_prefill(self, worker_id: str, module: str = "splitserve.prefill_worker.main",
+                      extra: list[str] = ()) -> Proc:
+        p = Proc(worker_id, [*_module(module), *self.common(), *self.engine_args, "--worker-id", worker_id,
+                             "--port", "0", "--metrics-port", "0", *extra],
+                 r"serving gRPC on (\S+), metrics (\S+)")
+        self.prefill[worker_id] = p
+        return p
+
+    def start_router(self, extra: list[str] = ()) -> Proc:
+        port = free_port()
+        p = Proc("router", [*_module("splitserve.cli"), "router", *self.common(), "--port", str(port),
+                            "--routing-seed", "7", "--disagg-min-uncached-tokens", "24", *extra],
+                 r"splitserve router: serving .* on (http://\S+)/v1")
+        p.base_url = f"http://127.0.0.1:{port}"
+        self.routers.append(p)
+        return p
+
+    def stop(self) -> None:
+        for p in [*self.routers, *self.decode.values(), *self.prefill.values()]:
+            p.stop()
+        if self.redis is not None and self.redis.poll() is None:
+            self.redis.terminate()
+            self.redis.wait(timeout=10)
+
+    # ---- state ------------------------------------------------------------------------
+    def wait_registered(self, router: Proc, timeout: float = 60) -> dict:
+        """Until the router sees exactly the live worker processes."""
+        want_d, want_p = sorted(self.live(self.decode)), sorted(self.live(self.prefill))
+        deadline = time.monotonic() + timeout
+        while True:
+            body = requests.get(router.base_url + "/health", timeout=10).json()
+            if body["decode_workers"] == want_d and body["prefill_workers"] == want_p:
+                return body
+            if time.monotonic() > deadline:
+                raise AssertionError(f"router sees {body['decode_workers']} + {body['prefill_workers']}, "
+                                     f"expected {want_d} + {want_p}")
+            time.sleep(0.2)
+
+    @staticmethod
+    def live(procs: dict[str, Proc]) -> dict[str, Proc]:
+        return {k: p for k, p in procs.items() if p.proc.poll() is None}
+
+    def kv_states(self) -> dict[str, dict]:
+        out = {}
+        for name, p in self.live(self.decode).items():
+            out[name] = requests.get(p.match.group(3) + "/health", timeout=10).json()["kv"]
+        for name, p in self.live(self.prefill).items():
+            out[name] = requests.get(p.match.group(2) + "/health", timeout=10).json()["kv"]
+        return out
+
+    def wait_all_blocks_free(self, timeout: float = 30) -> dict[str, dict]:
+        """Every live worker's free KV blocks back to its total, nothing held or leased."""
+        deadline = time.monotonic() + timeout
+        while True:
+            states = self.kv_states()
+            if all(s["free_blocks"] == s["total_blocks"] and s["sequences"] == 0
+                   and not s.get("remote_prefills") and not s.get("kv_leases") and not s.get("held_for_push")
+                   for s in states.values()):
+                return states
+            if time.monotonic() > deadline:
+                raise AssertionError(f"KV blocks still in use: {states}")
+            time.sleep(0.2)
