@@ -95,6 +95,8 @@ class Metrics:
         self.request_migrations = Counter(
             "splitserve_request_migrations_total",
             "Requests moved to another decode worker mid-stream.", ["reason"], registry=r)
+        self.prefill_pool_actors = Gauge(
+            "splitserve_prefill_pool_actors", "Prefill actors the prefill-pool driver keeps alive.", registry=r)
         self.workers_healthy = Gauge(
             "splitserve_workers_healthy", "Workers with a live heartbeat, per role.", ["role"], registry=r)
         # Operator.

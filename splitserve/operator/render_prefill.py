@@ -38,7 +38,8 @@ def head_command(spec: InferenceSpec) -> str:
     # head's pod template must not change on every scaling step. The autoscaler moves
     # the worker group's replicas; the pool keeps one prefill actor per worker pod.
     pool = ["splitserve", "prefill-pool", "--model", c.model_dir(spec), "--replicas", str(spec.prefill.replicas),
-            *c.common_args(spec), *kv_args(spec), "--port", str(c.PREFILL_GRPC_PORT),
+            "--one-per-worker-node", *c.common_args(spec), *kv_args(spec),
+            *(["--kv-protocol", "rdma"] if spec.rdma_device else []), "--port", str(c.PREFILL_GRPC_PORT),
             "--metrics-port", str(c.ADMIN_PORT), "--worker-metrics-port", str(WORKER_METRICS_PORT),
             "--gpus-per-worker", str(spec.prefill.gpus), *c.engine_args(spec, spec.prefill)]
     # `$(SPLITSERVE_REDIS_URL)` is Kubernetes' env expansion for args; inside a shell

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = PrefillWorkerConfig(engine, worker_id=f"{args.cluster}-prefill-{slot}", host="0.0.0.0", port=args.port,
                                   advertise_host=None, bus_url=args.redis_url, cluster=args.cluster,
                                   metrics_port=args.worker_metrics_port, kv_protocol=args.kv_protocol,
-                                  rdma_device=args.rdma_device)
+                                  rdma_device=args.rdma_device, tls=tls)
         placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)} if node_id else {}
         return WorkerActor.options(name=f"prefill-{slot}", lifetime="detached", get_if_exists=True, num_cpus=1,
                                    num_gpus=args.gpus_per_worker, **placement).remote("prefill", cfg,

@@ -120,7 +120,7 @@ def test_component_commands_follow_the_contracts():
     head = ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert ray["metadata"]["annotations"] == {"ray.io/overwrite-container-cmd": "true"}
     assert head["args"][0].endswith(
-        "exec splitserve prefill-pool --model /models/Meta-Llama-3-8B-Instruct --replicas 2 "
+        "exec splitserve prefill-pool --model /models/Meta-Llama-3-8B-Instruct --replicas 2 --one-per-worker-node "
         '--redis-url "$SPLITSERVE_REDIS_URL" --cluster inference.llama3-8b --kv-backend grpc '
         "--port 50051 --metrics-port 8081 --worker-metrics-port 8082 --gpus-per-worker 1 "
         + " ".join(engine) + " --max-num-seqs 256 --max-num-batched-tokens 16384 --max-model-len 8192")
