@@ -121,8 +121,8 @@ def measure_decode_steps(model, batches, context, peak_bw, timer, iters, cuda_gr
 def parse_args(argv: list[str] | None, cuda: bool) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="splitserve bench kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--batch-sizes", default="1,16,64" if cuda else "1,2")
-    p.add_argument("--context", type=int, default=1024 if cuda else 40, help="cached tokens per sequence")
-    p.add_argument("--prefill-tokens", type=int, default=2048 if cuda else 48)
+    p.add_argument("--context", type=int, default=1024 if cuda else 24, help="cached tokens per sequence")
+    p.add_argument("--prefill-tokens", type=int, default=2048 if cuda else 24)
     p.add_argument("--iters", type=int, default=20 if cuda else 1)
     p.add_argument("--hf-new-tokens", type=int, default=32, help="tokens per transformers generate call")
     p.add_argument("--cuda-graph", action="store_true", help="also time the step replayed from a CUDA graph")
@@ -177,13 +177,19 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     result["versions"]["triton"] = triton.__version__
-    peaks = measure_peaks(device, dtype, timer)
-    result["peak"] = peaks
-    result.update(_splitserve_figures(shape, dtype, device, args, peaks, timer, cuda))
-    if cuda:
-        torch.cuda.empty_cache()
-    if not args.skip_transformers:
-        result["transformers"] = _transformers_figures(shape, dtype, device, args, peaks, timer)
+    threads = torch.get_num_threads()
+    if not cuda:
+        torch.set_num_threads(1)  # toy ops: thread start-up and contention would dominate
+    try:
+        peaks = measure_peaks(device, dtype, timer)
+        result["peak"] = peaks
+        result.update(_splitserve_figures(shape, dtype, device, args, peaks, timer, cuda))
+        if cuda:
+            torch.cuda.empty_cache()
+        if not args.skip_transformers:
+            result["transformers"] = _transformers_figures(shape, dtype, device, args, peaks, timer)
+    finally:
+        torch.set_num_threads(threads)
     _report(result, args.out)
     return 0
 

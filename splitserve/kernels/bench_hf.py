@@ -4,6 +4,8 @@ prefill and decode work with `generate`."""
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -30,6 +32,33 @@ def build_hf_llama(shape: LlamaShape, dtype: torch.dtype, device: torch.device, 
     return model.eval()
 
 
+class _StepClock:
+    """A logits processor that only timestamps: generate calls it once per new token."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times = device, []
+
+    def __call__(self, input_ids, scores):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def _seconds_per_generated_token(model, ids: torch.Tensor, new_tokens: int, device: torch.device) -> float:
+    """Median time between consecutive tokens of a greedy `generate` (the prefill and the
+    first token are not in it), measured on the second of two identical calls."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    clock = type("StepClock", (_StepClock, LogitsProcessor), {})(device)
+    for _ in range(2):
+        clock.times.clear()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                       logits_processor=LogitsProcessorList([clock]))
+    return statistics.median(b - a for a, b in zip(clock.times, clock.times[1:], strict=False))
+
+
 def measure_hf(
     shape: LlamaShape,
     dtype: torch.dtype,
@@ -40,7 +69,7 @@ def measure_hf(
     new_tokens: int,
     timer: Callable[[Callable[[], object], int, int], float],
 ) -> dict:
-    """Seconds per decode step (generate, greedy, dynamic cache) at each batch size with
+    """Seconds per decode step (greedy `generate`, dynamic cache) at each batch size with
     `context` prompt tokens, and seconds for one `prefill_tokens` prompt (logits of the
     last token only, as a server computes them)."""
     model = build_hf_llama(shape, dtype, device, max(context + new_tokens, prefill_tokens) + 1)
@@ -52,15 +81,6 @@ def measure_hf(
         out["prefill"] = {"tokens": prefill_tokens, "seconds": seconds}
         for batch in batches:
             ids = torch.randint(0, shape.vocab, (batch, context), generator=gen).to(device)
-            mask = torch.ones_like(ids)
-
-            def run(n, ids=ids, mask=mask):
-                return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                      do_sample=False, pad_token_id=0)
-
-            # the difference of two generate calls leaves the decode steps alone
-            first = timer(lambda run=run: run(1), 1, 3)  # prefill + one token
-            full = timer(lambda run=run: run(new_tokens), 1, 3)
-            out["decode"].append({"batch": batch, "context": context,
-                                  "seconds_per_step": (full - first) / max(1, new_tokens - 1)})
+            seconds = _seconds_per_generated_token(model, ids, new_tokens, device)
+            out["decode"].append({"batch": batch, "context": context, "seconds_per_step": seconds})
     return out

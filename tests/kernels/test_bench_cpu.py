@@ -32,7 +32,7 @@ def test_cpu_run_writes_json_that_says_its_figures_mean_nothing(tmp_path, capsys
         return  # the GPU path is the benchmark proper, not a test
     out = tmp_path / "kernels.json"
     try:
-        assert bench.main(["--out", str(out), "--batch-sizes", "1,2"]) == 0
+        assert bench.main(["--out", str(out), "--batch-sizes", "1,2", "--hf-new-tokens", "6"]) == 0
     finally:
         ops.set_backend(None)
     result = json.loads(out.read_text())
@@ -45,12 +45,12 @@ def test_cpu_run_writes_json_that_says_its_figures_mean_nothing(tmp_path, capsys
     assert all(r["bytes_per_s"] > 0 and 0 < r["fraction_of_peak"] for r in result["decode_attention"])
     steps = result["decode_step"]
     assert [(r["batch"], r["mode"]) for r in steps] == [(1, "eager"), (2, "eager")]
-    assert steps[1]["bytes_read"] == TOY.weight_bytes_per_step(2, 4) + TOY.kv_bytes_read(2 * 41, 4)
+    assert steps[1]["bytes_read"] == TOY.weight_bytes_per_step(2, 4) + TOY.kv_bytes_read(2 * 25, 4)
     assert all(r["mbu"] > 0 and r["tokens_per_s"] > 0 for r in steps)
-    assert result["prefill"]["flops"] == TOY.prefill_flops(48) and result["prefill"]["mfu"] > 0
+    assert result["prefill"]["flops"] == TOY.prefill_flops(24) and result["prefill"]["mfu"] > 0
     hf = result["transformers"]
     assert [r["batch"] for r in hf["decode"]] == [1, 2] and all(r["mbu"] > 0 for r in hf["decode"])
-    assert hf["prefill"]["tokens"] == 48 and hf["prefill"]["mfu"] > 0
+    assert hf["prefill"]["tokens"] == 24 and hf["prefill"]["mfu"] > 0
 
 
 def test_bad_arguments_are_refused_with_a_message(capsys):
