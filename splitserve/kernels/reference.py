@@ -21,7 +21,8 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, purpose: str) -
     """cache[block_ids] ([*block_ids.shape, block_size, kv_heads, head_dim]) into a workspace."""
     rows = cache.flatten(1)  # a view: each block's rows are contiguous even in the block-major pool
     n, width = block_ids.numel(), rows.shape[1]
-    key = (purpose, cache.dtype, cache.device)
+    # A buffer made under torch.inference_mode (the engine) cannot be written outside it.
+    key = (purpose, cache.dtype, cache.device, torch.is_inference_mode_enabled())
     buf = _workspaces.get(key)
     if buf is None or buf.numel() < n * width:
         buf = torch.empty(int(n * width * 1.25) + width, dtype=cache.dtype, device=cache.device)

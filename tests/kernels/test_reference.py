@@ -1,0 +1,24 @@
+"""The torch reference itself: it keeps gather workspaces between calls, which must not
+tie it to the autograd mode of the first caller."""
+
+from __future__ import annotations
+
+import torch
+
+from splitserve.kernels import reference
+from tests.kernels.paged_cases import make_paged_kv, randn
+
+
+def test_reference_alternates_between_inference_mode_and_normal_mode(device):
+    kv = make_paged_kv([40, 9], 2, 64, torch.float32, device)
+    q = randn((2, 4, 64), torch.float32, device)
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32, device=device)
+    qp = randn((5, 4, 64), torch.float32, device)
+    args = (kv.k_cache, kv.v_cache, kv.block_tables)
+    with torch.inference_mode():  # how the engine calls it
+        first = reference.paged_decode_attention(q, *args, kv.seq_lens, 0.125)
+        first_p = reference.paged_prefill_attention(qp, *args, cu, kv.seq_lens, 0.125)
+    again = reference.paged_decode_attention(q, *args, kv.seq_lens, 0.125)  # how tests call it
+    again_p = reference.paged_prefill_attention(qp, *args, cu, kv.seq_lens, 0.125)
+    torch.testing.assert_close(again, first, atol=0, rtol=0)
+    torch.testing.assert_close(again_p, first_p, atol=0, rtol=0)
