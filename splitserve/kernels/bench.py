@@ -7,7 +7,8 @@ On CUDA it measures, against peaks it measures itself on the same device:
     so the KV cache is not served from L2;
   - a full decode step as model-bandwidth utilisation,
     MBU = (weight bytes + KV bytes read per step) / step time / peak bandwidth,
-    eagerly and (--cuda-graph) replayed from a CUDA graph of the bench's own step;
+    eagerly and replayed from a CUDA graph of the bench's own step (launch overhead
+    apart: the engine's model runner does its own capture);
   - prefill of one 2048-token prompt as model-FLOPs utilisation against the peak matmul rate;
   - the same work through transformers' LlamaForCausalLM (random init) for comparison.
 The decode/prefill steps come from splitserve/kernels/bench_model.py (the kernels plus
@@ -125,7 +126,8 @@ def parse_args(argv: list[str] | None, cuda: bool) -> argparse.Namespace:
     p.add_argument("--prefill-tokens", type=int, default=2048 if cuda else 24)
     p.add_argument("--iters", type=int, default=20 if cuda else 1)
     p.add_argument("--hf-new-tokens", type=int, default=32, help="tokens per transformers generate call")
-    p.add_argument("--cuda-graph", action="store_true", help="also time the step replayed from a CUDA graph")
+    p.add_argument("--no-cuda-graph", action="store_true",
+                   help="time the decode step eagerly only (by default also replayed from a CUDA graph)")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--out", type=Path, help="write the JSON results here (also printed)")
     args = p.parse_args(argv)
@@ -205,7 +207,7 @@ def _splitserve_figures(shape, dtype, device, args, peaks, timer, cuda: bool) ->
         model = BenchModel(shape, dtype, device, num_blocks, max_pos)
         attention = measure_decode_attention(model, args.batches, args.context, bw, timer, args.iters)
         steps = measure_decode_steps(model, args.batches, args.context, bw, timer, args.iters,
-                                     args.cuda_graph and cuda)
+                                     not args.no_cuda_graph and cuda)
         flops = shape.prefill_flops(args.prefill_tokens)
         step = prefill_inputs(shape, args.prefill_tokens, device)
         seconds = timer(lambda: model.forward(step), 1, max(1, args.iters // 4))
