@@ -8,13 +8,16 @@ Shapes (see splitserve/engine/kv_cache.py for the pool layout):
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
-# Reused gather buffers, one per (purpose, dtype, device). A fresh multi-MB tensor per
-# call costs more in page faults than the copy itself (measured 10x on CPU); results
+# Reused gather buffers, one per (thread, purpose, dtype, device). A fresh multi-MB tensor
+# per call costs more in page faults than the copy itself (measured 10x on CPU); results
 # that live in a workspace are consumed before the next call with the same purpose.
-_workspaces: dict[tuple, torch.Tensor] = {}
+# Per thread: two engines in one process (a prefill and a decode worker) run on two threads.
+_local = threading.local()
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, purpose: str) -> torch.Tensor:
@@ -23,10 +26,11 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, purpose: str) -
     n, width = block_ids.numel(), rows.shape[1]
     # A buffer made under torch.inference_mode (the engine) cannot be written outside it.
     key = (purpose, cache.dtype, cache.device, torch.is_inference_mode_enabled())
-    buf = _workspaces.get(key)
+    workspaces = _local.__dict__.setdefault("buffers", {})
+    buf = workspaces.get(key)
     if buf is None or buf.numel() < n * width:
         buf = torch.empty(int(n * width * 1.25) + width, dtype=cache.dtype, device=cache.device)
-        _workspaces[key] = buf
+        workspaces[key] = buf
     out = buf[: n * width].view(n, width)
     torch.index_select(rows, 0, block_ids.reshape(-1).long(), out=out)
     return out.view(*block_ids.shape, *cache.shape[1:])
