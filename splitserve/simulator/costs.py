@@ -4,9 +4,13 @@ One engine step is one forward pass over a mixed batch (prefill chunks and decod
 as the scheduler builds it), so one model prices every step, prefill or decode:
 
     step_s = c_step + c_token * new_tokens + c_seq * sequences + c_attn * attention
+             + c_ctx * decode_context
 
-where `attention` = sum over the batch's sequences of new_i * (cached_i + (new_i + 1) / 2):
-the query x key pairs a causal pass computes (a decode: its context length). The
+where `attention` = sum over the prefill chunks of new_i * (cached_i + (new_i + 1) / 2),
+the query x key pairs a causal prefill computes, and `decode_context` = the keys the
+batch's decodes read (each its context + 1). The two attentions are different kernels
+(prefill over a paged prefix; paged decode, which gathers every block), so each has its
+own price. The
 coefficients are fitted by least squares on *relative* error (each row divided by
 its measured time), so a 5 ms decode step counts as much as a 1 s prefill; a
 coefficient that comes out negative is dropped and the rest refitted (a cost cannot
@@ -25,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-STEP_FEATURES = ("c_step", "c_token", "c_seq", "c_attn")
+STEP_FEATURES = ("c_step", "c_token", "c_seq", "c_attn", "c_ctx")
 
 
 def attention_work(new: float, cached: float) -> float:
@@ -62,10 +66,12 @@ class StepCost:
     c_step: float = 0.0  # seconds per step
     c_token: float = 0.0  # seconds per new token
     c_seq: float = 0.0  # seconds per sequence in the batch
-    c_attn: float = 0.0  # seconds per query x key pair
+    c_attn: float = 0.0  # seconds per prefill query x key pair
+    c_ctx: float = 0.0  # seconds per key a decode reads
 
-    def time(self, new_tokens: float, sequences: float, attention: float) -> float:
-        return self.c_step + self.c_token * new_tokens + self.c_seq * sequences + self.c_attn * attention
+    def time(self, new_tokens: float, sequences: float, attention: float, decode_context: float = 0.0) -> float:
+        return (self.c_step + self.c_token * new_tokens + self.c_seq * sequences + self.c_attn * attention
+                + self.c_ctx * decode_context)
 
     def prefill(self, new: int, cached: int = 0) -> float:
         """One sequence prefilled in one step."""
@@ -73,12 +79,14 @@ class StepCost:
 
     def decode(self, batch: int, context_sum: float) -> float:
         """A pure decode step of `batch` sequences holding `context_sum` tokens in all."""
-        return self.time(batch, batch, context_sum + batch)
+        return self.time(batch, batch, 0.0, context_sum + batch)
 
     @classmethod
     def fit(cls, rows: list[dict]) -> StepCost:
-        """rows: {"new_tokens", "sequences", "attention", "seconds"} per measured step."""
-        x = np.array([[1.0, r["new_tokens"], r["sequences"], r["attention"]] for r in rows])
+        """rows: {"new_tokens", "sequences", "attention", "decode_context", "seconds"} per
+        measured step."""
+        x = np.array([[1.0, r["new_tokens"], r["sequences"], r["attention"], r.get("decode_context", 0.0)]
+                      for r in rows])
         y = np.array([r["seconds"] for r in rows])
         return cls(*map(float, fit_nonnegative(x, y)))
 

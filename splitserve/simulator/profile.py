@@ -86,7 +86,8 @@ class StepProbe:
         self.engine.step()
         seconds = time.perf_counter() - start
         feats = {"new_tokens": sum(n for n, _ in self.batch), "sequences": len(self.batch),
-                 "attention": sum(attention_work(n, c) for n, c in self.batch)}
+                 "attention": sum(attention_work(n, c) for n, c in self.batch if n > 1),
+                 "decode_context": sum(c + 1 for n, c in self.batch if n == 1)}
         return seconds, feats
 
     def prefill(self, new: int, cached: int) -> tuple[float, dict]:
@@ -215,8 +216,8 @@ def fit(profile: dict, max_batched: int, max_seqs: int) -> CostModel:
 
 def fit_errors(costs: CostModel, rows: list[dict]) -> dict:
     """Relative error of the fitted step model on the measured steps."""
-    rel = np.array([costs.step.time(r["new_tokens"], r["sequences"], r["attention"]) / r["seconds"] - 1
-                    for r in rows])
+    rel = np.array([costs.step.time(r["new_tokens"], r["sequences"], r["attention"], r["decode_context"])
+                    / r["seconds"] - 1 for r in rows])
     return {"mean_abs_rel_error": float(np.mean(np.abs(rel))), "max_abs_rel_error": float(np.max(np.abs(rel)))}
 
 
@@ -273,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     ns.out.write_text(json.dumps(doc, indent=2) + "\n")
     s = costs.step
     log(f"[profile] step = {s.c_step * 1e3:.3f} ms + {s.c_token * 1e6:.2f} us/token + {s.c_seq * 1e6:.1f} us/seq "
-        f"+ {s.c_attn * 1e9:.3f} ns/attention pair (mean |error| {doc['fit']['mean_abs_rel_error']:.1%})")
+        f"+ {s.c_attn * 1e9:.3f} ns/prefill pair + {s.c_ctx * 1e9:.2f} ns/decode key "
+        f"(mean |error| {doc['fit']['mean_abs_rel_error']:.1%})")
     log(f"[profile] transfer = {costs.transfer.fixed * 1e3:.3f} ms + {costs.transfer.per_unit * 2**30:.3f} s/GiB")
     log(f"[profile] serving overhead: first token +{costs.serving.first_token_s * 1e3:.2f} ms, "
         f"per token +{costs.serving.per_token_s * 1e3:.2f} ms")

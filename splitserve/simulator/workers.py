@@ -88,7 +88,8 @@ class SimWorker:
         if self.waiting or self.prefilling:
             budget = c.max_num_batched_tokens - b
             new = b
-            attn = float(self.ctx_off + b * self.steps + b)
+            attn = 0.0
+            keys = float(self.ctx_off + b * self.steps + b)  # what the decodes read
             for entry in self.prefilling:
                 if budget <= 0:
                     break
@@ -107,13 +108,12 @@ class SimWorker:
                 new += n
                 budget -= n
             seqs = b + len(self.chunks)
-            self._start(now, 1, step.c_step + step.c_token * new + step.c_seq * seqs + step.c_attn * attn, 0.0, b)
+            self._start(now, 1, step.time(new, seqs, attn, keys), 0.0, b)
             return True
         if b:
             n = self.finish_heap[0][0] - self.steps
-            a = step.c_step + (step.c_token + step.c_seq + step.c_attn) * b + step.c_attn * (
-                self.ctx_off + b * self.steps)
-            self._start(now, max(n, 1), a, step.c_attn * b, b)
+            a = step.decode(b, self.ctx_off + b * self.steps)
+            self._start(now, max(n, 1), a, step.c_ctx * b, b)
             return True
         self.busy = False
         return False

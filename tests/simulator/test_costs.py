@@ -15,7 +15,7 @@ from splitserve.simulator.costs import (
     load_costs,
 )
 
-TRUE = StepCost(c_step=2e-3, c_token=3e-4, c_seq=5e-5, c_attn=2e-8)
+TRUE = StepCost(c_step=2e-3, c_token=3e-4, c_seq=5e-5, c_attn=2e-8, c_ctx=6e-8)
 
 
 def synthetic_rows(cost: StepCost) -> list[dict]:
@@ -25,14 +25,14 @@ def synthetic_rows(cost: StepCost) -> list[dict]:
                      "seconds": cost.prefill(new, cached)})
     for batch in (1, 4, 16, 64):
         for ctx in (64, 1024):
-            rows.append({"new_tokens": batch, "sequences": batch, "attention": batch * (ctx + 1),
-                         "seconds": cost.decode(batch, batch * ctx)})
+            rows.append({"new_tokens": batch, "sequences": batch, "attention": 0.0,
+                         "decode_context": batch * (ctx + 1), "seconds": cost.decode(batch, batch * ctx)})
     return rows
 
 
 def test_step_fit_recovers_exact_coefficients():
     fitted = StepCost.fit(synthetic_rows(TRUE))
-    for name in ("c_step", "c_token", "c_seq", "c_attn"):
+    for name in ("c_step", "c_token", "c_seq", "c_attn", "c_ctx"):
         assert getattr(fitted, name) == pytest.approx(getattr(TRUE, name), rel=1e-6)
 
 
@@ -42,7 +42,8 @@ def test_step_fit_is_robust_to_relative_noise():
     for r in rows:
         r["seconds"] *= 1 + rng.uniform(-0.03, 0.03)
     fitted = StepCost.fit(rows)
-    errors = [abs(fitted.time(r["new_tokens"], r["sequences"], r["attention"]) / r["seconds"] - 1) for r in rows]
+    errors = [abs(fitted.time(r["new_tokens"], r["sequences"], r["attention"], r.get("decode_context", 0.0))
+                  / r["seconds"] - 1) for r in rows]
     assert max(errors) < 0.08
 
 

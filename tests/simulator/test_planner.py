@@ -7,7 +7,7 @@ from splitserve.simulator.planner import brute_force, goodput_bound, make_evalua
 from splitserve.simulator.simulator import ClusterConfig
 from splitserve.simulator.workload import RequestMix, build_trace
 
-COSTS = CostModel(step=StepCost(2e-3, 4e-4, 5e-5, 1e-7), transfer=AffineCost(1e-3, 1e-9), kv_bytes_per_token=2048)
+COSTS = CostModel(step=StepCost(2e-3, 4e-4, 5e-5, 1e-7, 2e-7), transfer=AffineCost(1e-3, 1e-9), kv_bytes_per_token=2048)
 
 MIXES = {
     "prefill-heavy": RequestMix(num_requests=300, rate=6, prompt_len=(512, 1536), output_len=(4, 16), seed=1),

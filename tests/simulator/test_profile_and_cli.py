@@ -25,7 +25,7 @@ def test_prefill_probe_reports_the_batch_the_engine_ran(probe):
     seconds, feats = probe.prefill(40, 32)
     assert seconds > 0
     # 32 cached tokens (two blocks) were reused; 40 new ones computed in one step
-    assert feats == {"new_tokens": 40, "sequences": 1, "attention": attention_work(40, 32)}
+    assert feats == {"new_tokens": 40, "sequences": 1, "attention": attention_work(40, 32), "decode_context": 0}
 
 
 def test_decode_probe_reports_batch_and_context(probe):
@@ -33,8 +33,8 @@ def test_decode_probe_reports_batch_and_context(probe):
     # 48-token prompts, prefilled, one warm-up decode step: each holds 49 tokens of KV,
     # then 50 on the second timed step
     assert [f for _, f in samples] == [
-        {"new_tokens": 3, "sequences": 3, "attention": 3 * 50.0},
-        {"new_tokens": 3, "sequences": 3, "attention": 3 * 51.0},
+        {"new_tokens": 3, "sequences": 3, "attention": 0, "decode_context": 3 * 50},
+        {"new_tokens": 3, "sequences": 3, "attention": 0, "decode_context": 3 * 51},
     ]
     assert not probe.engine.has_unfinished_requests()
 
@@ -42,7 +42,8 @@ def test_decode_probe_reports_batch_and_context(probe):
 def test_mixed_probe_adds_a_prefill_chunk_to_the_decode_batch(probe):
     (_, feats), = probe.decode(2, 32, repeats=1, prefill_chunk=20)
     assert feats["new_tokens"] == 2 + 20 and feats["sequences"] == 3
-    assert feats["attention"] == 2 * 34.0 + attention_work(20, 0)
+    assert feats["attention"] == attention_work(20, 0)
+    assert feats["decode_context"] == 2 * 34
 
 
 def test_transfer_probe_moves_real_blocks_over_grpc(make_ckpt):
@@ -55,8 +56,10 @@ def test_transfer_probe_moves_real_blocks_over_grpc(make_ckpt):
 def test_routing_probe_and_fit_produce_a_cost_model():
     routing = profile_routing(workers=4, prompt_tokens=256, repeats=1)
     assert routing["mean_s"] > 0
-    steps = [{"new_tokens": n, "sequences": 1, "attention": attention_work(n, 0), "seconds": 0.001 + n * 1e-5}
-             for n in (16, 64, 256, 1024)]
+    steps = [{"new_tokens": n, "sequences": 1, "attention": attention_work(n, 0), "decode_context": 0,
+              "seconds": 0.001 + n * 1e-5} for n in (16, 64, 256, 1024)]
+    steps += [{"new_tokens": b, "sequences": b, "attention": 0, "decode_context": b * 100,
+               "seconds": 0.001 + b * 1e-5} for b in (1, 8)]
     doc = {"samples": {"steps": steps, "routing": routing, "kv_bytes_per_token": 512,
                        "transfer": [{"bytes": b, "seconds": 1e-3 + b * 1e-9} for b in (1e4, 1e5, 1e6)]}}
     costs = fit(doc, 2048, 64)
@@ -67,7 +70,7 @@ def test_routing_probe_and_fit_produce_a_cost_model():
 
 @pytest.fixture
 def profile(tmp_path):
-    costs = CostModel(step=StepCost(2e-3, 4e-4, 5e-5, 1e-7), transfer=AffineCost(1e-3, 1e-9),
+    costs = CostModel(step=StepCost(2e-3, 4e-4, 5e-5, 1e-7, 2e-7), transfer=AffineCost(1e-3, 1e-9),
                       serving=ServingOverhead(2e-3, 0.0), kv_bytes_per_token=2048)
     path = tmp_path / "profile.json"
     path.write_text(json.dumps({"costs": costs.to_dict()}))

@@ -37,9 +37,10 @@ def test_one_request_exact_ttft_and_decode_time():
 
 
 def test_decode_steps_grow_with_context_in_closed_form():
-    # attention cost 1 us per (query, key) pair: decode step j (context 50 + j) costs
-    # 10 ms + 1 ms + (50 + j) us; the segment's sum is checked against a plain loop.
-    costs = CostModel(step=StepCost(c_step=0.010, c_token=0.001, c_attn=1e-6))
+    # attention 1 us per prefill (query, key) pair and per key a decode reads: decode
+    # step j (context 50 + j, reading 51 + j keys) costs 10 + 1 ms + (51 + j) us; the
+    # closed-form segment is checked against a plain loop.
+    costs = CostModel(step=StepCost(c_step=0.010, c_token=0.001, c_attn=1e-6, c_ctx=1e-6))
     r = simulate(trace((0.0, 50, 20)), costs, local())
     prefill = 0.010 + 0.050 + 1e-6 * 50 * (0 + 51 / 2)
     decode = sum(0.011 + 1e-6 * (50 + j + 1) for j in range(19))
@@ -106,7 +107,7 @@ def test_cache_capacity_evicts_least_recently_used_group():
 
 
 def test_invariants_on_a_random_mix():
-    costs = CostModel(step=StepCost(2e-3, 3e-4, 5e-5, 2e-8), transfer=AffineCost(1e-3, 1e-9),
+    costs = CostModel(step=StepCost(2e-3, 3e-4, 5e-5, 2e-8, 6e-8), transfer=AffineCost(1e-3, 1e-9),
                       kv_bytes_per_token=2048)
     mix = RequestMix(num_requests=2000, rate=40, prompt_len=(16, 512), long_fraction=0.2, long_len=(1024, 2048),
                      output_len=(1, 64), num_prefixes=20, prefix_len=128, prefix_fraction=0.5, seed=3)
