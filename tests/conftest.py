@@ -4,6 +4,10 @@ import pytest
 
 # Keep tests on the CPU reference kernels unless a test forces Triton itself.
 os.environ.setdefault("SPLITSERVE_KERNELS", "auto")
+# Triton picks interpreter-or-GPU mode once, at first import (transformers imports it):
+# without a GPU, choose the interpreter before anything can import triton.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
