@@ -30,3 +30,17 @@ bench-engine: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Serving experiments and the simulator (issue 7); results in bench/results/, notes in docs/experiments.md
+.PHONY: bench-prefix-routing bench-disagg bench-simulator bench-simulator-speed
+bench-prefix-routing: $(STAMP)
+	$(BIN)/python -m bench.experiments.prefix_routing
+
+bench-disagg: $(STAMP)
+	$(BIN)/python -m bench.experiments.disagg_vs_colocated
+
+bench-simulator: $(STAMP)
+	$(BIN)/python -m bench.experiments.simulator_validation --reprofile
+
+bench-simulator-speed: $(STAMP)
+	$(BIN)/python -m bench.experiments.simulator_speed
