@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from splitserve.cluster.bus import BusError, ClusterBus
 from splitserve.cluster.messages import KVEvent, LoadReport, WorkerInfo
@@ -35,10 +35,12 @@ def advertised_host(host: str, advertise: str | None) -> str:
 
 class WorkerPresence:
     def __init__(self, bus: ClusterBus, info: WorkerInfo, load: Callable[[], LoadReport],
-                 ttl: float = 6.0, load_interval: float = 0.5):
+                 ttl: float = 6.0, load_interval: float = 0.5,
+                 cached_blocks: Callable[[], Awaitable[list[int]]] | None = None):
         self.bus = bus
         self.info = info
         self.load = load
+        self.cached_blocks = cached_blocks  # hashes in this worker's prefix cache now
         self.ttl = ttl
         self.load_interval = load_interval
         self._next_event_id = 1
@@ -62,6 +64,19 @@ class WorkerPresence:
     def _queue_event(self, kind: str, hashes: list[int], parent: int | None) -> None:
         self._events.put_nowait(KVEvent(self.info.worker_id, self._next_event_id, kind, list(hashes), parent))
         self._next_event_id += 1
+
+    async def _republish(self) -> None:
+        """A lost registration may mean a restarted bus that lost our event history too:
+        `cleared` then everything cached now, so any router (following, resyncing or new)
+        can rebuild this worker's index entries from the stream alone."""
+        if self.cached_blocks is None:
+            return
+        hashes = await self.cached_blocks()
+        self._queue_event("cleared", [], None)
+        for i in range(0, len(hashes), 512):
+            # Parents are not tracked per cached block: each chunk is stored as a root; the
+            # index matches chained hashes, which identify their whole prefix anyway.
+            self._queue_event("stored", hashes[i:i + 512], None)
 
     async def hide(self) -> None:
         """Leave the registry (draining): routers stop sending new requests here."""
@@ -89,7 +104,9 @@ class WorkerPresence:
             try:
                 if not await self.bus.heartbeat(self.info, self.ttl):
                     log.warning("worker %s: registration had expired (bus restarted or unreachable, or worker "
-                                "stalled > %.0fs); re-registered", self.info.worker_id, self.ttl)
+                                "stalled > %.0fs); re-registered, republishing its prefix cache",
+                                self.info.worker_id, self.ttl)
+                    await self._republish()
                 failing = False
             except BusError as exc:
                 if not failing:

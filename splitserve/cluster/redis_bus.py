@@ -77,7 +77,7 @@ class RedisBus(ClusterBus):
                                      self._key("load", worker_id), self._key("kv", worker_id))
 
     async def live_workers(self) -> dict[str, WorkerInfo]:
-        async with self._call("identify the Redis server"):
+        async with self._call("list the workers entries"):  # (and see whether Redis restarted)
             run_id = (await self._redis.info("server")).get("run_id")
         if self._run_id is not None and run_id != self._run_id:
             log.warning("Redis at %s restarted (run id %s -> %s): its registry is empty until workers "

@@ -105,7 +105,8 @@ class DecodeWorker(DecodeWorkerServicer):
         self.bus = self._given_bus or open_bus(cfg.bus_url, cfg.cluster, cfg.tls)
         info = WorkerInfo(self.worker_id, "decode", self.address, engine.model_id, cfg.engine.block_size,
                           engine.num_total_blocks, cfg.kv_backend)
-        self.presence = WorkerPresence(self.bus, info, self.load_report, ttl=cfg.heartbeat_ttl_s)
+        self.presence = WorkerPresence(self.bus, info, self.load_report, ttl=cfg.heartbeat_ttl_s,
+                                       cached_blocks=self._cached_blocks)
         await self.presence.start()
         log.info("decode worker %s serving on %s (KV receiver %s, %d blocks%s)", self.worker_id, self.address,
                  self.kv_address, engine.num_total_blocks, f", admin {self.admin_url}" if self.admin_url else "")
@@ -148,6 +149,10 @@ class DecodeWorker(DecodeWorkerServicer):
             q = self.streams.get(out.request_id)
             if q is not None:
                 q.put_nowait(out)
+
+    async def _cached_blocks(self) -> list[int]:
+        bm = self.engine.engine.block_manager
+        return await self.engine.call(lambda: list(bm.hash_to_block))
 
     def _on_block_events(self, events) -> None:
         self.presence.publish_block_events(events)
@@ -204,7 +209,8 @@ class DecodeWorker(DecodeWorkerServicer):
         finally:
             self.streams.pop(rid, None)
             if not finished:  # the router went away (client disconnect, migration, abort)
-                await self._abort(rid)
+                # Shielded: a second cancellation of this handler must not skip the abort.
+                await asyncio.shield(asyncio.ensure_future(self._abort(rid)))
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortReply:  # noqa: N802
         return pb.AbortReply(found=await self._abort(request.request_id))

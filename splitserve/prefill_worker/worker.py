@@ -76,7 +76,8 @@ class PrefillWorker(PrefillWorkerServicer):
         self.bus = self._given_bus or open_bus(cfg.bus_url, cfg.cluster, cfg.tls)
         info = WorkerInfo(self.worker_id, "prefill", self.address, engine.model_id, cfg.engine.block_size,
                           engine.num_total_blocks)
-        self.presence = WorkerPresence(self.bus, info, self.load_report, ttl=cfg.heartbeat_ttl_s)
+        self.presence = WorkerPresence(self.bus, info, self.load_report, ttl=cfg.heartbeat_ttl_s,
+                                       cached_blocks=self._cached_blocks)
         await self.presence.start()
         self.metrics_url = ""
         if cfg.metrics_port is not None:
@@ -142,6 +143,10 @@ class PrefillWorker(PrefillWorkerServicer):
             if fut is not None and out.finished and not fut.done():
                 fut.set_result(out)
 
+    async def _cached_blocks(self) -> list[int]:
+        bm = self.engine.engine.block_manager
+        return await self.engine.call(lambda: list(bm.hash_to_block))
+
     def _on_block_events(self, events) -> None:
         self.presence.publish_block_events(events)
 
@@ -193,9 +198,8 @@ class PrefillWorker(PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finally:
             self.waiters.pop(rid, None)
-            if not fut.done():  # the caller went away before the prefill finished
-                await self.engine.call(engine.abort, rid)
-            await self.engine.call(engine.release_held, rid)
+            # Shielded: a second cancellation of this handler must not leave the blocks held.
+            await asyncio.shield(asyncio.ensure_future(self._release(rid, abort=not fut.done())))
         reply = pb.PrefillReply(first_token_id=first.token_ids[0], num_cached_tokens=first.num_cached_tokens,
                                 worker_id=self.worker_id)
         if first.logprobs:
@@ -204,6 +208,12 @@ class PrefillWorker(PrefillWorkerServicer):
         if result is not None:
             reply.kv_bytes, reply.kv_seconds = result.nbytes, result.seconds
         return reply
+
+    async def _release(self, rid: str, abort: bool) -> None:
+        engine = self.engine.engine
+        if abort:  # the caller went away before the prefill finished
+            await self.engine.call(engine.abort, rid)
+        await self.engine.call(engine.release_held, rid)
 
     async def Health(self, request, context) -> pb.HealthReply:  # noqa: N802
         r = self.load_report()

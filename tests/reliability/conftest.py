@@ -1,6 +1,6 @@
 """One real cluster for the reliability tests: redis-server, 2 decode workers, 1 prefill
 worker (tests/reliability/faulty_prefill.py: faults chosen per request id) and a router,
-each its own OS process. Tests that kill a process start a replacement before they end,
+each its own OS process, every gRPC link over mutual TLS. Tests that kill a process start a replacement before they end,
 so the next test finds the same shape. Greedy references come from the engine in this
 process (an undisturbed run of the same model)."""
 
@@ -20,13 +20,17 @@ import requests
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.tokenizer import Tokenizer
 from tests.reliability.cluster import SERVED, Cluster
+from tests.security.certs import make_pki
 
 FAULTY_PREFILL = "tests.reliability.faulty_prefill"
 
 
 @pytest.fixture(scope="session")
 def cluster(make_ckpt, tmp_path_factory):
-    c = Cluster(make_ckpt("llama"), tmp_path_factory.mktemp("reliability"))
+    """Every gRPC link of this cluster runs over mutual TLS (--tls-* flags on every
+    process): the fault and load tests double as the end-to-end proof that TLS works."""
+    certs = make_pki(tmp_path_factory.mktemp("pki"), "cluster")
+    c = Cluster(make_ckpt("llama"), tmp_path_factory.mktemp("reliability"), tls_args=certs.args())
     c.start_redis()
     try:
         with ThreadPoolExecutor(3) as pool:  # model loading overlaps
