@@ -42,7 +42,8 @@ CONFIGS = {
 
 def serve_args(name: str, ns: argparse.Namespace) -> list[str]:
     return [*CONFIGS[name], "--routing-seed", "0", "--torch-threads", "1", "--disagg-min-uncached-tokens",
-            str(ns.disagg_threshold), "--log-level", "WARNING"]
+            str(ns.disagg_threshold), "--max-num-batched-tokens", str(ns.max_num_batched_tokens),
+            "--log-level", "WARNING"]
 
 
 def bench_args(ns: argparse.Namespace) -> list[str]:
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=48)
     ap.add_argument("--rate", type=float, default=2.0, help="requests per second (Poisson)")
     ap.add_argument("--disagg-threshold", type=int, default=256, help="--disagg-min-uncached-tokens")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="step token budget of every worker; a smaller one chunks long prefills")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out", type=Path, default=RESULTS / "disagg_vs_colocated.json")
     ns = ap.parse_args(argv)
