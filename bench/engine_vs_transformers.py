@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import time
@@ -34,12 +35,13 @@ def run_engine(model_dir: str, prompts, outputs, dtype: str) -> dict:
     llm = LLM(model_dir, dtype=dtype, max_num_seqs=64, max_num_batched_tokens=2048)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outputs]
     llm.generate(prompts[:2], params[:2])  # warm-up
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     produced = sum(len(o.token_ids) for o in outs)
     assert produced == sum(outputs)
-    return {"seconds": elapsed, "output_tokens": produced, "output_tokens_per_s": produced / elapsed,
+    return {"seconds": elapsed, "cpu_seconds": cpu, "output_tokens": produced,
+            "output_tokens_per_s": produced / elapsed, "output_tokens_per_cpu_s": produced / cpu,
             "preemptions": llm.engine.scheduler.num_preemptions}
 
 
@@ -58,11 +60,12 @@ def run_transformers(model_dir: str, prompts, outputs, batch_size: int, dtype: s
                            do_sample=False, pad_token_id=pad)
 
     generate(prompts[:2], 4)  # warm-up
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for i in range(0, len(prompts), batch_size):
         generate(prompts[i : i + batch_size], max(outputs[i : i + batch_size]))
-    elapsed = time.perf_counter() - start
-    return {"batch_size": batch_size, "seconds": elapsed, "output_tokens_per_s": sum(outputs) / elapsed}
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {"batch_size": batch_size, "seconds": elapsed, "cpu_seconds": cpu,
+            "output_tokens_per_s": sum(outputs) / elapsed, "output_tokens_per_cpu_s": sum(outputs) / cpu}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,29 +74,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--hf-batch-sizes", default="8,16,64")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--out", help="write JSON results here")
     args = ap.parse_args(argv)
     from splitserve.engine.config import ModelConfig
     from splitserve.engine.demo import ensure_demo_checkpoint
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model_dir = args.model or str(ensure_demo_checkpoint())
     prompts, outputs = make_workload(args.requests, ModelConfig.from_dir(model_dir).vocab_size)
     torch.manual_seed(0)
     engine = run_engine(model_dir, prompts, outputs, args.dtype)
-    print(f"splitserve engine : {engine['output_tokens_per_s']:8.1f} output tok/s ({engine['seconds']:.1f} s)")
+    print(f"splitserve engine : {engine['output_tokens_per_s']:8.1f} output tok/s ({engine['seconds']:.1f} s, "
+          f"{engine['output_tokens_per_cpu_s']:.1f} per CPU-second)")
     hf_runs = []
     for bs in (int(b) for b in args.hf_batch_sizes.split(",")):
         r = run_transformers(model_dir, prompts, outputs, bs, args.dtype)
         hf_runs.append(r)
-        print(f"transformers bs={bs:<3}: {r['output_tokens_per_s']:8.1f} output tok/s ({r['seconds']:.1f} s)")
+        print(f"transformers bs={bs:<3}: {r['output_tokens_per_s']:8.1f} output tok/s ({r['seconds']:.1f} s, "
+              f"{r['output_tokens_per_cpu_s']:.1f} per CPU-second)")
     best = max(hf_runs, key=lambda r: r["output_tokens_per_s"])
     ratio = engine["output_tokens_per_s"] / best["output_tokens_per_s"]
-    print(f"ratio engine / best transformers (bs={best['batch_size']}): {ratio:.2f}x")
+    best_cpu = max(hf_runs, key=lambda r: r["output_tokens_per_cpu_s"])
+    ratio_cpu = engine["output_tokens_per_cpu_s"] / best_cpu["output_tokens_per_cpu_s"]
+    print(f"ratio engine / best transformers (bs={best['batch_size']}): {ratio:.2f}x wall-clock, "
+          f"{ratio_cpu:.2f}x per CPU-second (bs={best_cpu['batch_size']})")
     result = {
         "benchmark": "engine_vs_transformers", "model": model_dir, "dtype": args.dtype,
         "requests": args.requests, "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outputs),
         "engine": engine, "transformers": hf_runs, "ratio_vs_best_transformers": ratio,
-        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(),
+        "ratio_vs_best_transformers_cpu_time": ratio_cpu,
+        "machine": {"platform": platform.platform(), "torch_threads": torch.get_num_threads(),
+                    "load_average_1m": os.getloadavg()[0],
                     "torch": torch.__version__},
     }
     if args.out:
