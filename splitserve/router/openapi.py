@@ -1,4 +1,4 @@
-"""The OpenAPI 3 document of the router's HTTP API, served at GET /openapi.json.
+"""The OpenAPI 3.1 document of the router's HTTP API, served at GET /openapi.json.
 
 It describes what the server accepts and answers, limits included (`n`, `stop`,
 `seed`...), so generated clients and fuzzers (schemathesis in tests/security) work
@@ -50,8 +50,8 @@ _SAMPLING = {
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                   "param": {"type": "string", "nullable": True},
-                   "code": {"type": "string", "nullable": True}}}}}
+                   "param": {"type": ["string", "null"]},
+                   "code": {"type": ["string", "null"]}}}}}
 
 
 def _error(description: str, retry_after: bool = False) -> dict:
@@ -70,7 +70,9 @@ def _generation_responses(kind: str) -> dict:
                                                                            "object": {"type": "string"},
                                                                            "choices": {"type": "array"},
                                                                            "usage": {"type": "object"}}}},
-                            "text/event-stream": {"schema": {"type": "string"}}}},
+                            # each server-sent event: `data:` holds a JSON chunk, an error, or [DONE]
+                            "text/event-stream": {"schema": {"type": "object", "required": ["data"],
+                                                             "properties": {"data": {"type": "string"}}}}}},
         "400": _error("invalid request (names the parameter)"),
         "401": _error("missing or wrong API key"),
         "404": _error("unknown model"),
@@ -109,7 +111,7 @@ def openapi_document(served_model: str, max_model_len: int, auth: bool) -> dict:
     security = [{"bearer": []}] if auth else []
     plain = {"200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}
     return {
-        "openapi": "3.0.3",
+        "openapi": "3.1.0",
         "info": {"title": "splitserve router", "version": "1",
                  "description": "OpenAI-compatible completions served by disaggregated prefill/decode workers."},
         "paths": {

@@ -91,8 +91,11 @@ class RouterServer:
     async def _auth(self, request: web.Request, handler):
         key = self.config.api_key
         if key and request.path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-            if not hmac.compare_digest(given.encode(), key.encode()):  # constant time
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            # compare_digest: constant time, a wrong guess does not reveal how much of it matched
+            # (aiohttp keeps undecodable header bytes as surrogates: encode them back, never fail)
+            given_bytes = given.strip().encode("utf-8", "surrogateescape")
+            if not (hmac.compare_digest(given_bytes, key.encode()) and scheme.lower() == "bearer"):
                 raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                                "authentication_error", code="invalid_api_key")
         return await handler(request)
