@@ -4,7 +4,9 @@
    profile exists, unless --reprofile).
 2. For each configuration: run the real server under `splitserve bench`
    (--save-requests), then replay the very same requests (send times, prompt and
-   output lengths) in `splitserve simulate --trace` with the same worker counts.
+   output lengths) in `splitserve simulate --trace` with the same worker counts, and
+   --cpu-cores set to this machine's cores (the workers share them; also reported
+   without that term).
 3. Compare mean TTFT and mean ITL; the target is within 25%.
 
     python -m bench.experiments.simulator_validation      # or: make bench-simulator
@@ -41,11 +43,13 @@ CONFIGS = {
 }
 
 
-def simulate(trace_file: Path, prefill: int, decode: int) -> dict:
+def simulate(trace_file: Path, prefill: int, decode: int, cpu_cores: int | None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "sim.json"
         command = cli("simulate", "--profile", str(PROFILE), "--trace", str(trace_file), "--prefill-workers",
                       str(prefill), "--decode-workers", str(decode), "--out", str(out))
+        if cpu_cores:
+            command += ["--cpu-cores", str(cpu_cores)]
         subprocess.run(command, check=True, capture_output=True, text=True)
         return json.loads(out.read_text())["summary"]
 
@@ -90,22 +94,30 @@ def main(argv: list[str] | None = None) -> int:
         with serve(serve_args) as server:
             run = run_bench(server, bench_args, name)
         after = load_average()
+        # the replayed requests, kept so the comparison can be rerun from this file alone
+        trace = [{k: r[k] for k in ("request_id", "success", "send_offset_s", "prompt_tokens", "output_tokens")}
+                 for r in run["requests"]]
         with tempfile.TemporaryDirectory() as tmp:
             trace_file = Path(tmp) / "trace.json"
-            trace_file.write_text(json.dumps({"runs": [run]}))
-            sim = simulate(trace_file, prefill, decode)
+            trace_file.write_text(json.dumps({"runs": [{"requests": trace}]}))
+            sim = simulate(trace_file, prefill, decode, os.cpu_count())
+            no_sharing = simulate(trace_file, prefill, decode, None)
         real = {"mean_ttft_ms": run["ttft_ms"]["mean"], "mean_itl_ms": run["itl_ms"]["mean"],
                 "p99_ttft_ms": run["ttft_ms"]["p99"], "p99_itl_ms": run["itl_ms"]["p99"],
                 "request_throughput": run["request_throughput"]}
         simulated = {k: sim[k] for k in real}
-        error = {k: simulated[k] / real[k] - 1 for k in ("mean_ttft_ms", "mean_itl_ms", "p99_ttft_ms", "p99_itl_ms")}
+        keys = ("mean_ttft_ms", "mean_itl_ms", "p99_ttft_ms", "p99_itl_ms")
+        error = {k: simulated[k] / real[k] - 1 for k in keys}
         rows.append({"config": name, "real": real, "simulated": simulated, "error": error,
+                     "simulated_without_cpu_sharing": {k: no_sharing[k] for k in real},
+                     "error_without_cpu_sharing": {k: no_sharing[k] / real[k] - 1 for k in keys},
+                     "trace": trace,
                      "within_25pct": all(abs(error[k]) <= 0.25 for k in ("mean_ttft_ms", "mean_itl_ms")),
                      "load_average_before": before, "load_average_after": after,
                      "commands": {"serve": "splitserve serve " + " ".join(serve_args), "bench": run["bench_command"],
                                   "simulate": f"splitserve simulate --profile {PROFILE.relative_to(RESULTS.parents[1])} "
                                               f"--trace BENCH_RESULT.json --prefill-workers {prefill} "
-                                              f"--decode-workers {decode}"},
+                                              f"--decode-workers {decode} --cpu-cores {os.cpu_count()}"},
                      "bench_run": strip_requests(run)})
         print(f"[experiment] {name}: mean TTFT real {real['mean_ttft_ms']:.1f} sim {simulated['mean_ttft_ms']:.1f} "
               f"({error['mean_ttft_ms']:+.1%}); mean ITL real {real['mean_itl_ms']:.2f} "

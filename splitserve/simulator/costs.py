@@ -109,6 +109,7 @@ class AffineCost:
 class ServingOverhead:
     first_token_s: float = 0.0  # router + gRPC + SSE before the first token
     per_token_s: float = 0.0  # added to each streamed token's gap
+    frontend_load: float = 0.0  # CPU cores the router and the client use while streaming
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--routing-mode", choices=MODES, default="prefix")
     c.add_argument("--disagg-min-uncached-tokens", type=int, default=256)
     c.add_argument("--cache-blocks", type=int, default=16384, help="prefix-cache blocks per worker")
+    c.add_argument("--cpu-cores", type=float,
+                   help="workers share this many CPU cores (splitserve serve on one machine); "
+                        "default: each worker has its own device")
     c.add_argument("--max-num-batched-tokens", type=int, help="default: the profile's")
     c.add_argument("--max-num-seqs", type=int, help="default: the profile's")
     m = ap.add_argument_group("request mix (or --trace)")
@@ -92,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                 prefix_fraction=ns.prefix_fraction, seed=ns.seed))
         config = ClusterConfig(num_prefill=ns.prefill_workers, num_decode=ns.decode_workers,
                                routing_mode=ns.routing_mode, cache_blocks=ns.cache_blocks, seed=ns.seed,
+                               cpu_cores=ns.cpu_cores,
                                policy=PolicyConfig(disagg_min_uncached_tokens=ns.disagg_min_uncached_tokens))
         config.validate()
     except (ValueError, OSError) as exc:

@@ -36,6 +36,10 @@ class ClusterConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     cache_blocks: int = 16384  # prefix-cache capacity per worker, in blocks
     seed: int = 0
+    # Workers sharing a CPU (this machine: `splitserve serve` on 2 cores) rather than one
+    # accelerator each: a step that starts while k workers are busy runs
+    # max(1, (k + frontend load) / cpu_cores) times slower than profiled alone. None: off.
+    cpu_cores: float | None = None
 
     def validate(self) -> None:
         if self.num_decode < 1 or self.num_prefill < 0:
@@ -43,6 +47,8 @@ class ClusterConfig:
                              f"got {self.num_decode} decode and {self.num_prefill} prefill")
         if self.cache_blocks < 0:
             raise ValueError(f"cache_blocks must be >= 0, got {self.cache_blocks}")
+        if self.cpu_cores is not None and not self.cpu_cores > 0:
+            raise ValueError(f"cpu_cores must be > 0 (or None), got {self.cpu_cores}")
 
 
 @dataclass
@@ -84,6 +90,8 @@ def simulate(trace: Trace, costs: CostModel, config: ClusterConfig) -> SimResult
     thresh = config.policy.disagg_min_uncached_tokens
     transfer, kv_per_block = costs.transfer, costs.kv_bytes_per_token * bs
     threshold_active = config.num_prefill > 0
+    cores, frontend = config.cpu_cores, costs.serving.frontend_load
+    busy = 0  # workers in a step (CPU sharing)
 
     def lookup(rid: int, w: SimWorker) -> int:
         nonlocal hit_tokens, query_tokens
@@ -111,13 +119,21 @@ def simulate(trace: Trace, costs: CostModel, config: ClusterConfig) -> SimResult
 
     def boundary(w: SimWorker, t: float) -> None:
         """Between steps: admit arrived KV, then plan the next step."""
+        nonlocal busy
         if w.joins:
             for rid in w.joins:
                 w.remember(group[rid], prefix_blocks[rid], decode_holders)
                 start_decoding(w, rid, t)
             w.joins = []
-        if w.plan(t, lookup):
+        was_busy = w.busy
+        slowdown = 1.0
+        if cores is not None:
+            slowdown = max(1.0, (busy + (0 if was_busy else 1) + frontend) / cores)
+        if w.plan(t, lookup, slowdown):
+            busy += 0 if was_busy else 1
             schedule(w)
+        elif was_busy:
+            busy -= 1
 
     def wake(w: SimWorker, t: float) -> None:
         if not w.busy:

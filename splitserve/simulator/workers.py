@@ -78,9 +78,10 @@ class SimWorker:
     def has_prefill_work(self) -> bool:
         return bool(self.waiting or self.prefilling)
 
-    def plan(self, now: float, lookup) -> bool:
+    def plan(self, now: float, lookup, slowdown: float = 1.0) -> bool:
         """Plan the next step (or decode segment) starting at `now`; False when idle.
-        `lookup(request, worker)` -> cached tokens, called when a prompt is admitted."""
+        `lookup(request, worker)` -> cached tokens, called when a prompt is admitted.
+        `slowdown` stretches the step (workers sharing too few CPU cores)."""
         c = self.costs
         b = len(self.offset)
         step = c.step
@@ -108,12 +109,12 @@ class SimWorker:
                 new += n
                 budget -= n
             seqs = b + len(self.chunks)
-            self._start(now, 1, step.time(new, seqs, attn, keys), 0.0, b)
+            self._start(now, 1, slowdown * step.time(new, seqs, attn, keys), 0.0, b)
             return True
         if b:
             n = self.finish_heap[0][0] - self.steps
             a = step.decode(b, self.ctx_off + b * self.steps)
-            self._start(now, max(n, 1), a, step.c_ctx * b, b)
+            self._start(now, max(n, 1), slowdown * a, slowdown * step.c_ctx * b, b)
             return True
         self.busy = False
         return False

@@ -85,6 +85,19 @@ def test_serving_overhead_and_routing_time_are_added_once():
     assert s.mean_e2el_ms == pytest.approx(1 + 110 + 5 + 4 * 13)
 
 
+def test_workers_sharing_too_few_cores_run_slower():
+    reqs = [(0.0, 100, 1), (0.0, 100, 1)]
+    alone = simulate(trace(*reqs), FLAT, local(decode=2, routing_mode="round-robin"))
+    assert alone.first_token.tolist() == pytest.approx([0.110, 0.110])
+    # one core: the second worker starts while the first is busy, at half speed
+    shared = simulate(trace(*reqs), FLAT, local(decode=2, routing_mode="round-robin", cpu_cores=1))
+    assert sorted(shared.first_token.tolist()) == pytest.approx([0.110, 0.220])
+    # a frontend using half a core slows even a lone worker on one core
+    costs = CostModel(step=FLAT.step, serving=ServingOverhead(frontend_load=0.5))
+    one = simulate(trace((0.0, 100, 1)), costs, local(cpu_cores=1))
+    assert one.first_token[0] == pytest.approx(0.165)
+
+
 def test_prefix_routing_keeps_a_group_on_one_worker_and_hits_its_cache():
     # 4 workers, 2 groups with a 160-token (10 block) prefix, requests spaced apart
     reqs = [(i * 1.0, 176, 2, i % 2) for i in range(8)]
