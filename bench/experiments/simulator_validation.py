@@ -71,7 +71,7 @@ def plot(rows: list[dict], path: Path) -> None:
         for x, r in zip(xs, rows, strict=True):
             ax.annotate(f"{r['error'][key]:+.0%}", (x + width / 2, r["simulated"][key]), ha="center",
                         va="bottom")
-        ax.legend()
+        ax.legend(loc="lower right")
     fig.suptitle("splitserve simulate (calibrated here) against splitserve serve, same requests")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
