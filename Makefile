@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.splitserve-installed
 PROTOS := $(wildcard splitserve/proto/*.proto)
 
-.PHONY: setup serve test lint bench-engine clean
+.PHONY: setup serve test lint bench-engine bench-router bench-kvtransfer clean
 
 $(STAMP): pyproject.toml scripts/setup.sh $(PROTOS)
 	bash scripts/setup.sh
@@ -27,6 +27,16 @@ lint: $(STAMP)
 # Engine against transformers (static batching), 64 requests; see docs/benchmarks.md
 bench-engine: $(STAMP)
 	$(BIN)/python bench/engine_vs_transformers.py --out bench/results/engine_vs_transformers.json
+
+# Routing decision latency: 2,048-token prompt, 64 workers, ~1M-block index
+bench-router: $(STAMP)
+	$(BIN)/splitserve bench router --json bench/results/router_decision.json
+
+# KV transfer against a raw TCP socket, both backends, 64 MB and 512 MB
+bench-kvtransfer: $(STAMP)
+	for b in grpc mooncake; do for mb in 64 512; do \
+	  $(BIN)/splitserve bench kvtransfer --backend $$b --size-mb $$mb --repeat 5 \
+	    --json bench/results/kvtransfer_$${b}_$${mb}mb.json || exit 1; done; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info
