@@ -105,7 +105,7 @@ class LLMEngine:
         if not tokens:
             raise InvalidPromptError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab), None)
+        bad = next((t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidPromptError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
         if len(tokens) >= self.max_total_tokens:

@@ -4,6 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+UINT32_MAX = 2**32 - 1
+MAX_N = 128
+
+
+def _is_int(value, lo: int, hi: int) -> bool:
+    """A real integer (bool is an int subclass in Python, but not a count) in [lo, hi]:
+    the bounds are those of the wire types these values travel in."""
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
 
 class InvalidSamplingParams(ValueError):
     """A parameter a client sent is out of range; the message names it."""
@@ -41,21 +52,27 @@ class SamplingParams:
         def bad(param: str, msg: str) -> None:
             raise InvalidSamplingParams(param, msg)
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", f"n must be an integer >= 1, got {self.n!r}")
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+                bad(name, f"{name} must be a number, got {value!r}")
+        if not _is_int(self.n, 1, MAX_N):
+            bad("n", f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.temperature < 0:
             bad("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k, -1, INT32_MAX):
             bad("top_k", f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and not _is_int(self.max_tokens, 1, INT32_MAX):
             bad("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+        if self.seed is not None and not _is_int(self.seed, INT64_MIN, INT64_MAX):
+            bad("seed", f"seed must be a 64-bit signed integer, got {self.seed!r}")
+        if self.logprobs is not None and not _is_int(self.logprobs, 0, 20):
             bad("logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "stop must be a non-empty string or a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "stop_token_ids must be a list of non-negative integers")
+        if any(not _is_int(t, 0, UINT32_MAX) for t in self.stop_token_ids):
+            bad("stop_token_ids", "stop_token_ids must be a list of token ids (non-negative integers)")

@@ -163,3 +163,27 @@ def test_invalid_sampling_params_name_the_parameter(kwargs, param):
     with pytest.raises(InvalidSamplingParams) as err:
         SamplingParams(**kwargs)
     assert err.value.param == param
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"stop_token_ids": [False]}, "stop_token_ids"), ({"stop_token_ids": [2**32]}, "stop_token_ids"),
+    ({"n": True}, "n"), ({"max_tokens": 2**40}, "max_tokens"), ({"top_k": 2**40}, "top_k"),
+    ({"seed": 2**70}, "seed"), ({"temperature": float("nan")}, "temperature"), ({"top_p": "0.5"}, "top_p"),
+    ({"logprobs": True}, "logprobs"),
+])
+def test_values_that_cannot_travel_on_the_wire_are_rejected_by_name(kwargs, param):
+    """Found by fuzzing: a bool or an out-of-range integer used to pass validation and then
+    fail in protobuf encoding (a 500). Each must be a clear error naming the field."""
+    from splitserve.engine import InvalidSamplingParams
+
+    with pytest.raises(InvalidSamplingParams) as err:
+        SamplingParams(**kwargs)
+    assert err.value.param == param
+
+
+def test_bool_prompt_token_is_rejected(llm_and_path):
+    from splitserve.engine import InvalidPromptError
+
+    llm, _ = llm_and_path
+    with pytest.raises(InvalidPromptError, match="outside the vocabulary"):
+        llm.engine.add_request("b", [5, True], SamplingParams())
