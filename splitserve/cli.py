@@ -13,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prefill-pool": ("splitserve.prefill_worker.pool", "Ray driver keeping prefill actors alive (cluster mode)"),
     "decode-worker": ("splitserve.decode_worker.main", "run one decode worker (cluster mode)"),
     "prefill-worker": ("splitserve.prefill_worker.main", "run one prefill worker without Ray"),
+    "drain": ("splitserve.decode_worker.admin", "drain the decode worker in this pod (its preStop hook)"),
     "operator": ("splitserve.operator.main", "run the Kubernetes operator"),
     "generate": ("splitserve.engine.cli", "generate text offline with the engine"),
     "demo-model": ("splitserve.engine.demo", "create the random-weight demo checkpoint and print its path"),

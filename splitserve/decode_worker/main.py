@@ -1,6 +1,7 @@
 """`splitserve decode-worker`: one decode worker (cluster mode, a Kubernetes Deployment).
 
-Admin HTTP on --admin-port: /health, /metrics, /drain (see decode_worker/admin.py).
+Admin HTTP on --admin-port: /health, /metrics; /drain on --drain-port, loopback only
+(`splitserve drain` from inside the pod; see decode_worker/admin.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-backend", choices=["grpc", "mooncake"], default="grpc")
     ap.add_argument("--kv-protocol", choices=["tcp", "rdma"], default="tcp", help="mooncake transport")
     ap.add_argument("--rdma-device", help="RDMA device for mooncake, e.g. mlx5_0")
+    ap.add_argument("--drain-port", type=int, default=8083, help="loopback-only port of /drain")
     ap.add_argument("--drain-timeout", type=float, default=600.0)
     add_tls_args(ap)
     args = ap.parse_args(argv)
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
                                 host=args.host, port=args.port, advertise_host=advertise, bus_url=args.redis_url,
                                 cluster=args.cluster, kv_backend=args.kv_backend, kv_protocol=args.kv_protocol,
                                 rdma_device=args.rdma_device, admin_port=args.admin_port,
-                                drain_timeout_s=args.drain_timeout, tls=tls_from_args(args))
+                                drain_port=args.drain_port, drain_timeout_s=args.drain_timeout, tls=tls_from_args(args))
 
     async def amain() -> None:
         stop = asyncio.Event()

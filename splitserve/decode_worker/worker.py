@@ -62,7 +62,8 @@ class DecodeWorkerConfig:
     rdma_device: str | None = None
     prefill_timeout_s: float = 30.0
     heartbeat_ttl_s: float = 6.0
-    admin_port: int | None = None  # /health, /metrics, /drain; 0: any free port; None: off
+    admin_port: int | None = None  # /health and /metrics; 0: any free port; None: off
+    drain_port: int | None = None  # /drain on 127.0.0.1 only (`splitserve drain`); 0: any free; None: off
     drain_timeout_s: float = 600.0
     tls: TLSConfig | None = None  # mutual TLS on its gRPC server, KV receiver and prefill calls
 
@@ -78,6 +79,8 @@ class DecodeWorker(DecodeWorkerServicer):
         self.address = ""
         self.admin_url = ""
         self._admin = None
+        self._drain = None
+        self.drain_port = 0
         self._prefill_channels: dict[str, grpc.aio.Channel] = {}
 
     async def start(self) -> str:
@@ -86,8 +89,13 @@ class DecodeWorker(DecodeWorkerServicer):
         if cfg.admin_port is not None:  # up first: /health says "starting" while the model loads
             from splitserve.decode_worker.admin import admin_app, start_admin
 
-            self._admin, port = await start_admin(admin_app(self, cfg.drain_timeout_s), cfg.host, cfg.admin_port)
+            self._admin, port = await start_admin(admin_app(self), cfg.host, cfg.admin_port)
             self.admin_url = f"http://{advertised_host(cfg.host, cfg.advertise_host)}:{port}"
+        if cfg.drain_port is not None:  # loopback only: nothing outside the pod may drain it
+            from splitserve.decode_worker.admin import drain_app, start_admin
+
+            self._drain, self.drain_port = await start_admin(drain_app(self, cfg.drain_timeout_s), "127.0.0.1",
+                                                             cfg.drain_port)
         engine = await asyncio.to_thread(LLMEngine, cfg.engine)
         self.engine = AsyncEngine(engine, loop, self._dispatch, self._on_block_events)
         self.engine.start()
@@ -121,8 +129,9 @@ class DecodeWorker(DecodeWorkerServicer):
         self.engine.stop()
         if self._given_bus is None:
             await self.bus.close()
-        if self._admin is not None:
-            await self._admin.cleanup()
+        for runner in (self._admin, self._drain):
+            if runner is not None:
+                await runner.cleanup()
 
     # ---- state ------------------------------------------------------------------------
     def load_report(self) -> LoadReport:

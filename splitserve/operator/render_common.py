@@ -9,7 +9,8 @@ MODEL_MOUNT = "/models"
 ROUTER_PORT = 8000
 PREFILL_GRPC_PORT = 50051
 DECODE_GRPC_PORT = 50052
-ADMIN_PORT = 8081  # decode admin HTTP (/health, /metrics, /drain) and prefill-pool metrics
+ADMIN_PORT = 8081  # decode admin HTTP (/health, /metrics) and prefill-pool metrics
+DRAIN_PORT = 8083  # decode /drain, bound to 127.0.0.1 inside the pod (preStop `splitserve drain`)
 REDIS_PORT = 6379
 RUN_AS_USER = 1000
 

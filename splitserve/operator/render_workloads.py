@@ -83,8 +83,12 @@ def render_decode(spec: InferenceSpec, replicas: int) -> list[dict]:
         "livenessProbe": {"tcpSocket": {"port": c.ADMIN_PORT}, "periodSeconds": 15, "failureThreshold": 4,
                           "timeoutSeconds": 5},
         # Scale-down drains: /drain stops admission and returns once no stream is left
-        # (finished or handed off); the grace period bounds how long that may take.
-        "lifecycle": {"preStop": {"httpGet": {"path": "/drain", "port": c.ADMIN_PORT}}},
+        # (finished or handed off); the grace period bounds how long that may take. It
+        # listens on loopback only, so the hook execs `splitserve drain` inside the pod
+        # (an httpGet hook comes from the node, and anything that may scrape must not drain).
+        "lifecycle": {"preStop": {"exec": {"command": [
+            "splitserve", "drain", "--port", str(c.DRAIN_PORT),
+            "--timeout", str(spec.drain_timeout_seconds + 30)]}}},
         "resources": d.resources, "securityContext": c.container_security_context(),
         "volumeMounts": c.volume_mounts(spec, shm=True),
     }

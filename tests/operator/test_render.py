@@ -166,7 +166,9 @@ def test_decode_scale_down_drains():
     m = by_kind_name(render(SPECS["llama-pvc.yaml"]))
     pod = m[("Deployment", "llama3-8b-decode")]["spec"]["template"]["spec"]
     c = pod["containers"][0]
-    assert c["lifecycle"]["preStop"] == {"httpGet": {"path": "/drain", "port": 8081}}
+    # The drain endpoint is loopback-only: the hook runs inside the pod, never an httpGet from the node.
+    assert c["lifecycle"]["preStop"] == {"exec": {"command": ["splitserve", "drain", "--port", "8083",
+                                                             "--timeout", "630"]}}
     assert pod["terminationGracePeriodSeconds"] > 600  # the drain timeout, plus margin
     assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8081}
     assert c["livenessProbe"]["tcpSocket"] == {"port": 8081}  # /health is 503 while draining

@@ -123,7 +123,7 @@ class Cluster:
 
     def start_decode(self, worker_id: str) -> Proc:
         p = Proc(worker_id, [*_module("splitserve.cli"), "decode-worker", *self.common(), *self.engine_args,
-                             "--worker-id", worker_id, "--port", "0", "--admin-port", "0", "--drain-timeout", "5"],
+                             "--worker-id", worker_id, "--port", "0", "--admin-port", "0", "--drain-port", "0", "--drain-timeout", "5"],
                  r"serving gRPC on (\S+), KV receiver (\S+), admin (\S+)")
         self.decode[worker_id] = p
         return p

@@ -100,3 +100,39 @@ async def test_bad_requests_are_invalid_argument_and_cancel_frees_blocks(make_ck
         assert engine.num_free_blocks == engine.num_total_blocks and not engine.sequences
     finally:
         await decode.stop()
+
+
+async def test_drain_only_from_loopback_and_the_drain_command(make_ckpt):
+    """/drain is not on the (scraped) admin port; `splitserve drain` on the pod's loopback
+    drains the worker: it leaves the registry and refuses new streams."""
+    import subprocess
+    import sys
+
+    import aiohttp
+
+    path = make_ckpt("llama")
+    bus = InProcBus()
+    decode = DecodeWorker(DecodeWorkerConfig(engine_config(path), worker_id="d-drain", admin_port=0,
+                                             drain_port=0), bus=bus)
+    await decode.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(decode.admin_url + "/drain") as r:
+                assert r.status == 404  # not reachable where Prometheus (or anyone else) scrapes
+            async with http.get(decode.admin_url + "/health") as r:
+                assert r.status == 200
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "splitserve.cli", "drain", "--port", str(decode.drain_port), "--timeout", "30",
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = await proc.communicate()
+        assert proc.returncode == 0, err.decode()
+        assert '"drained": true' in out.decode()
+        assert "d-drain" not in await bus.live_workers()
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await generate(decode.address, "late", [5, 6, 7], SamplingParams(max_tokens=2))
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in exc.value.details()
+        bad = subprocess.run([sys.executable, "-m", "splitserve.cli", "drain", "--port", "1"],
+                             capture_output=True, text=True)
+        assert bad.returncode == 1 and "cannot reach http://127.0.0.1:1/drain" in bad.stderr
+    finally:
+        await decode.stop()
