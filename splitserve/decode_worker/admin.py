@@ -1,7 +1,7 @@
 """Decode worker admin HTTP.
 
 - Admin port (scraped; reachable by whatever the NetworkPolicy lets in): GET /health
-  (200 ready, 503 starting or draining) and GET /metrics.
+  (200 ready, 503 starting or draining; block accounting under "kv") and GET /metrics.
 - Drain port, bound to 127.0.0.1 only: GET /drain (stop admitting, leave the registry,
   answer once every stream has finished). Only a process inside the pod can drain the
   worker: the preStop hook runs `splitserve drain` there. Anything that may scrape a
@@ -25,8 +25,10 @@ def admin_app(worker) -> web.Application:
     async def health(request):
         ok = bool(worker.address) and not worker.draining
         status = "ok" if ok else ("draining" if worker.draining else "starting")
-        return web.json_response({"status": status, "worker_id": worker.worker_id,
-                                  "streams": len(worker.streams)}, status=200 if ok else 503)
+        body = {"status": status, "worker_id": worker.worker_id, "streams": len(worker.streams)}
+        if hasattr(worker, "engine"):  # once the model is loaded
+            body["kv"] = worker.kv_state()
+        return web.json_response(body, status=200 if ok else 503)
 
     async def metrics(request):
         return web.Response(body=generate_latest(worker.metrics.registry),
