@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,8 @@ import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from splitserve.simulator.serving_probe import stop_process_group
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
@@ -83,20 +84,10 @@ def _launch(args: list[str], timeout_s: float) -> Server:
     while not banner.is_set() and not ended.is_set() and time.monotonic() < deadline:
         time.sleep(0.2)
     if not banner.is_set() or proc.poll() is not None:
-        _stop(proc)
+        stop_process_group(proc)
         tail = "".join(server.lines[-40:])
         raise RuntimeError(f"`{shlex.join(command)}` did not come up within {timeout_s:.0f}s:\n{tail}")
     return server
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @contextmanager
@@ -117,7 +108,7 @@ def serve(args: list[str], timeout_s: float = 240.0, attempts: int = 3):
     try:
         yield server
     finally:
-        _stop(server.proc)
+        stop_process_group(server.proc)
 
 
 def run_bench(server: Server, args: list[str], label: str) -> dict:

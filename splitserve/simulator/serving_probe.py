@@ -59,12 +59,13 @@ def _start_serve(model: str, torch_threads: int, port: int) -> subprocess.Popen:
 
     threading.Thread(target=read, daemon=True).start()
     if not ready.wait(240) or proc.poll() is not None:
-        _stop(proc)
+        stop_process_group(proc)
         raise RuntimeError("splitserve serve did not start for the serving probe:\n" + "".join(lines[-30:]))
     return proc
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_process_group(proc: subprocess.Popen) -> None:
+    """Ctrl-C a `splitserve serve` and everything it started; SIGKILL after 90 s."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -167,7 +168,7 @@ def measure_serving_overhead(model: str, costs: CostModel, torch_threads: int, l
             # frontend load: the router (serve's own process) and this client, in cores
             runs.append(_load_run(costs, outcome.results, (router_cpu + client_cpu) / wall, wall, log))
     finally:
-        _stop(proc)
+        stop_process_group(proc)
     ttfts = [r.token_times[0] - r.start for r in results]
     gaps = [b - a for r in results for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
     ttft, gap = statistics.median(ttfts), statistics.median(gaps)
