@@ -31,6 +31,8 @@ LEASE_METADATA_KEY = "x-splitserve-lease"
 LEASE_GRANTED = "granted"
 
 _HEADER_TAG, _OFFSET_TAG, _DATA_TAG, _COMMIT_TAG = b"\x0a", b"\x10", b"\x1a", b"\x20"
+_WRITTEN_TAG, _WRITTEN_SUMS_TAG = b"\x2a", b"\x32"  # packed repeated fields 5 and 6
+_WRITTEN, _WRITTEN_SUMS = 5, 6
 
 
 class FrameError(ValueError):
@@ -43,6 +45,8 @@ class Frame:
     offset: int = 0
     data: memoryview | None = None
     commit: bool = False
+    written: tuple[int, ...] = ()  # mooncake: stream indices of blocks now in place
+    written_checksums: tuple[int, ...] = ()  # their xxh3_64, same order
 
 
 def _varint(n: int) -> bytes:
@@ -85,10 +89,33 @@ def encode_commit() -> bytes:
     return _COMMIT_TAG + b"\x01"
 
 
+def encode_written(indices: Sequence[int], sums: Sequence[int], commit: bool = False) -> bytes:
+    """A one-sided push's report: these stream blocks landed and have these checksums."""
+    out = []
+    if indices:
+        for tag, values in ((_WRITTEN_TAG, indices), (_WRITTEN_SUMS_TAG, sums)):
+            packed = b"".join(_varint(v) for v in values)
+            out += [tag, _varint(len(packed)), packed]
+    if commit:
+        out.append(encode_commit())
+    return b"".join(out)
+
+
+def _read_packed(buf: memoryview, pos: int, end: int) -> list[int]:
+    values = []
+    while pos < end:
+        value, pos = _read_varint(buf, pos)
+        values.append(value)
+    if pos != end:
+        raise FrameError("KVChunk packed field ends inside a varint")
+    return values
+
+
 def decode(raw: bytes) -> Frame:
     """Parse one KVChunk; unknown fields are skipped as protobuf requires."""
     buf = memoryview(raw)
     pos, header, offset, data, commit = 0, None, 0, None, False
+    repeated: dict[int, list[int]] = {_WRITTEN: [], _WRITTEN_SUMS: []}
     while pos < len(buf):
         key, pos = _read_varint(buf, pos)
         number, wire_type = key >> 3, key & 7
@@ -98,6 +125,8 @@ def decode(raw: bytes) -> Frame:
                 offset = value
             elif number == 4:
                 commit = bool(value)
+            elif number in repeated:  # an unpacked encoder; protobuf parsers accept both
+                repeated[number].append(value)
         elif wire_type == 2:
             length, pos = _read_varint(buf, pos)
             if pos + length > len(buf):
@@ -106,6 +135,8 @@ def decode(raw: bytes) -> Frame:
                 header = bytes(buf[pos:pos + length])
             elif number == 3:
                 data = buf[pos:pos + length]
+            elif number in repeated:
+                repeated[number] += _read_packed(buf, pos, pos + length)
             pos += length
         elif wire_type in (1, 5):
             pos += 8 if wire_type == 1 else 4
@@ -113,7 +144,11 @@ def decode(raw: bytes) -> Frame:
             raise FrameError(f"KVChunk field {number} has unsupported wire type {wire_type}")
     if pos != len(buf):
         raise FrameError("KVChunk ends inside a field")
-    return Frame(header=header, offset=offset, data=data, commit=commit)
+    written, sums = repeated[_WRITTEN], repeated[_WRITTEN_SUMS]
+    if len(written) != len(sums):
+        raise FrameError(f"KVChunk reports {len(written)} written blocks but {len(sums)} checksums")
+    return Frame(header=header, offset=offset, data=data, commit=commit,
+                 written=tuple(written), written_checksums=tuple(sums))
 
 
 def _decode_or_marker(raw: bytes) -> Frame | FrameError:

@@ -6,7 +6,10 @@ One attempt:
      refusing it: nothing is written into blocks that are not leased to us);
   2. write every block region straight from our pool to its destination address
      (Mooncake Transfer Engine, tcp or rdma); adjacent regions go as one write;
-  3. send `commit`; the receiver checksums the blocks in place and acknowledges.
+  3. as each write lands, hash its source regions and report them with their
+     checksums (a `written` frame); the receiver verifies those blocks while the
+     rest are still on the wire;
+  4. send `commit` once every write ended; the receiver acknowledges.
 The stream stays open for the whole write, so the receiver knows a writer is active:
 if we die, the stream breaks and the receiver fails the lease; if we give up at our
 deadline while a write is still on the wire, we close the stream only once the write
@@ -22,11 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
+import xxhash
 
 from splitserve.engine.kv_cache import KVCachePool
 from splitserve.kvtransfer import frames
 from splitserve.kvtransfer.frames import LEASE_GRANTED, LEASE_METADATA_KEY, pb
-from splitserve.kvtransfer.mooncake_endpoint import MooncakeEndpoint, MooncakeError, coalesce
+from splitserve.kvtransfer.mooncake_endpoint import MooncakeEndpoint, MooncakeError, Write, coalesce
 from splitserve.kvtransfer.outcome import KVTransferError
 from splitserve.kvtransfer.pool_io import RegionLayout
 from splitserve.kvtransfer.sender import KVSender
@@ -40,6 +44,28 @@ class _Attempt:
         self.lock = threading.Lock()
         self.writing = False
         self.abandoned = False
+
+
+class _Reports:
+    """The `written` reports: each landed write's regions, hashed at that moment.
+
+    Hashing a write's source once it landed overlaps the checksums with the writes
+    still on the wire, and the receiver verifies the reported blocks while later ones
+    travel. Hashing a region before or while the transport sends it measured about
+    1.5x slower transfers here (the transport thread then reads lines another core
+    holds); once it landed, the transport is done with it."""
+
+    def __init__(self, regions: list[memoryview], outbox: queue.SimpleQueue):
+        self.regions = regions
+        self.outbox = outbox
+
+    def landed(self, write: Write) -> None:
+        indices = range(write.first, write.first + write.count)
+        sums = [xxhash.xxh3_64_intdigest(self.regions[i]) for i in indices]
+        self.outbox.put(frames.encode_written(indices, sums))
+
+    def commit(self) -> None:
+        self.outbox.put(frames.encode_commit())
 
 
 class MooncakeSender(KVSender):
@@ -60,6 +86,9 @@ class MooncakeSender(KVSender):
         endpoint.register(pool.data_ptr(), pool.nbytes)  # once per pool
         return endpoint
 
+    def _header_checksums(self, regions: list[memoryview]) -> list[int]:
+        return []  # reported with the landed writes instead (see _Reports)
+
     def _attempt(self, address: str, info: ReceiverInfo, header: TransferHeader, src_pool: KVCachePool,
                  src_block_ids: Sequence[int], layout: RegionLayout, regions: list[memoryview],
                  deadline: float) -> pb.PushAck:
@@ -68,9 +97,7 @@ class MooncakeSender(KVSender):
             raise KVTransferError(rid, address, "backend_mismatch",
                                   "the receiver does not run the mooncake backend; configure both workers alike")
         endpoint = self._endpoint_for(src_pool)
-        src = [src_pool.data_ptr() + layout.offset(b) for b in src_block_ids]
-        dst = [info.pool_base + layout.offset(d) for d in header.dest_block_ids]
-        writes = coalesce(src, dst, layout.region_nbytes)
+        writes = self._plan_writes(endpoint, src_pool, src_block_ids, header, layout, info)
 
         outbox: queue.SimpleQueue = queue.SimpleQueue()
         outbox.put(frames.encode_header(header.encode()))
@@ -80,7 +107,9 @@ class MooncakeSender(KVSender):
         call = frames.push_stub(self._channel(address)).future(iter(outbox.get, None),
                                                                timeout=left + self.config.timeout_s)
         attempt = _Attempt()
-        writer = self._writers.submit(self._write, call, outbox, attempt, endpoint, info.mooncake_session, writes)
+        reports = _Reports(regions, outbox)
+        writer = self._writers.submit(self._write, call, outbox, attempt, endpoint, info.mooncake_session, writes,
+                                      reports)
         try:
             writer.result(timeout=left)
         except FutureTimeout:
@@ -100,9 +129,15 @@ class MooncakeSender(KVSender):
             raise KVTransferError(rid, address, "deadline",
                                   "blocks written and committed but the receiver did not acknowledge in time") from None
 
+    def _plan_writes(self, endpoint: MooncakeEndpoint, src_pool: KVCachePool, src_block_ids: Sequence[int],
+                     header: TransferHeader, layout: RegionLayout, info: ReceiverInfo) -> list[Write]:
+        src = [src_pool.data_ptr() + layout.offset(b) for b in src_block_ids]
+        dst = [info.pool_base + layout.offset(d) for d in header.dest_block_ids]
+        return coalesce(src, dst, layout.region_nbytes)
+
     def _write(self, call, outbox: queue.SimpleQueue, attempt: _Attempt, endpoint: MooncakeEndpoint,
-               session: str, writes: tuple[list[int], list[int], list[int]]) -> bool:
-        """Writer thread: wait for the lease, write, commit. Always closes the stream."""
+               session: str, writes: list[Write], reports: _Reports) -> bool:
+        """Writer thread: wait for the lease, write and report, commit. Always closes the stream."""
         committed = False
         try:
             granted = dict(call.initial_metadata() or ()).get(LEASE_METADATA_KEY) == LEASE_GRANTED
@@ -110,10 +145,10 @@ class MooncakeSender(KVSender):
                 if not granted or attempt.abandoned:
                     return False
                 attempt.writing = True
-            endpoint.write(session, *writes)
+            endpoint.write(session, writes, on_landed=reports.landed)
             with attempt.lock:
                 if not attempt.abandoned:
-                    outbox.put(frames.encode_commit())
+                    reports.commit()
                     committed = True
             return committed
         finally:

@@ -129,8 +129,10 @@ class StreamWriter:
     def _write_whole(self, data: memoryview, whole: list[tuple[int, int]]) -> None:
         size = self.layout.region_nbytes
         contiguous_in_chunk = all(at == whole[0][1] + k * size for k, (_, at) in enumerate(whole))
-        if self.layout.whole_blocks and contiguous_in_chunk:
-            # Full blocks: the unpack kernel scatters them (Triton on GPU, reference on CPU).
+        on_device = self.pool.data.device.type != "cpu"
+        if on_device and self.layout.whole_blocks and contiguous_in_chunk:
+            # Full blocks into a GPU pool: one host-to-device copy, then the unpack kernel
+            # scatters them. On CPU a plain memcpy per block is faster than index_copy_.
             start = whole[0][1]
             src = torch.frombuffer(data[start:start + size * len(whole)], dtype=torch.uint8)
             src = src.to(self.pool.data.device).view(self.pool.data.dtype)

@@ -24,8 +24,10 @@ from splitserve.kvtransfer import outcome as R
 from splitserve.kvtransfer.config import KVTransferConfig
 from splitserve.kvtransfer.frames import Frame, FrameError, pb
 from splitserve.kvtransfer.lease import Lease, LeaseError, LeaseTable
+from splitserve.kvtransfer.malloc_tuning import reuse_message_buffers
 from splitserve.kvtransfer.mooncake_endpoint import MooncakeEndpoint
-from splitserve.kvtransfer.pool_io import RegionLayout, StreamWriter, checksums, host_regions
+from splitserve.kvtransfer.one_sided import WrittenBlocks
+from splitserve.kvtransfer.pool_io import RegionLayout, StreamWriter
 from splitserve.kvtransfer.wire import (
     ReceiverInfo,
     TransferHeader,
@@ -76,6 +78,7 @@ class KVReceiver:
     # ---- lifecycle ------------------------------------------------------------
     def start(self) -> str:
         cfg = self.config
+        reuse_message_buffers(cfg.message_limit)
         if cfg.backend == "mooncake":
             self._mooncake = MooncakeEndpoint(cfg.host, cfg.mooncake_protocol, cfg.mooncake_device)
             self._mooncake.register(self.pool.data_ptr(), self.pool.nbytes)  # once, for the pool's lifetime
@@ -200,7 +203,7 @@ class KVReceiver:
             finally:
                 self.leases.end_io(lease, len(frame.data))
             self._count_bytes(header.backend, len(frame.data))
-            bad = [(i, d) for i, d in completed if d != header.checksums[i]]
+            bad = [(i, d, header.checksums[i]) for i, d in completed if d != header.checksums[i]]
             if bad:
                 return self._corrupted(lease, header, bad, writer.received)
         if not self.leases.push_succeeded(lease, header):
@@ -208,30 +211,58 @@ class KVReceiver:
         return _ack(rid, "PUSH_OK", "", bytes_received=writer.received)
 
     def _verify_one_sided(self, lease: Lease, header: TransferHeader, stream) -> pb.PushAck:
-        frame = _next(stream)  # the sender keeps the stream open while its writes are in flight
-        if frame is None:
-            raise _StreamBroken("the sender closed its stream without committing its writes")
-        if not frame.commit:
-            raise ValueError("expected the commit message of a one-sided transfer")
-        layout = RegionLayout.of(self.pool, (header.layer_start, header.layer_end))
-        self.leases.begin_io(lease)
-        try:
-            sums = checksums(host_regions(self.pool, header.dest_block_ids, layout))
-        finally:
-            self.leases.end_io(lease, header.total_nbytes)
-        self._count_bytes(header.backend, header.total_nbytes)
-        bad = [(i, d) for i, d in enumerate(sums) if d != header.checksums[i]]
-        if bad:
-            return self._corrupted(lease, header, bad, header.total_nbytes)
+        """Verify blocks as the sender reports them landed; answer at its commit. The sender
+        keeps the stream open while any write is in flight, so even a push that already
+        failed here is read to its commit (or break) before answering: until then the
+        lease must go on treating the blocks as written into."""
+        blocks = WrittenBlocks(self.pool, header)
+        problem: Exception | None = None  # the first LeaseError / ValueError: verification stops
+        while True:
+            try:
+                frame = _next(stream)
+            except ValueError as exc:  # a malformed message: still read on to the commit
+                problem = problem or exc
+                continue
+            if frame is None:
+                raise _StreamBroken("the sender closed its stream without committing its writes")
+            if problem is None and (frame.header is not None or frame.data is not None):
+                problem = ValueError("expected written-block reports or the commit of a one-sided transfer")
+            if frame.written and problem is None:
+                problem = self._verify_reported(lease, header, blocks, frame)
+            if frame.commit:
+                break
+        if problem is not None:
+            raise problem
+        missing = blocks.missing()
+        if missing:
+            raise ValueError(f"commit before stream blocks {missing[:8]} were reported written ({len(missing)} missing)")
+        if blocks.mismatches:
+            return self._corrupted(lease, header, blocks.mismatches, header.total_nbytes)
         if not self.leases.push_succeeded(lease, header):
             raise LeaseError("LEASE_EXPIRED", f"request {header.request_id!r} ended before its commit arrived")
         return _ack(header.request_id, "PUSH_OK", "", bytes_received=header.total_nbytes)
 
-    def _corrupted(self, lease: Lease, header: TransferHeader, bad: list[tuple[int, int]], nbytes: int) -> pb.PushAck:
-        i, got = bad[0]
+    def _verify_reported(self, lease: Lease, header: TransferHeader, blocks: WrittenBlocks,
+                         frame: Frame) -> Exception | None:
+        try:
+            self.leases.begin_io(lease)
+        except LeaseError as exc:  # aborted or expired meanwhile: answered at the commit
+            return exc
+        nbytes = 0
+        try:
+            nbytes = blocks.report(frame.written, frame.written_checksums)
+        except ValueError as exc:
+            return exc
+        finally:
+            self.leases.end_io(lease, nbytes)
+        self._count_bytes(header.backend, nbytes)
+        return None
+
+    def _corrupted(self, lease: Lease, header: TransferHeader, bad: list[tuple[int, int, int]],
+                   nbytes: int) -> pb.PushAck:
+        i, got, want = bad[0]
         detail = (f"request {header.request_id!r}: {len(bad)} block(s) failed their checksum, first stream block {i} "
-                  f"(destination block {header.dest_block_ids[i]}): xxh3 {got:#018x}, header says "
-                  f"{header.checksums[i]:#018x}")
+                  f"(destination block {header.dest_block_ids[i]}): xxh3 {got:#018x}, the sender's is {want:#018x}")
         log.warning("KV receiver %s: %s", self.worker_id, detail)
         retry = self.leases.checksum_failed(lease, detail)
         if not retry:

@@ -15,7 +15,7 @@ import torch
 
 from splitserve.engine.kv_cache import KVCacheSpec
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: mooncake checksums travel with the written-block reports
 
 
 class WireError(ValueError):
@@ -39,7 +39,9 @@ class TransferHeader:
     dtype: str
     block_shape: list[int]  # the pool's per-block shape [layers, 2, block_size, kv_heads, head_dim]
     region_nbytes: int  # bytes of one block in the stream (the layer range only)
-    checksums: list[int]  # xxh3_64 of each block's region, in stream order
+    # xxh3_64 of each block's region, in stream order (grpc). Empty for mooncake: its
+    # checksums come with the reports of landed writes (frames.encode_written).
+    checksums: list[int]
     receiver_epoch: str  # from Describe; a restarted receiver refuses stale senders
     version: int = WIRE_VERSION
 
@@ -67,6 +69,8 @@ class TransferHeader:
         """Self-consistency only; matching against a lease and a pool is validate_header's job."""
         if not isinstance(self.request_id, str) or not isinstance(self.receiver_epoch, str):
             raise WireError("transfer header: request_id and receiver_epoch must be strings")
+        if self.backend not in ("grpc", "mooncake"):
+            raise WireError(f"request {self.request_id!r}: unknown backend {self.backend!r} in the transfer header")
         for name in ("dest_block_ids", "block_hashes", "checksums", "block_shape"):
             value = getattr(self, name)
             if not isinstance(value, list) or not all(type(x) is int for x in value):
@@ -77,8 +81,10 @@ class TransferHeader:
         n = len(self.dest_block_ids)
         if n == 0:
             raise WireError(f"request {self.request_id!r}: transfer names no destination blocks")
-        if len(self.checksums) != n:
-            raise WireError(f"request {self.request_id!r}: {len(self.checksums)} checksums for {n} blocks")
+        want = 0 if self.backend == "mooncake" else n
+        if len(self.checksums) != want:
+            raise WireError(f"request {self.request_id!r}: {len(self.checksums)} checksums in a {self.backend} "
+                            f"header for {n} blocks (expected {want})")
         if len(self.block_hashes) > n:
             raise WireError(f"request {self.request_id!r}: {len(self.block_hashes)} block hashes for {n} blocks")
         if len(set(self.dest_block_ids)) != n:

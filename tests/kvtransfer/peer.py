@@ -2,13 +2,15 @@
 run in a spawned child and driven over a multiprocessing pipe.
 
 Faults are injected by subclassing the real senders (no test hooks in production
-code): `corrupt` flips a source byte for the duration of an attempt (after the
-checksums were taken, like corruption on the wire), `slow` pauses after the first
+code): `corrupt` flips a byte on its way (grpc: in the source for the duration of an
+attempt, after the header's checksums were taken; mooncake: the last region is written
+from a flipped copy), `slow` pauses after the first
 bytes, `stall` stops after the first bytes and never continues (the test kills it).
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 
@@ -69,15 +71,35 @@ class FaultyGrpcSender(_Faults, GrpcSender):
 
 
 class FaultyMooncakeSender(_Faults, MooncakeSender):
-    def _write(self, call, outbox, attempt, endpoint, session, writes):
+    # Checksums are taken from the source while the writes run, so corruption is made on
+    # the "wire" instead: the write of the last region comes from a flipped copy.
+    def _attempt(self, address, info, header, src_pool, src_block_ids, layout, regions, deadline):
+        return MooncakeSender._attempt(self, address, info, header, src_pool, src_block_ids, layout, regions,
+                                       deadline)
+
+    def _plan_writes(self, endpoint, src_pool, src_block_ids, header, layout, info):
+        writes = super()._plan_writes(endpoint, src_pool, src_block_ids, header, layout, info)
+        if not self.behaviour.startswith("corrupt") or (self.behaviour == "corrupt_once" and self.corrupted):
+            return writes
+        self.corrupted += 1
+        last = writes[-1]
+        if getattr(self, "_garbled", None) is None:  # registered once: Mooncake refuses overlapping regions
+            self._garbled = torch.empty(src_pool.nbytes, dtype=torch.uint8)
+            endpoint.register(self._garbled.data_ptr(), src_pool.nbytes)
+        self._garbled[:last.length] = torch.frombuffer(bytearray(ctypes.string_at(last.src, last.length)),
+                                                       dtype=torch.uint8)
+        self._garbled[last.length - layout.region_nbytes // 2] ^= 0x5A  # inside the last region
+        return [*writes[:-1], last._replace(src=self._garbled.data_ptr())]
+
+    def _write(self, call, outbox, attempt, endpoint, session, writes, reports):
         if self.behaviour == "stall":
             dict(call.initial_metadata() or ())  # lease granted: the stream is attached
-            src, dst, lengths = writes
-            endpoint.write(session, src[:1], dst[:1], [min(lengths[0], 4096)])
+            first = writes[0]
+            endpoint.write(session, [first._replace(length=min(first.length, 4096))])
             self._pause()
         if self.behaviour == "slow":
             self._pause()
-        return super()._write(call, outbox, attempt, endpoint, session, writes)
+        return super()._write(call, outbox, attempt, endpoint, session, writes, reports)
 
 
 def sender_main(conn, backend: str, config: KVTransferConfig, progress) -> None:

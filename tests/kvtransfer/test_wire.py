@@ -13,7 +13,7 @@ from splitserve.engine.kv_cache import KVCachePool
 from splitserve.kvtransfer import KVTransferConfig, frames
 from splitserve.kvtransfer.frames import FrameError, pb
 from splitserve.kvtransfer.grpc_sender import chunk_parts, chunk_plan
-from splitserve.kvtransfer.mooncake_endpoint import coalesce
+from splitserve.kvtransfer.mooncake_endpoint import Write, coalesce
 from splitserve.kvtransfer.pool_io import RegionLayout, StreamWriter, host_regions, split_span
 from splitserve.kvtransfer.wire import TransferHeader, WireError, validate_header
 from tests.kvtransfer import peer
@@ -35,12 +35,26 @@ def test_hand_encoded_frames_are_standard_kvchunk_messages():
     assert pb.KVChunk.FromString(frames.encode_header(b"hdr")).header == b"hdr"
     assert pb.KVChunk.FromString(frames.encode_commit()).commit
     # ...and what any protobuf client sends decodes here, unknown fields skipped.
-    msg = pb.KVChunk(header=b"h", offset=300, data=b"xyz", commit=True).SerializeToString() + b"\x28\x05"
+    msg = pb.KVChunk(header=b"h", offset=300, data=b"xyz", commit=True).SerializeToString() + b"\x78\x05"
     frame = frames.decode(msg)
     assert (frame.header, frame.offset, bytes(frame.data), frame.commit) == (b"h", 300, b"xyz", True)
 
 
-@pytest.mark.parametrize("raw", [b"\x1a\x05ab", b"\x10", b"\x0f", b"\x1a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01"])
+def test_written_reports_round_trip_through_protobuf():
+    sums = [0, (1 << 64) - 1, 12345]
+    raw = frames.encode_written([0, 7, 300], sums, commit=True)
+    parsed = pb.KVChunk.FromString(raw)
+    assert list(parsed.written) == [0, 7, 300] and list(parsed.written_checksums) == sums and parsed.commit
+    frame = frames.decode(raw)
+    assert frame.written == (0, 7, 300) and frame.written_checksums == tuple(sums) and frame.commit
+    # the commit alone, and another encoder's unpacked repeated fields, decode the same way
+    assert frames.decode(frames.encode_written([], [], commit=True)) == frames.decode(frames.encode_commit())
+    unpacked = b"\x28\x03\x30\x09"  # written=3, written_checksums=9 as plain varints
+    assert frames.decode(unpacked).written == (3,) and frames.decode(unpacked).written_checksums == (9,)
+
+
+@pytest.mark.parametrize("raw", [b"\x1a\x05ab", b"\x10", b"\x0f", b"\x1a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",
+                                 b"\x2a\x01\x01", b"\x2a\x01\x80"])
 def test_malformed_frames_raise_frame_error(raw):
     with pytest.raises(FrameError):
         frames.decode(raw)
@@ -58,8 +72,14 @@ def test_header_round_trip_and_rejections():
         TransferHeader.decode(msgpack.packb({**dataclasses.asdict(h), "surprise": 1}))
     with pytest.raises(WireError, match="list of integers"):
         TransferHeader.decode(header(dest_block_ids=["3", 1]).encode())
-    with pytest.raises(WireError, match="2 checksums for 3 blocks"):
+    with pytest.raises(WireError, match="2 checksums in a grpc header for 3 blocks"):
         TransferHeader.decode(header(dest_block_ids=[1, 2, 3]).encode())
+    # mooncake reports its checksums with the landed writes: none in the header
+    assert TransferHeader.decode(header(backend="mooncake", checksums=[]).encode()).checksums == []
+    with pytest.raises(WireError, match="2 checksums in a mooncake header"):
+        TransferHeader.decode(header(backend="mooncake").encode())
+    with pytest.raises(WireError, match="unknown backend"):
+        TransferHeader.decode(header(backend="nccl").encode())
     with pytest.raises(WireError, match="repeat"):
         TransferHeader.decode(header(dest_block_ids=[1, 1]).encode())
 
@@ -85,7 +105,8 @@ def test_split_span_and_chunk_plan():
 
 
 def test_coalesce_merges_only_regions_adjacent_on_both_sides():
-    assert coalesce([0, 10, 20, 50], [100, 110, 130, 140], 10) == ([0, 20, 50], [100, 130, 140], [20, 10, 10])
+    assert coalesce([0, 10, 20, 50], [100, 110, 130, 140], 10) == [
+        Write(src=0, dst=100, length=20, first=0, count=2), Write(20, 130, 10, 2, 1), Write(50, 140, 10, 3, 1)]
 
 
 def test_stream_writer_places_layer_ranges_and_reports_digests():
