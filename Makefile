@@ -35,7 +35,7 @@ bench-router: $(STAMP)
 # KV transfer against a raw TCP socket, both backends, 64 MB and 512 MB
 bench-kvtransfer: $(STAMP)
 	for b in grpc mooncake; do for mb in 64 512; do \
-	  $(BIN)/splitserve bench kvtransfer --backend $$b --size-mb $$mb --repeat 5 \
+	  $(BIN)/splitserve bench kvtransfer --backend $$b --size-mb $$mb --repeat 7 \
 	    --json bench/results/kvtransfer_$${b}_$${mb}mb.json || exit 1; done; done
 
 clean:
