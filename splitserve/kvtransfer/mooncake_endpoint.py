@@ -27,8 +27,8 @@ TCP_TUNING = {"MC_TCP_SLICE_SIZE": str(1 << 20), "MC_TCP_LANES_PER_PEER": "8"}
 # transfer_check_status results, and the batch ids transfer_submit_write returns on failure.
 _PENDING, _COMPLETED, _FAILED = 0, 1, -1
 _INVALID_BATCH = (0, -1, (1 << 64) - 1)
-_FIRST_NAP_S = 50e-6  # small transfers land in well under a millisecond
-_MAX_NAP_S = 1e-3
+_FIRST_NAP_S = 20e-6  # small transfers land in well under a millisecond
+_MAX_NAP_S = 200e-6  # a poll costs a few µs: latency matters more
 
 
 class MooncakeError(RuntimeError):

@@ -25,7 +25,7 @@ def test_bench_kvtransfer_writes_its_json(tmp_path, backend, capsys):
     assert result["blocks"] == 2 and result["size_mb"] == 4
     for key in ("raw_gbps", "bare_gbps", "backend_gbps"):
         assert len(result[key]) == 2 and all(v > 0 for v in result[key])
-    ratios = sorted(b / r for b, r in zip(result["backend_gbps"], result["raw_gbps"]))
+    ratios = sorted(b / r for b, r in zip(result["backend_gbps"], result["raw_gbps"], strict=True))
     assert result["ratio"] == pytest.approx(sum(ratios) / 2)  # median of the per-round ratios
     assert result["target_met"] == (result["ratio"] >= bench.TARGETS[backend])
     expected_pin = sorted(affinity)[:2] if len(affinity) >= 2 else None

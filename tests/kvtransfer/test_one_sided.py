@@ -10,10 +10,12 @@ import time
 
 import grpc
 import pytest
+import torch
 import xxhash
 
-from splitserve.kvtransfer import frames
+from splitserve.kvtransfer import create_sender, frames
 from splitserve.kvtransfer.frames import LEASE_GRANTED, LEASE_METADATA_KEY, pb
+from splitserve.kvtransfer.mooncake_sender import _Reports
 from splitserve.kvtransfer.pool_io import RegionLayout, host_regions
 from splitserve.kvtransfer.wire import ReceiverInfo, TransferHeader, dtype_name
 from tests.kvtransfer import peer
@@ -118,3 +120,24 @@ def test_a_checksum_mismatch_in_a_report_allows_a_retry(decode):
     retry.send(frames.encode_written([0, 1], sums, commit=True))
     assert retry.finish().status == pb.PUSH_OK
     assert fut.result(timeout=5).ok
+
+
+def test_sender_reports_landed_blocks_in_batches_then_commits(decode, monkeypatch):
+    """A real in-process MooncakeSender with a one-block report size: the receiver gets
+    several `written` reports before the commit, and every block lands verified."""
+    sent = []
+    monkeypatch.setattr(_Reports, "REPORT_BYTES", peer.SPEC.block_nbytes)
+    original = _Reports._send
+    monkeypatch.setattr(_Reports, "_send", lambda self, commit: (sent.append((list(self.indices), commit)),
+                                                                  original(self, commit)))
+    source = peer.source_pool()
+    dest = decode.allocate(5)
+    src = [3, 11, 0, 7, 19]  # not adjacent: five separate writes
+    fut = decode.expect("batched", dest, [])
+    with create_sender("mooncake", config_for("mooncake")) as sender:
+        result = sender.push("batched", decode.address, source, src, dest, [])
+    assert result.attempts == 1 and fut.result(timeout=5).ok
+    reported = sorted(i for indices, _ in sent for i in indices)
+    assert reported == list(range(5)) and sent[-1][1] and sum(1 for _, commit in sent if not commit) >= 4
+    for s, d in zip(src, dest, strict=True):
+        assert decode.pool.data[d].view(torch.uint8).equal(source.data[s].view(torch.uint8))
