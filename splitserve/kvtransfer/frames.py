@@ -45,8 +45,10 @@ class Frame:
     offset: int = 0
     data: memoryview | None = None
     commit: bool = False
-    written: tuple[int, ...] = ()  # mooncake: stream indices of blocks now in place
-    written_checksums: tuple[int, ...] = ()  # their xxh3_64, same order
+    # Stream indices of blocks completed by this chunk (grpc) or now in place (mooncake),
+    # and their xxh3_64 in the same order.
+    written: tuple[int, ...] = ()
+    written_checksums: tuple[int, ...] = ()
 
 
 def _varint(n: int) -> bytes:
@@ -78,11 +80,13 @@ def encode_header(raw_header: bytes) -> bytes:
     return _HEADER_TAG + _varint(len(raw_header)) + raw_header
 
 
-def encode_data(offset: int, parts: Sequence[memoryview]) -> bytes:
-    """One data chunk: `parts` (views of source blocks) joined with a single copy."""
+def encode_data(offset: int, parts: Sequence[memoryview], completed: Sequence[int] = (),
+                sums: Sequence[int] = ()) -> bytes:
+    """One data chunk: `parts` (views of source blocks) joined with a single copy, with the
+    stream indices and xxh3 of the blocks whose last byte is in this chunk."""
     n = sum(len(p) for p in parts)
     prefix = _OFFSET_TAG + _varint(offset) + _DATA_TAG + _varint(n)
-    return b"".join([prefix, *parts])
+    return b"".join([prefix, *parts, _packed(completed, sums)])
 
 
 def encode_commit() -> bytes:
@@ -91,13 +95,16 @@ def encode_commit() -> bytes:
 
 def encode_written(indices: Sequence[int], sums: Sequence[int], commit: bool = False) -> bytes:
     """A one-sided push's report: these stream blocks landed and have these checksums."""
+    return _packed(indices, sums) + (encode_commit() if commit else b"")
+
+
+def _packed(indices: Sequence[int], sums: Sequence[int]) -> bytes:
+    if not indices:
+        return b""
     out = []
-    if indices:
-        for tag, values in ((_WRITTEN_TAG, indices), (_WRITTEN_SUMS_TAG, sums)):
-            packed = b"".join(_varint(v) for v in values)
-            out += [tag, _varint(len(packed)), packed]
-    if commit:
-        out.append(encode_commit())
+    for tag, values in ((_WRITTEN_TAG, indices), (_WRITTEN_SUMS_TAG, sums)):
+        packed = b"".join(_varint(v) for v in values)
+        out += [tag, _varint(len(packed)), packed]
     return b"".join(out)
 
 

@@ -98,9 +98,6 @@ class MooncakeSender(KVSender):
         endpoint.register(pool.data_ptr(), pool.nbytes)  # once per pool
         return endpoint
 
-    def _header_checksums(self, regions: list[memoryview]) -> list[int]:
-        return []  # reported with the landed writes instead (see _Reports)
-
     def _attempt(self, address: str, info: ReceiverInfo, header: TransferHeader, src_pool: KVCachePool,
                  src_block_ids: Sequence[int], layout: RegionLayout, regions: list[memoryview],
                  deadline: float) -> pb.PushAck:

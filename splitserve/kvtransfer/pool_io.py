@@ -71,11 +71,6 @@ def host_regions(pool: KVCachePool, block_ids: Sequence[int], layout: RegionLayo
     return [flat[i * n:(i + 1) * n] for i in range(len(block_ids))]
 
 
-def checksums(regions: Sequence[memoryview]) -> list[int]:
-    digest = xxhash.xxh3_64_intdigest
-    return [digest(r) for r in regions]
-
-
 def split_span(offset: int, length: int, region_nbytes: int) -> list[tuple[int, int, int, int]]:
     """Pieces of stream bytes [offset, offset+length): (region index, offset in region,
     offset in chunk, length). Pure; the receiver's write path is built on it."""

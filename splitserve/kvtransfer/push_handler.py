@@ -110,7 +110,11 @@ class PushHandler:
             finally:
                 self.leases.end_io(lease, len(frame.data))
             self._count_bytes(header.backend, len(frame.data))
-            bad = [(i, d, header.checksums[i]) for i, d in completed if d != header.checksums[i]]
+            sums = dict(zip(frame.written, frame.written_checksums, strict=True))
+            if sorted(sums) != [i for i, _ in completed]:
+                raise ValueError(f"the chunk at byte {frame.offset} completes stream blocks {[i for i, _ in completed]} "
+                                 f"but carries checksums for {sorted(sums)}")
+            bad = [(i, d, sums[i]) for i, d in completed if d != sums[i]]
             if bad:
                 return self._corrupted(lease, header, bad, writer.received)
         if not self.leases.push_succeeded(lease, header):

@@ -21,7 +21,7 @@ from splitserve.kvtransfer.config import BACKENDS, KVTransferConfig
 from splitserve.kvtransfer.frames import pb
 from splitserve.kvtransfer.malloc_tuning import reuse_message_buffers
 from splitserve.kvtransfer.outcome import KVTransferError, PushResult
-from splitserve.kvtransfer.pool_io import RegionLayout, checksums, host_regions
+from splitserve.kvtransfer.pool_io import RegionLayout, host_regions
 from splitserve.kvtransfer.wire import (
     ReceiverInfo,
     TransferHeader,
@@ -69,7 +69,7 @@ class KVSender(ABC):
                 block_hashes=[int(h) for h in block_hashes], layer_start=layout.layer_start,
                 layer_end=layout.layer_end, dtype=dtype_name(src_pool.spec.dtype),
                 block_shape=list(src_pool.spec.block_shape), region_nbytes=layout.region_nbytes,
-                checksums=self._header_checksums(regions), receiver_epoch=info.epoch)
+                receiver_epoch=info.epoch)
             for attempt in range(1, self.config.max_attempts + 1):
                 ack = self._attempt(receiver_address, info, header, src_pool, src_block_ids, layout, regions, deadline)
                 if ack.status == pb.PUSH_OK:
@@ -116,10 +116,6 @@ class KVSender(ABC):
                  src_block_ids: Sequence[int], layout: RegionLayout, regions: list[memoryview],
                  deadline: float) -> pb.PushAck:
         """One push of every block; returns the receiver's acknowledgement."""
-
-    def _header_checksums(self, regions: list[memoryview]) -> list[int]:
-        """Checksums sent up front in the header; a backend that reports them later returns []."""
-        return checksums(regions)
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:

@@ -3,7 +3,8 @@
 A transfer moves, for each block, the bytes of layers [layer_start, layer_end) of
 that block (contiguous in the block-major pool, see engine/kv_cache.py). The packed
 stream is those regions concatenated in header order; block i of the stream lands in
-destination block dest_block_ids[i]. Each region carries an xxh3_64 checksum.
+destination block dest_block_ids[i]. Each region's xxh3_64 travels with it: in the data
+chunk that completes it (grpc) or in the report of its landed write (mooncake).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from splitserve.engine.kv_cache import KVCacheSpec
 
-WIRE_VERSION = 2  # 2: mooncake checksums travel with the written-block reports
+WIRE_VERSION = 2  # 2: checksums travel with the blocks (data chunks / written reports), not in the header
 
 
 class WireError(ValueError):
@@ -39,9 +40,6 @@ class TransferHeader:
     dtype: str
     block_shape: list[int]  # the pool's per-block shape [layers, 2, block_size, kv_heads, head_dim]
     region_nbytes: int  # bytes of one block in the stream (the layer range only)
-    # xxh3_64 of each block's region, in stream order (grpc). Empty for mooncake: its
-    # checksums come with the reports of landed writes (frames.encode_written).
-    checksums: list[int]
     receiver_epoch: str  # from Describe; a restarted receiver refuses stale senders
     version: int = WIRE_VERSION
 
@@ -71,7 +69,7 @@ class TransferHeader:
             raise WireError("transfer header: request_id and receiver_epoch must be strings")
         if self.backend not in ("grpc", "mooncake"):
             raise WireError(f"request {self.request_id!r}: unknown backend {self.backend!r} in the transfer header")
-        for name in ("dest_block_ids", "block_hashes", "checksums", "block_shape"):
+        for name in ("dest_block_ids", "block_hashes", "block_shape"):
             value = getattr(self, name)
             if not isinstance(value, list) or not all(type(x) is int for x in value):
                 raise WireError(f"request {self.request_id!r}: header field {name} must be a list of integers")
@@ -81,10 +79,6 @@ class TransferHeader:
         n = len(self.dest_block_ids)
         if n == 0:
             raise WireError(f"request {self.request_id!r}: transfer names no destination blocks")
-        want = 0 if self.backend == "mooncake" else n
-        if len(self.checksums) != want:
-            raise WireError(f"request {self.request_id!r}: {len(self.checksums)} checksums in a {self.backend} "
-                            f"header for {n} blocks (expected {want})")
         if len(self.block_hashes) > n:
             raise WireError(f"request {self.request_id!r}: {len(self.block_hashes)} block hashes for {n} blocks")
         if len(set(self.dest_block_ids)) != n:

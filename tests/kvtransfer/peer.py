@@ -2,9 +2,8 @@
 run in a spawned child and driven over a multiprocessing pipe.
 
 Faults are injected by subclassing the real senders (no test hooks in production
-code): `corrupt` flips a byte on its way (grpc: in the source for the duration of an
-attempt, after the header's checksums were taken; mooncake: the last region is written
-from a flipped copy), `slow` pauses after the first
+code): `corrupt` flips a byte on its way, after its checksum was taken (grpc: in the
+last encoded chunk; mooncake: the last region is written from a flipped copy), `slow` pauses after the first
 bytes, `stall` stops after the first bytes and never continues (the test kills it).
 """
 
@@ -21,7 +20,6 @@ from splitserve.engine.kv_cache import KVCachePool, KVCacheSpec
 from splitserve.kvtransfer import KVReceiver, KVTransferConfig, KVTransferError
 from splitserve.kvtransfer.grpc_sender import GrpcSender
 from splitserve.kvtransfer.mooncake_sender import MooncakeSender
-from splitserve.kvtransfer.pool_io import pool_bytes
 
 # 16 KiB blocks: 4 layers x (K, V) x 16 tokens x 2 heads x 32 dims x bf16.
 SPEC = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.bfloat16)
@@ -42,17 +40,12 @@ class _Faults:
     progress = None  # multiprocessing Event, set once the first bytes are on their way
     corrupted = 0
 
-    def _attempt(self, address, info, header, src_pool, src_block_ids, layout, regions, deadline):
+    def _corrupt_now(self) -> bool:
+        """Whether this attempt's bytes get corrupted on their way (counted)."""
         if not self.behaviour.startswith("corrupt") or (self.behaviour == "corrupt_once" and self.corrupted):
-            return super()._attempt(address, info, header, src_pool, src_block_ids, layout, regions, deadline)
+            return False
         self.corrupted += 1
-        flat = pool_bytes(src_pool)
-        at = layout.offset(src_block_ids[-1]) + layout.region_nbytes // 2
-        flat[at] ^= 0x5A
-        try:
-            return super()._attempt(address, info, header, src_pool, src_block_ids, layout, regions, deadline)
-        finally:
-            flat[at] ^= 0x5A
+        return True
 
     def _pause(self) -> None:
         self.progress.set()
@@ -63,25 +56,27 @@ class _Faults:
 
 
 class FaultyGrpcSender(_Faults, GrpcSender):
+    # Checksums are taken from the source as each chunk is built, so corruption is made on
+    # the "wire": a byte of the last chunk's data flipped after it was encoded.
     def _frames(self, header, regions):
-        for i, frame in enumerate(super()._frames(header, regions)):
+        encoded = list(super()._frames(header, regions))
+        if self._corrupt_now():
+            last = bytearray(encoded[-1])
+            last[len(last) // 2] ^= 0x5A  # the middle of a chunk is data (its checksums trail it)
+            encoded[-1] = bytes(last)
+        for i, frame in enumerate(encoded):
             yield frame
             if i == 1 and self.behaviour in ("slow", "stall"):  # header + first chunk sent
                 self._pause()
 
 
 class FaultyMooncakeSender(_Faults, MooncakeSender):
-    # Checksums are taken from the source while the writes run, so corruption is made on
-    # the "wire" instead: the write of the last region comes from a flipped copy.
-    def _attempt(self, address, info, header, src_pool, src_block_ids, layout, regions, deadline):
-        return MooncakeSender._attempt(self, address, info, header, src_pool, src_block_ids, layout, regions,
-                                       deadline)
-
+    # Checksums are taken from the source as writes land, so corruption is made on the
+    # "wire" instead: the write of the last region comes from a flipped copy.
     def _plan_writes(self, endpoint, src_pool, src_block_ids, header, layout, info):
         writes = super()._plan_writes(endpoint, src_pool, src_block_ids, header, layout, info)
-        if not self.behaviour.startswith("corrupt") or (self.behaviour == "corrupt_once" and self.corrupted):
+        if not self._corrupt_now():
             return writes
-        self.corrupted += 1
         last = writes[-1]
         if getattr(self, "_garbled", None) is None:  # registered once: Mooncake refuses overlapping regions
             self._garbled = torch.empty(src_pool.nbytes, dtype=torch.uint8)

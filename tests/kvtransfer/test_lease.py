@@ -28,7 +28,7 @@ def env():
 def head(request_id="r", dest=(4, 5), hashes=(), layers=(0, 2), backend="grpc") -> TransferHeader:
     return TransferHeader(request_id=request_id, backend=backend, dest_block_ids=list(dest),
                           block_hashes=list(hashes), layer_start=layers[0], layer_end=layers[1], dtype="bfloat16",
-                          block_shape=[2, 2, 16, 2, 32], region_nbytes=1, checksums=[0] * len(dest),
+                          block_shape=[2, 2, 16, 2, 32], region_nbytes=1,
                           receiver_epoch="e")
 
 

@@ -39,7 +39,7 @@ class HandPush:
         header = TransferHeader(
             request_id=request_id, backend="mooncake", dest_block_ids=dest, block_hashes=[], layer_start=0,
             layer_end=spec.num_layers, dtype=dtype_name(spec.dtype), block_shape=list(spec.block_shape),
-            region_nbytes=spec.block_nbytes, checksums=[], receiver_epoch=info.epoch)
+            region_nbytes=spec.block_nbytes, receiver_epoch=info.epoch)
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.outbox.put(frames.encode_header(header.encode()))
         self.call = frames.push_stub(channel).future(iter(self.outbox.get, None), timeout=10)
@@ -141,3 +141,28 @@ def test_sender_reports_landed_blocks_in_batches_then_commits(decode, monkeypatc
     assert reported == list(range(5)) and sent[-1][1] and sum(1 for _, commit in sent if not commit) >= 4
     for s, d in zip(src, dest, strict=True):
         assert decode.pool.data[d].view(torch.uint8).equal(source.data[s].view(torch.uint8))
+
+
+def test_a_grpc_chunk_must_carry_the_checksums_of_the_blocks_it_completes():
+    """grpc backend: each data chunk carries the xxh3 of the blocks whose last byte it holds."""
+    d = start_decode(config_for("grpc"))
+    try:
+        start = d.free()
+        dest = d.allocate(2)
+        fut = d.expect("no-sums", dest, [])
+        channel = grpc.insecure_channel(d.address)
+        info = ReceiverInfo.decode(frames.describe_stub(channel)(pb.DescribeRequest(), timeout=5).info)
+        spec = d.pool.spec
+        header = TransferHeader(
+            request_id="no-sums", backend="grpc", dest_block_ids=dest, block_hashes=[], layer_start=0,
+            layer_end=spec.num_layers, dtype=dtype_name(spec.dtype), block_shape=list(spec.block_shape),
+            region_nbytes=spec.block_nbytes, receiver_epoch=info.epoch)
+        block = memoryview(bytes(spec.block_nbytes))
+        stream = [frames.encode_header(header.encode()), frames.encode_data(0, [block], [0], [xxhash.xxh3_64_intdigest(block)]),
+                  frames.encode_data(spec.block_nbytes, [block])]  # block 1 completes without its checksum
+        ack = frames.push_stub(channel)(iter(stream), timeout=10)
+        assert ack.status == pb.BAD_STREAM and "carries checksums for []" in ack.detail, ack
+        assert fut.result(timeout=5).reason == "bad_stream"
+        wait_until(lambda: d.free() == start, what="blocks back in the free list")
+    finally:
+        d.receiver.stop()

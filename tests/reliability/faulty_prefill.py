@@ -1,9 +1,9 @@
 """A real prefill worker process whose KV sender misbehaves on request, for fault tests.
 
 The fault is chosen per request by the prefix of its request id (the router passes the
-client's X-Request-Id through): `corrupt_once-` flips a byte of the first push (like
-corruption on the wire, after the checksums were taken), `corrupt_always-` of every
-push, `drop-` leaves out one data chunk, `slow-` waits 2 s before pushing (so a test
+client's X-Request-Id through): `corrupt_once-` flips a byte of the first push's last
+chunk after it was encoded (corruption on the wire, after its checksums were taken),
+`corrupt_always-` of every push, `drop-` leaves out one data chunk, `slow-` waits 2 s before pushing (so a test
 can kill the process mid-request). Anything else is pushed normally. The production
 classes are subclassed; nothing in splitserve knows about these faults.
 
@@ -17,7 +17,6 @@ import time
 
 from splitserve.kvtransfer import KVTransferConfig
 from splitserve.kvtransfer.grpc_sender import GrpcSender
-from splitserve.kvtransfer.pool_io import pool_bytes
 from splitserve.prefill_worker import main as prefill_main
 from splitserve.prefill_worker.worker import PrefillWorker
 
@@ -35,21 +34,15 @@ class FaultyGrpcSender(GrpcSender):
             time.sleep(2.0)
         return super().push(request_id, *args, **kwargs)
 
-    def _attempt(self, address, info, header, src_pool, src_block_ids, layout, regions, deadline):
-        corrupt = self.fault == "corrupt_always" or (self.fault == "corrupt_once" and not self.corrupted)
-        if not corrupt:
-            return super()._attempt(address, info, header, src_pool, src_block_ids, layout, regions, deadline)
-        self.corrupted += 1
-        flat = pool_bytes(src_pool)
-        at = layout.offset(src_block_ids[-1]) + layout.region_nbytes // 2
-        flat[at] ^= 0x5A
-        try:
-            return super()._attempt(address, info, header, src_pool, src_block_ids, layout, regions, deadline)
-        finally:
-            flat[at] ^= 0x5A
-
     def _frames(self, header, regions):
-        for i, frame in enumerate(super()._frames(header, regions)):
+        encoded = list(super()._frames(header, regions))
+        corrupt = self.fault == "corrupt_always" or (self.fault == "corrupt_once" and not self.corrupted)
+        if corrupt:  # on the "wire": after the chunk's checksums were taken
+            self.corrupted += 1
+            last = bytearray(encoded[-1])
+            last[len(last) // 2] ^= 0x5A  # the middle of a chunk is data (its checksums trail it)
+            encoded[-1] = bytes(last)
+        for i, frame in enumerate(encoded):
             if self.fault == "drop" and i == 1:  # frame 0 is the header: drop the first data chunk
                 continue
             yield frame
