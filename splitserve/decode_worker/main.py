@@ -15,6 +15,7 @@ import socket
 
 import torch
 
+from splitserve.decode_worker.admin import DRAIN_PORT
 from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.security.tls import add_tls_args, tls_from_args
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-backend", choices=["grpc", "mooncake"], default="grpc")
     ap.add_argument("--kv-protocol", choices=["tcp", "rdma"], default="tcp", help="mooncake transport")
     ap.add_argument("--rdma-device", help="RDMA device for mooncake, e.g. mlx5_0")
-    ap.add_argument("--drain-port", type=int, default=8083, help="loopback-only port of /drain")
+    ap.add_argument("--drain-port", type=int, default=DRAIN_PORT, help="loopback-only port of /drain")
     ap.add_argument("--drain-timeout", type=float, default=600.0)
     add_tls_args(ap)
     args = ap.parse_args(argv)

@@ -47,7 +47,8 @@ class Write(NamedTuple):
 
 def coalesce(src: Sequence[int], dst: Sequence[int], length: int, max_bytes: int = 8 << 20) -> list[Write]:
     """One write per run of regions adjacent on both sides (fewer, larger transfers), runs
-    capped at max_bytes so that checksumming one overlaps the writes before it."""
+    capped at max_bytes so that a landed run is hashed and reported while later runs
+    are still on the wire."""
     writes: list[Write] = []
     for i, (s, d) in enumerate(zip(src, dst, strict=True)):
         last = writes[-1] if writes else None

@@ -15,6 +15,7 @@ import msgpack
 import torch
 
 from splitserve.engine.kv_cache import KVCacheSpec
+from splitserve.kvtransfer.config import BACKENDS
 
 WIRE_VERSION = 2  # 2: checksums travel with the blocks (data chunks / written reports), not in the header
 
@@ -67,7 +68,7 @@ class TransferHeader:
         """Self-consistency only; matching against a lease and a pool is validate_header's job."""
         if not isinstance(self.request_id, str) or not isinstance(self.receiver_epoch, str):
             raise WireError("transfer header: request_id and receiver_epoch must be strings")
-        if self.backend not in ("grpc", "mooncake"):
+        if self.backend not in BACKENDS:
             raise WireError(f"request {self.request_id!r}: unknown backend {self.backend!r} in the transfer header")
         for name in ("dest_block_ids", "block_hashes", "block_shape"):
             value = getattr(self, name)

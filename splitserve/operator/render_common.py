@@ -3,6 +3,9 @@ the model volume. Pure functions of the parsed spec."""
 
 from __future__ import annotations
 
+# decode /drain, bound to 127.0.0.1 inside the pod (preStop `splitserve drain`): the worker's own default
+from splitserve.decode_worker.admin import DRAIN_PORT  # noqa: F401 - re-exported for the renderers
+
 from .spec import InferenceSpec, RoleSpec
 
 MODEL_MOUNT = "/models"
@@ -10,7 +13,6 @@ ROUTER_PORT = 8000
 PREFILL_GRPC_PORT = 50051
 DECODE_GRPC_PORT = 50052
 ADMIN_PORT = 8081  # decode admin HTTP (/health, /metrics) and prefill-pool metrics
-DRAIN_PORT = 8083  # decode /drain, bound to 127.0.0.1 inside the pod (preStop `splitserve drain`)
 REDIS_PORT = 6379
 RUN_AS_USER = 1000
 
