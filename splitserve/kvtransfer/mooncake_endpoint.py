@@ -27,8 +27,6 @@ TCP_TUNING = {"MC_TCP_SLICE_SIZE": str(1 << 20), "MC_TCP_LANES_PER_PEER": "8"}
 # transfer_check_status results, and the batch ids transfer_submit_write returns on failure.
 _PENDING, _COMPLETED, _FAILED = 0, 1, -1
 _INVALID_BATCH = (0, -1, (1 << 64) - 1)
-_FIRST_NAP_S = 20e-6  # small transfers land in well under a millisecond
-_MAX_NAP_S = 200e-6  # a poll costs a few µs: latency matters more
 
 
 class MooncakeError(RuntimeError):
@@ -58,6 +56,33 @@ def coalesce(src: Sequence[int], dst: Sequence[int], length: int, max_bytes: int
         else:
             writes.append(Write(s, d, length, i, 1))
     return writes
+
+
+class PollPacer:
+    """How long the polling thread naps between status polls of in-flight writes.
+
+    Each wake-up costs the sending host more than the poll itself: a timer, a context
+    switch, and a preempted transport I/O thread where the two share a core. Napping
+    20-200 µs cost bare loopback writes about a quarter of their throughput on the
+    2-core dev VM (docs/kv_transfer.md). So a nap is a share of the time the bytes still
+    in flight need at the rate recent writes achieved: long naps (capped) while much is
+    in flight, short ones near the end, where they add to the transfer's latency."""
+
+    SHARE = 0.25  # of the in-flight bytes' expected time: ~4 polls per write at the end
+    MIN_NAP_S = 20e-6
+    MAX_NAP_S = 2e-3  # bounds how late a landing is reported (verification overlap)
+    MIN_SAMPLE_BYTES = 8 << 20  # smaller transfers measure latency, not rate
+
+    def __init__(self, rate_bytes_per_s: float = 4e9):
+        self.rate = rate_bytes_per_s  # optimistic start: too high only means extra polls
+
+    def nap(self, in_flight_bytes: int) -> float:
+        return min(max(self.SHARE * in_flight_bytes / self.rate, self.MIN_NAP_S), self.MAX_NAP_S)
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """A finished transfer of nbytes that took seconds: move the rate halfway to it."""
+        if nbytes >= self.MIN_SAMPLE_BYTES and seconds > 0:
+            self.rate = 0.5 * self.rate + 0.5 * nbytes / seconds
 
 
 def _import_engine():
@@ -97,6 +122,7 @@ class MooncakeEndpoint:
         self.protocol = protocol
         self._registered: dict[int, int] = {}
         self._lock = threading.Lock()
+        self.pacer = PollPacer()
 
     def register(self, addr: int, nbytes: int) -> None:
         """Register a memory region once (the KV pool); later calls for it are no-ops."""
@@ -115,16 +141,16 @@ class MooncakeEndpoint:
 
         Each write is its own Mooncake batch, all submitted at once; on_landed(write) is
         called (in this thread) as each is in place at the target. Status is polled with
-        growing naps, and each round looks only at the oldest POLL_WINDOW writes still
-        pending (they land roughly in order; a status call costs a microsecond or two,
-        and hundreds of writes per round would be a busy loop again). Mooncake's own
-        batch_transfer_sync_write busy-polls, and on a 2-core host that spinning core is
-        the one the TCP transport's I/O thread needs (bare loopback writes went from
-        about 2.0 to 3.0 GB/s without it). Bounded by MC_TRANSFER_TIMEOUT (default 30 s)
-        plus 1 s per GiB, as Mooncake's sync API is. Raises MooncakeError if any write
-        failed, after all the submitted ones ended."""
+        naps paced by PollPacer, and each round looks only at the oldest POLL_WINDOW
+        writes still pending (they land roughly in order; a status call costs a
+        microsecond or two, and hundreds of writes per round would be a busy loop again).
+        Mooncake's own batch_transfer_sync_write busy-polls, and on a 2-core host that
+        spinning core is the one the TCP transport's I/O thread needs. Bounded by
+        MC_TRANSFER_TIMEOUT (default 30 s) plus 1 s per GiB, as Mooncake's sync API is.
+        Raises MooncakeError if any write failed, after all the submitted ones ended."""
         total = sum(w.length for w in writes)
-        deadline = time.monotonic() + _transfer_timeout_s() + total / (1 << 30)
+        started = time.monotonic()
+        deadline = started + _transfer_timeout_s() + total / (1 << 30)
         pending: list[tuple[int, Write]] = []
         problem = ""
         for w in writes:
@@ -133,9 +159,9 @@ class MooncakeEndpoint:
                 problem = "could not submit a write (receiver's Transfer Engine unreachable?)"
                 break  # submit nothing more; wait for what is already on the wire
             pending.append((batch, w))
-        nap = _FIRST_NAP_S
+        in_flight = sum(w.length for _, w in pending)
         while pending:
-            still, looked, landed = [], 0, False
+            still, looked = [], 0
             for batch, w in pending:
                 if looked >= self.POLL_WINDOW:
                     still.append((batch, w))
@@ -145,7 +171,7 @@ class MooncakeEndpoint:
                     still.append((batch, w))
                     looked += 1
                     continue
-                landed = True
+                in_flight -= w.length
                 if status == _COMPLETED:
                     if on_landed is not None:
                         on_landed(w)
@@ -161,11 +187,11 @@ class MooncakeEndpoint:
                             len(pending), target_session)
                 problem = problem or f"{len(pending)} writes did not finish in time"
                 break
-            nap = _FIRST_NAP_S if landed else min(nap * 2, _MAX_NAP_S)
-            time.sleep(nap)
+            time.sleep(self.pacer.nap(in_flight))
         if problem:
             raise MooncakeError(f"one-sided write of {len(writes)} runs ({total} bytes) to {target_session} failed: "
                                 f"{problem}; receiver gone, address not registered there, or transport error")
+        self.pacer.observe(total, time.monotonic() - started)
 
     def close(self) -> None:
         with self._lock:

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.kvtransfer.mooncake_endpoint import MooncakeEndpoint, MooncakeError, Write
+from splitserve.kvtransfer.mooncake_endpoint import (
+    MooncakeEndpoint,
+    MooncakeError,
+    PollPacer,
+    Write,
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +61,38 @@ def test_an_unreachable_target_fails_fast(endpoints):
     _, source, src, _ = endpoints
     with pytest.raises(MooncakeError, match="could not submit"):
         source.write("127.0.0.1:1", [Write(src.data_ptr(), 0, 4096, 0, 1)])
+
+
+def test_polling_naps_long_while_much_is_in_flight_and_learns_the_rate(endpoints, monkeypatch):
+    target, source, src, dst = endpoints
+    k = 256 << 10
+    writes = [Write(src.data_ptr() + i * k, dst.data_ptr() + i * k, k, i, 1) for i in range(4)]
+    naps = []
+    real_nap = source.pacer.nap
+    monkeypatch.setattr(source.pacer, "nap", lambda in_flight: naps.append((in_flight, real_nap(in_flight))) or 0.0)
+    monkeypatch.setattr(source.pacer, "rate", 1e6)  # 1 MB/s: even 256 KiB in flight is a capped nap
+    monkeypatch.setattr(source.pacer, "MIN_SAMPLE_BYTES", 1 << 20)
+    source.write(target.session, writes)
+    assert naps, "the write was expected to be polled at least once"
+    assert all(nap == PollPacer.MAX_NAP_S for _, nap in naps)  # slow link: few wake-ups
+    assert torch.equal(dst[:4 * k], src[:4 * k])
+    assert source.pacer.rate > 1e6  # the 1 MiB it just moved in well under a second
+
+
+def test_poll_pacer_scales_the_nap_with_the_bytes_in_flight():
+    pacer = PollPacer(rate_bytes_per_s=4e9)
+    assert pacer.nap(0) == PollPacer.MIN_NAP_S
+    assert pacer.nap(1 << 30) == PollPacer.MAX_NAP_S
+    eight_mib = pacer.nap(8 << 20)  # a quarter of 8 MiB at 4 GB/s
+    assert eight_mib == pytest.approx(0.25 * (8 << 20) / 4e9)
+    assert pacer.nap(4 << 20) == pytest.approx(eight_mib / 2)
+
+
+def test_poll_pacer_learns_from_large_transfers_only():
+    pacer = PollPacer(rate_bytes_per_s=4e9)
+    pacer.observe(64 << 10, 1.0)  # a small write measures latency: ignored
+    assert pacer.rate == 4e9
+    pacer.observe(64 << 20, (64 << 20) / 2e9)  # 2 GB/s: halfway there
+    assert pacer.rate == pytest.approx(3e9)
+    pacer.observe(64 << 20, 0.0)
+    assert pacer.rate == pytest.approx(3e9)
