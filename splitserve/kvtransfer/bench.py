@@ -15,7 +15,8 @@ different ones (--no-pin to disable): prefill and decode never share CPUs in a
 deployment, and unpinned, the scheduler's placement of the two loopback processes
 moved the raw socket alone between 1.6 and 5.5 GB/s on the 2-core dev VM.
 The ratio is the median over rounds of backend / raw of the same round, which
-cancels drift between rounds; the ratio of medians is reported too.
+cancels drift between rounds; the ratio of medians is reported too. Each side's CPU
+seconds per GB moved (all its threads, checks excluded) say which end is the ceiling.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import resource
 import socket
 import statistics
 import sys
@@ -51,6 +53,12 @@ def _digest(pool: KVCachePool, block_ids: list[int]) -> int:
     return h.intdigest()
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this whole process, every thread (gone ones too) included."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _cpus(pin: bool) -> tuple[int, int] | None:
     cpus = sorted(os.sched_getaffinity(0))
     return (cpus[0], cpus[1]) if pin and len(cpus) >= 2 else None
@@ -72,16 +80,20 @@ def _receiver_main(conn, config: KVTransferConfig, num_blocks: int, cpu: int | N
     futures = {}
     while True:
         cmd, *args = conn.recv()
-        if cmd == "expect":
+        if cmd == "cpu":
+            conn.send(_cpu_seconds())
+        elif cmd == "expect":
             request_id, dest = args
             futures[request_id] = (receiver.expect(request_id, dest, [], lambda ids: None, timeout=120), dest)
             conn.send("ok")
         elif cmd == "outcome":
             fut, dest = futures.pop(args[0])
             result = fut.result(timeout=120)
-            conn.send((result.ok, result.reason, result.detail, _digest(pool, dest)))
+            cpu = _cpu_seconds()
+            conn.send((result.ok, result.reason, result.detail, _digest(pool, dest), cpu))
         elif cmd == "digest":
-            conn.send(_digest(pool, args[0]))
+            cpu = _cpu_seconds()
+            conn.send((_digest(pool, args[0]), cpu))
         elif cmd == "raw":
             (dest,) = args
             for view in host_regions(pool, dest, RegionLayout.of(pool)):  # writable views of the pool
@@ -89,7 +101,8 @@ def _receiver_main(conn, config: KVTransferConfig, num_blocks: int, cpu: int | N
                 while got < len(view):
                     got += raw.recv_into(view[got:])
             raw.sendall(b"k")
-            conn.send(_digest(pool, dest))
+            cpu = _cpu_seconds()
+            conn.send((_digest(pool, dest), cpu))
         else:
             break
     receiver.stop()
@@ -98,7 +111,11 @@ def _receiver_main(conn, config: KVTransferConfig, num_blocks: int, cpu: int | N
     listener.close()
 
 
-def _raw_round(sock: socket.socket, conn, src: KVCachePool, src_ids: list[int], dest: list[int]) -> tuple[float, int]:
+# Each round returns (seconds, digest of what arrived, receiver CPU seconds once it had arrived).
+Round = tuple[float, int, float]
+
+
+def _raw_round(sock: socket.socket, conn, src: KVCachePool, src_ids: list[int], dest: list[int]) -> Round:
     conn.send(("raw", dest))
     start = time.perf_counter()
     for view in host_regions(src, src_ids, RegionLayout.of(src)):
@@ -106,29 +123,29 @@ def _raw_round(sock: socket.socket, conn, src: KVCachePool, src_ids: list[int], 
     if sock.recv(1) != b"k":
         raise RuntimeError("raw-socket receiver did not acknowledge")
     seconds = time.perf_counter() - start
-    return seconds, conn.recv()
+    return (seconds, *conn.recv())
 
 
-def _bare_round(push, conn, src: KVCachePool, src_ids: list[int], dest: list[int]) -> tuple[float, int]:
+def _bare_round(push, conn, src: KVCachePool, src_ids: list[int], dest: list[int]) -> Round:
     start = time.perf_counter()
     push(src, src_ids, dest)
     seconds = time.perf_counter() - start
     conn.send(("digest", dest))
-    return seconds, conn.recv()
+    return (seconds, *conn.recv())
 
 
 def _backend_round(sender, conn, address: str, src: KVCachePool, src_ids: list[int], dest: list[int],
-                   request_id: str) -> tuple[float, int]:
+                   request_id: str) -> Round:
     conn.send(("expect", request_id, dest))
     conn.recv()
     start = time.perf_counter()
     sender.push(request_id, address, src, src_ids, dest, [], timeout=120)
     seconds = time.perf_counter() - start
     conn.send(("outcome", request_id))
-    ok, reason, detail, digest = conn.recv()
+    ok, reason, detail, digest, cpu = conn.recv()
     if not ok:
         raise RuntimeError(f"receiver reported {reason}: {detail}")
-    return seconds, digest
+    return seconds, digest, cpu
 
 
 def run(backend: str, size_mb: int, repeat: int, config: KVTransferConfig, pin: bool = True) -> dict:
@@ -149,6 +166,7 @@ def run(backend: str, size_mb: int, repeat: int, config: KVTransferConfig, pin: 
                         args=(child_conn, config, n + 8, cpus[1] if cpus else None))
     child.start()
     gbps: dict[str, list[float]] = {"raw": [], "bare": [], "backend": []}
+    cpu: dict[str, list[tuple[float, float]]] = {k: [] for k in gbps}  # (sender, receiver) s/GB
     try:
         address, sink_address, raw_port = conn.recv()
         sock = socket.create_connection(("127.0.0.1", raw_port))
@@ -171,10 +189,14 @@ def run(backend: str, size_mb: int, repeat: int, config: KVTransferConfig, pin: 
             order = list(rounds)
             rng.shuffle(order)
             for name in order:
-                seconds, digest = rounds[name](src_ids, dest, f"bench-{r}")
+                conn.send(("cpu",))
+                receiver_cpu, sender_cpu = conn.recv(), _cpu_seconds()
+                seconds, digest, receiver_end = rounds[name](src_ids, dest, f"bench-{r}")
+                sender_end = _cpu_seconds()  # includes the sender's side of the pipe chat: tiny
                 if digest != expected:
                     raise RuntimeError(f"{name} round delivered different bytes")
                 gbps[name].append(nbytes / seconds / 1e9)
+                cpu[name].append(((sender_end - sender_cpu) / nbytes * 1e9, (receiver_end - receiver_cpu) / nbytes * 1e9))
         sender.close()
         sock.close()
         conn.send(("stop",))
@@ -182,13 +204,17 @@ def run(backend: str, size_mb: int, repeat: int, config: KVTransferConfig, pin: 
         child.join(timeout=30)
         if child.is_alive():
             child.kill()
-    return summarize(backend, config, nbytes, n, repeat, gbps, cpus)
+    return summarize(backend, config, nbytes, n, repeat, gbps, cpus, cpu)
 
 
 def summarize(backend: str, config: KVTransferConfig, nbytes: int, blocks: int, repeat: int,
-              gbps: dict[str, list[float]], cpus: tuple[int, int] | None) -> dict:
-    """The JSON record of a run: per-round GB/s, medians, and the paired ratios."""
+              gbps: dict[str, list[float]], cpus: tuple[int, int] | None,
+              cpu: dict[str, list[tuple[float, float]]]) -> dict:
+    """The JSON record of a run: per-round GB/s, medians, the paired ratios, and each
+    side's median CPU seconds per GB moved."""
     med = {k: statistics.median(v) for k, v in gbps.items()}
+    cpu_per_gb = {k: {"sender": statistics.median(s for s, _ in v), "receiver": statistics.median(r for _, r in v)}
+                  for k, v in cpu.items()}
     paired = statistics.median(b / r for b, r in zip(gbps["backend"], gbps["raw"], strict=True))
     paired_bare = statistics.median(b / r for b, r in zip(gbps["bare"], gbps["raw"], strict=True))
     label = backend if backend == "grpc" else f"mooncake-{config.mooncake_protocol}"
@@ -199,6 +225,7 @@ def summarize(backend: str, config: KVTransferConfig, nbytes: int, blocks: int, 
         "raw_gbps_median": med["raw"], "bare_gbps_median": med["bare"], "backend_gbps_median": med["backend"],
         "ratio": paired, "ratio_of_medians": med["backend"] / med["raw"], "bare_ratio": paired_bare,
         "target_ratio": TARGETS[backend], "target_met": paired >= TARGETS[backend],
+        "cpu_seconds_per_gb": cpu_per_gb,
     }
 
 
@@ -222,9 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     pinned = f"pinned to CPUs {result['pinned_cpus']}" if result["pinned_cpus"] else "not pinned"
     print(f"kvtransfer {result['backend']}: {result['size_mb']:.0f} MiB in {result['blocks']} blocks of "
           f"{result['block_bytes'] >> 10} KiB, {args.repeat} rounds, {pinned}")
-    print(f"  {'raw socket':<16}{result['raw_gbps_median']:.3f} GB/s")
-    print(f"  {'bare transport':<16}{result['bare_gbps_median']:.3f} GB/s  (ratio {result['bare_ratio']:.2f})")
-    print(f"  {result['backend']:<16}{result['backend_gbps_median']:.3f} GB/s")
+    cpu = {k: f"  CPU s/GB sender {v['sender']:.2f} receiver {v['receiver']:.2f}"
+           for k, v in result["cpu_seconds_per_gb"].items()}
+    print(f"  {'raw socket':<16}{result['raw_gbps_median']:.3f} GB/s{' ' * 14}{cpu['raw']}")
+    print(f"  {'bare transport':<16}{result['bare_gbps_median']:.3f} GB/s  (ratio {result['bare_ratio']:.2f}){cpu['bare']}")
+    print(f"  {result['backend']:<16}{result['backend_gbps_median']:.3f} GB/s{' ' * 14}{cpu['backend']}")
     print(f"  {'ratio':<16}{result['ratio']:.2f} (median of per-round ratios; ratio of medians "
           f"{result['ratio_of_medians']:.2f}); target {result['target_ratio']:.2f}: "
           f"{'met' if result['target_met'] else 'NOT met'}")

@@ -28,6 +28,11 @@ def test_bench_kvtransfer_writes_its_json(tmp_path, backend, capsys):
     ratios = sorted(b / r for b, r in zip(result["backend_gbps"], result["raw_gbps"], strict=True))
     assert result["ratio"] == pytest.approx(sum(ratios) / 2)  # median of the per-round ratios
     assert result["target_met"] == (result["ratio"] >= bench.TARGETS[backend])
+    # both ends spent CPU on every way of moving the bytes (the ceiling's side shows here)
+    assert set(result["cpu_seconds_per_gb"]) == {"raw", "bare", "backend"}
+    for sides in result["cpu_seconds_per_gb"].values():
+        assert set(sides) == {"sender", "receiver"} and all(v >= 0 for v in sides.values())
+    assert result["cpu_seconds_per_gb"]["backend"]["sender"] > 0
     expected_pin = sorted(affinity)[:2] if len(affinity) >= 2 else None
     assert result["pinned_cpus"] == expected_pin
     assert "target" in capsys.readouterr().out
