@@ -17,11 +17,12 @@ from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
-# Mooncake's TCP transport moves each write in slices over a few connections ("lanes")
-# per peer, all driven by one I/O thread, and waits for the receiver's acknowledgement
-# of each slice on its lane. Its defaults (64 KiB slices, 4 lanes) spend that thread on
-# per-slice work; 1 MiB slices over 8 lanes measured best on loopback
-# (docs/kv_transfer.md). Explicit environment settings win.
+# Mooncake's TCP transport moves each write over one of a few connections ("lanes") per
+# peer, in socket reads and writes of MC_TCP_SLICE_SIZE, all driven by one I/O thread;
+# a lane takes its next write once the receiver acknowledged the last. Its defaults
+# (64 KiB slices, 4 lanes) spend that thread on per-slice work; 1 MiB slices over 8
+# lanes measured best on loopback, 1-2 lanes clearly worse (docs/kv_transfer.md).
+# Explicit environment settings win.
 TCP_TUNING = {"MC_TCP_SLICE_SIZE": str(1 << 20), "MC_TCP_LANES_PER_PEER": "8"}
 
 # transfer_check_status results, and the batch ids transfer_submit_write returns on failure.
