@@ -20,7 +20,7 @@ import torch
 from splitserve.engine.kv_cache import KVCachePool
 from splitserve.kvtransfer.config import KVTransferConfig
 from splitserve.kvtransfer.grpc_sender import chunk_parts, chunk_plan
-from splitserve.kvtransfer.mooncake_endpoint import coalesce
+from splitserve.kvtransfer.mooncake_sender import plan_writes
 from splitserve.kvtransfer.pool_io import RegionLayout, host_regions, pool_bytes, split_span
 from splitserve.kvtransfer.wire import ReceiverInfo
 
@@ -83,8 +83,6 @@ def bare_mooncake_push(sender, receiver_address: str) -> BarePush:
     """Uses the sender's own Transfer Engine (same connections as its real pushes)."""
     def push(src: KVCachePool, src_ids: list[int], dest: list[int]) -> None:
         info: ReceiverInfo = sender._describe(receiver_address, "bare", time.monotonic() + 30)
-        layout = RegionLayout.of(src)
-        writes = coalesce([src.data_ptr() + layout.offset(b) for b in src_ids],
-                          [info.pool_base + layout.offset(d) for d in dest], layout.region_nbytes)
+        writes = plan_writes(src, src_ids, dest, RegionLayout.of(src), info.pool_base)
         sender._endpoint_for(src).write(info.mooncake_session, writes)
     return push

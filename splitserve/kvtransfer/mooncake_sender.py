@@ -80,6 +80,15 @@ class _Reports:
         self.indices, self.sums, self.nbytes = [], [], 0
 
 
+def plan_writes(src_pool: KVCachePool, src_block_ids: Sequence[int], dest_block_ids: Sequence[int],
+                layout: RegionLayout, dest_pool_base: int) -> list[Write]:
+    """The one-sided writes that put each source block's region at its destination block
+    in the receiver's registered pool (adjacent regions merged)."""
+    src = [src_pool.data_ptr() + layout.offset(b) for b in src_block_ids]
+    dst = [dest_pool_base + layout.offset(d) for d in dest_block_ids]
+    return coalesce(src, dst, layout.region_nbytes)
+
+
 class MooncakeSender(KVSender):
     backend = "mooncake"
 
@@ -140,9 +149,7 @@ class MooncakeSender(KVSender):
 
     def _plan_writes(self, endpoint: MooncakeEndpoint, src_pool: KVCachePool, src_block_ids: Sequence[int],
                      header: TransferHeader, layout: RegionLayout, info: ReceiverInfo) -> list[Write]:
-        src = [src_pool.data_ptr() + layout.offset(b) for b in src_block_ids]
-        dst = [info.pool_base + layout.offset(d) for d in header.dest_block_ids]
-        return coalesce(src, dst, layout.region_nbytes)
+        return plan_writes(src_pool, src_block_ids, header.dest_block_ids, layout, info.pool_base)
 
     def _write(self, call, outbox: queue.SimpleQueue, attempt: _Attempt, endpoint: MooncakeEndpoint,
                session: str, writes: list[Write], reports: _Reports) -> bool:

@@ -1,7 +1,7 @@
 """One PushBlocks stream at the decode worker: header, lease, then the blocks.
 
 grpc backend: the chunks are written into the leased blocks as they arrive and each
-block is checked against the header's checksum. mooncake backend: the bytes were
+block is checked against the checksum carried by the chunk that completes it. mooncake backend: the bytes were
 written one-sided by the sender; its reports of landed writes are verified in place,
 and the push is answered at its commit (see docs/kv_transfer.md).
 """
