@@ -66,6 +66,14 @@ class Metrics:
         self.num_preemptions = Counter(
             "splitserve_num_preemptions_total", "Requests preempted (recomputed) for lack of KV blocks.",
             ["role", "worker"], registry=r)
+        # Worker liveness: the engine thread behind every request.
+        self.engine_alive = Gauge(
+            "splitserve_engine_alive", "1 while the worker's engine thread runs; 0 once it died (the worker "
+            "leaves the registry and exits to be restarted).", ["role", "worker"], registry=r)
+        self.engine_step_failures = Counter(
+            "splitserve_engine_step_failures_total",
+            "Engine steps that raised; their requests were failed and retried elsewhere.",
+            ["role", "worker"], registry=r)
         # KV transfer between prefill and decode workers.
         self.kv_transfer_bytes = Counter(
             "splitserve_kv_transfer_bytes_total", "KV bytes moved between workers.",
@@ -97,6 +105,10 @@ class Metrics:
             "Requests moved to another decode worker mid-stream.", ["reason"], registry=r)
         self.prefill_pool_actors = Gauge(
             "splitserve_prefill_pool_actors", "Prefill actors the prefill-pool driver keeps alive.", registry=r)
+        self.worker_registrations_refused = Counter(
+            "splitserve_worker_registrations_refused_total",
+            "Workers a router refused to route to: another model or block size than its own.",
+            ["reason"], registry=r)
         self.workers_healthy = Gauge(
             "splitserve_workers_healthy", "Workers with a live heartbeat, per role.", ["role"], registry=r)
         # Operator.

@@ -3,6 +3,11 @@
 Starts a local Ray instance, hosts prefill and decode workers as Ray actors, and runs
 the router (HTTP) in this process. The cluster bus is in-process by default (workers
 reach it over a loopback gRPC bridge) or Redis with --redis-url. Ctrl-C stops all.
+
+Every gRPC link (bus bridge, Generate, Prefill, KV receivers) requires a cluster token,
+generated for this run unless one is given (--cluster-token-file, to attach more routers
+or workers), so no other process on the machine can register a worker, push KV blocks or
+read prompts; --tls-* adds mutual TLS on top.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ import sys
 import time
 
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
+from splitserve.logs import configure_logging
 from splitserve.router.main import add_router_args, start_router
-from splitserve.security.tls import add_port, tls_from_args
+from splitserve.security.links import LinkSecurity, security_from_args
 
 log = logging.getLogger("splitserve.serve")
 
@@ -30,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-workers", type=int, default=1)
     ap.add_argument("--redis-url", help="use Redis as the cluster bus (default: in-process)")
     ap.add_argument("--kv-backend", choices=["grpc", "mooncake"], default="grpc")
+    ap.add_argument("--engine-stall-timeout", type=float, default=120.0,
+                    help="seconds one engine step may run before its worker reports itself stalled")
     add_engine_args(ap)
     ap.add_argument("--log-level", default="INFO")
     return ap
@@ -38,49 +46,56 @@ def build_parser() -> argparse.ArgumentParser:
 async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
     import ray
 
-    from splitserve.cluster.actors import WorkerActor
     from splitserve.cluster.remote_bus import BusServicer, open_bus
     from splitserve.decode_worker.worker import DecodeWorkerConfig
     from splitserve.engine.demo import DEMO_LABEL
+    from splitserve.metrics import Metrics
     from splitserve.prefill_worker.worker import PrefillWorkerConfig
+    from splitserve.worker_base.actor import WorkerActor
 
     if args.model is None:
         log.warning("no --model given: serving the %s", DEMO_LABEL)
     model, served = await asyncio.to_thread(resolve_model, args)
     engine = engine_config_from_args(args, model, served)
-    tls = tls_from_args(args)
+    given = security_from_args(args)  # --tls-*, and a cluster token if one was given
+    # Without a given token, one fresh for this run: only the processes started here know it.
+    security = given if given.token else LinkSecurity.generate(given.tls)
+    metrics = Metrics()
 
     bus = open_bus(args.redis_url, "local")
     bridge = None
     worker_bus = args.redis_url
     if not args.redis_url:  # workers live in Ray processes: give them a loopback door to our bus
-        import grpc
-
         from splitserve.proto.worker_pb2_grpc import add_BusServicer_to_server
 
-        bridge = grpc.aio.server()
-        add_BusServicer_to_server(BusServicer(bus), bridge)
-        worker_bus = f"grpc://127.0.0.1:{add_port(bridge, '127.0.0.1:0', tls)}"
+        bridge = security.aio_server()
+        add_BusServicer_to_server(BusServicer(bus, served, args.block_size, metrics), bridge)
+        worker_bus = f"grpc://127.0.0.1:{security.add_port(bridge, '127.0.0.1:0')}"
         await bridge.start()
-        print(f"splitserve: embedded bus bridge on {worker_bus}{' (mTLS)' if tls else ''}", flush=True)
+        print(f"splitserve: embedded bus bridge on {worker_bus} ({security.describe()})", flush=True)
 
-    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, logging_level=logging.WARNING,
-             log_to_driver=True, configure_logging=False)
+    start_ray()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # ray.init installed its own SIGTERM handler (sys.exit)
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     opts = {"num_cpus": 0}  # workers share the machine; torch threads are set per worker
     actors = []
+    common = dict(bus_url=worker_bus, kv_backend=args.kv_backend, admin_port=0, security=security,
+                  engine_stall_timeout_s=args.engine_stall_timeout)
     for i in range(args.decode_workers):
-        cfg = DecodeWorkerConfig(engine, worker_id=f"decode-{i}", bus_url=worker_bus, kv_backend=args.kv_backend,
-                                 admin_port=0, tls=tls)
+        cfg = DecodeWorkerConfig(engine, worker_id=f"decode-{i}", **common)
         actors.append(WorkerActor.options(name=f"decode-{i}", **opts).remote("decode", cfg, args.torch_threads))
     for i in range(args.prefill_workers):
-        cfg = PrefillWorkerConfig(engine, worker_id=f"prefill-{i}", bus_url=worker_bus, metrics_port=0, tls=tls)
+        cfg = PrefillWorkerConfig(engine, worker_id=f"prefill-{i}", **common)
         actors.append(WorkerActor.options(name=f"prefill-{i}", **opts).remote("prefill", cfg, args.torch_threads))
 
     runner = dispatcher = None
     try:
         for line in await asyncio.to_thread(ray.get, [a.describe.remote() for a in actors]):
             print(f"splitserve: {line}", flush=True)
-        runner, dispatcher = await start_router(args, model, served, bus, args.block_size, args.max_model_len)
+        runner, dispatcher = await start_router(args, model, served, bus, args.block_size, args.max_model_len,
+                                                security=security, metrics=metrics,
+                                                expected_workers={"decode": args.decode_workers,
+                                                                  "prefill": args.prefill_workers})
         expected = args.prefill_workers + args.decode_workers
         deadline = time.monotonic() + 60
         while len(dispatcher.sync.workers) < expected and time.monotonic() < deadline:
@@ -106,9 +121,25 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await bus.close()
 
 
+def start_ray() -> None:
+    """A private Ray instance for this run: its node on loopback (docs/reliability.md lists
+    the ports), no dashboard, its logs kept out of ours. Ray >= 2.59 authenticates every call
+    to a local cluster with a token of its own (~/.ray/auth_token), so other users' processes
+    cannot reach the actors either."""
+    import ray
+
+    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, logging_level=logging.WARNING,
+             log_to_driver=True, configure_logging=False, _node_ip_address="127.0.0.1")
+
+
 def main(argv: list[str] | None = None) -> int:
+    # Before Ray is imported (it reads them then): worker log lines reach our stdout as
+    # written, with no colour codes and no "[repeated 2x across cluster]" folding of lines
+    # that differ only in ids and ports.
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     if args.prefill_workers < 0 or args.decode_workers < 1:
         print("splitserve serve: need --decode-workers >= 1 and --prefill-workers >= 0", file=sys.stderr)
         return 2

@@ -32,6 +32,7 @@ class WorkerInfo:
     num_kv_blocks: int
     kv_backend: str = "grpc"
     started_at: float = field(default_factory=time.time)
+    draining: bool = False  # finishing its streams: routers send it nothing new
 
 
 @dataclass
@@ -60,6 +61,19 @@ class KVEvent:
     block_hashes: list[int]
     parent: int | None = None
     timestamp: float = field(default_factory=time.time)
+
+
+def registration_refusal(info: WorkerInfo, model: str | None, block_size: int | None) -> tuple[str, str] | None:
+    """(metric reason, message) when a worker must not be routed to by this router; None if it may."""
+    if model is not None and info.model != model:
+        return "model_mismatch", (f"worker {info.worker_id} ({info.role} at {info.address}) serves model "
+                                  f"{info.model!r}, this router serves {model!r}: refused (start every component "
+                                  "with the same --served-model-name)")
+    if block_size is not None and info.block_size != block_size:
+        return "block_size_mismatch", (f"worker {info.worker_id} ({info.role} at {info.address}) uses KV block size "
+                                       f"{info.block_size}, this router {block_size}: refused (its prefix hashes "
+                                       "would never match; start every component with the same --block-size)")
+    return None
 
 
 def encode(message: WorkerInfo | LoadReport | KVEvent) -> bytes:

@@ -36,11 +36,14 @@ def advertised_host(host: str, advertise: str | None) -> str:
 class WorkerPresence:
     def __init__(self, bus: ClusterBus, info: WorkerInfo, load: Callable[[], LoadReport],
                  ttl: float = 6.0, load_interval: float = 0.5,
-                 cached_blocks: Callable[[], Awaitable[list[int]]] | None = None):
+                 cached_blocks: Callable[[], Awaitable[list[int]]] | None = None,
+                 healthy: Callable[[], bool] = lambda: True):
         self.bus = bus
         self.info = info
         self.load = load
         self.cached_blocks = cached_blocks  # hashes in this worker's prefix cache now
+        self.healthy = healthy  # False (engine stalled or dead): out of the registry until it recovers
+        self.withdrawn = False  # left the registry because it was unhealthy
         self.ttl = ttl
         self.load_interval = load_interval
         self._next_event_id = 1
@@ -78,6 +81,14 @@ class WorkerPresence:
             # index matches chained hashes, which identify their whole prefix anyway.
             self._queue_event("stored", hashes[i:i + 512], None)
 
+    async def announce_draining(self) -> None:
+        """Still registered (its streams finish here), but routers send nothing new."""
+        self.info.draining = True
+        try:
+            await self.bus.register(self.info, self.ttl)
+        except BusError as exc:
+            log.warning("worker %s: could not announce draining: %s", self.info.worker_id, exc)
+
     async def hide(self) -> None:
         """Leave the registry (draining): routers stop sending new requests here."""
         self.visible = False
@@ -101,6 +112,19 @@ class WorkerPresence:
             await asyncio.sleep(0.2 if failing else self.ttl / 3)
             if not self.visible:
                 continue
+            if not self.healthy():
+                if not self.withdrawn:  # routers stop sending here; in-flight streams migrate
+                    log.error("worker %s is unhealthy (engine stalled or dead): leaving the registry until it "
+                              "recovers", self.info.worker_id)
+                    self.withdrawn = True
+                    try:
+                        await self.bus.deregister(self.info.worker_id)
+                    except BusError as exc:
+                        log.warning("worker %s: could not deregister: %s", self.info.worker_id, exc)
+                continue
+            if self.withdrawn:
+                log.warning("worker %s recovered: registering again", self.info.worker_id)
+                self.withdrawn = False
             try:
                 if not await self.bus.heartbeat(self.info, self.ttl):
                     log.warning("worker %s: registration had expired (bus restarted or unreachable, or worker "

@@ -2,10 +2,17 @@
 in-process bus through a small gRPC service. Only what workers do is exposed
 (register, heartbeat, deregister, publish load, publish KV events); cluster mode
 uses Redis for all of it.
+
+The bridge is a control plane: whoever can call it can put a worker in front of user
+traffic. So it is served with the run's LinkSecurity (cluster token / mTLS: a process
+without them gets UNAUTHENTICATED), and it refuses a worker that serves another model
+or block size than the router (FAILED_PRECONDITION naming both), which would otherwise
+miss every prefix-cache lookup and answer with the wrong model.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import fields
 
@@ -13,28 +20,40 @@ import grpc
 import msgpack
 
 from splitserve.cluster.bus import DEFAULT_MAXLEN, BusError, ClusterBus, KVRecord
-from splitserve.cluster.messages import KVEvent, LoadReport, WorkerInfo, decode, encode
+from splitserve.cluster.messages import (
+    KVEvent,
+    LoadReport,
+    WorkerInfo,
+    decode,
+    encode,
+    registration_refusal,
+)
 from splitserve.proto.build import ensure_built
-from splitserve.security.tls import TLSConfig, aio_channel
+from splitserve.security.links import NO_SECURITY, LinkSecurity
 
 ensure_built()
 from splitserve.proto import worker_pb2 as pb  # noqa: E402
 from splitserve.proto import worker_pb2_grpc as pb_grpc  # noqa: E402
 
+log = logging.getLogger(__name__)
+
 
 class RemoteBus(ClusterBus):
     """Worker side of the embedded bus."""
 
-    def __init__(self, address: str, cluster: str = "local", timeout: float = 5.0, tls: TLSConfig | None = None):
+    def __init__(self, address: str, cluster: str = "local", timeout: float = 5.0,
+                 security: LinkSecurity = NO_SECURITY):
         self.address = address
         self.cluster = cluster
         self.timeout = timeout
-        self._channel = aio_channel(address, tls)
+        self._metadata = security.metadata
+        self._channel = security.aio_channel(address)
         self._stub = pb_grpc.BusStub(self._channel)
 
     async def _call(self, method: str, payload: bytes, ttl: float = 0.0):
         try:
-            reply = await self._stub.Call(pb.BusCall(method=method, payload=payload, ttl=ttl), timeout=self.timeout)
+            reply = await self._stub.Call(pb.BusCall(method=method, payload=payload, ttl=ttl), timeout=self.timeout,
+                                          metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise BusError(f"embedded bus at {self.address}: {method} failed: {exc.code().name} "
                            f"{exc.details()}") from None
@@ -76,20 +95,32 @@ class RemoteBus(ClusterBus):
 
 
 class BusServicer(pb_grpc.BusServicer):
-    """Router side: applies workers' calls to the in-process bus."""
+    """Router side: applies workers' calls to the in-process bus. With `model` and
+    `block_size`, a worker registering with other values is refused."""
 
-    def __init__(self, bus: ClusterBus):
+    def __init__(self, bus: ClusterBus, model: str | None = None, block_size: int | None = None, metrics=None):
         self.bus = bus
+        self.model = model
+        self.block_size = block_size
+        self.metrics = metrics
 
     async def Call(self, request: pb.BusCall, context) -> pb.BusReply:  # noqa: N802 - gRPC name
         m, payload, ttl = request.method, request.payload, request.ttl
         try:
             if m in ("register", "heartbeat", "publish_load") and not 0 < ttl <= MAX_TTL_S:
                 raise ValueError(f"ttl {ttl} is not in (0, {MAX_TTL_S}]")
-            if m == "register":
-                result = await self.bus.register(checked(WorkerInfo, payload), ttl)
-            elif m == "heartbeat":
-                result = await self.bus.heartbeat(checked(WorkerInfo, payload), ttl)
+            if m in ("register", "heartbeat"):
+                info = checked(WorkerInfo, payload)
+                refusal = registration_refusal(info, self.model, self.block_size)
+                if refusal is not None:
+                    reason, message = refusal
+                    log.error("bus bridge: %s", message)
+                    if self.metrics is not None:
+                        self.metrics.worker_registrations_refused.labels(reason=reason).inc()
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
+                    return pb.BusReply()
+                register = self.bus.register if m == "register" else self.bus.heartbeat
+                result = await register(info, ttl)
             elif m == "deregister":
                 worker_id = msgpack.unpackb(payload, raw=False)
                 if not isinstance(worker_id, str):
@@ -112,8 +143,9 @@ class BusServicer(pb_grpc.BusServicer):
 
 
 MAX_TTL_S = 3600.0
+
 _FIELD_TYPES = {"str": str, "int": int, "float": (int, float), "Role": str, "list[int]": list,
-                "int | None": (int, type(None))}
+                "int | None": (int, type(None)), "bool": bool}
 
 
 def checked(cls: type, payload: bytes):
@@ -122,7 +154,7 @@ def checked(cls: type, payload: bytes):
     message = decode(cls, payload)
     for f in fields(cls):
         value, expected = getattr(message, f.name), _FIELD_TYPES.get(str(f.type), object)
-        if isinstance(value, bool) or not isinstance(value, expected):
+        if (isinstance(value, bool) and expected is not bool) or not isinstance(value, expected):
             raise TypeError(f"{cls.__name__}.{f.name} must be {f.type}, got {type(value).__name__}")
     if isinstance(message, KVEvent):
         if message.kind not in ("stored", "removed", "cleared"):
@@ -134,9 +166,9 @@ def checked(cls: type, payload: bytes):
     return message
 
 
-def open_bus(url: str | None, cluster: str = "local", tls: TLSConfig | None = None) -> ClusterBus:
+def open_bus(url: str | None, cluster: str = "local", security: LinkSecurity = NO_SECURITY) -> ClusterBus:
     """None/"" -> a fresh in-process bus; redis://... -> Redis; grpc://host:port -> embedded bus
-    (over mutual TLS when `tls` is given)."""
+    (with the run's cluster token / mTLS)."""
     if not url:
         from splitserve.cluster.inproc_bus import InProcBus
 
@@ -146,5 +178,5 @@ def open_bus(url: str | None, cluster: str = "local", tls: TLSConfig | None = No
 
         return RedisBus(url, cluster)
     if url.startswith("grpc://"):
-        return RemoteBus(url.removeprefix("grpc://"), cluster, tls=tls)
+        return RemoteBus(url.removeprefix("grpc://"), cluster, security=security)
     raise ValueError(f"bus URL {url!r}: expected redis://host:port[/db] (or grpc://host:port for embedded mode)")

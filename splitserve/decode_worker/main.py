@@ -7,10 +7,7 @@ Admin HTTP on --admin-port: /health, /metrics; /drain on --drain-port, loopback 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import os
-import signal
 import socket
 
 import torch
@@ -18,7 +15,9 @@ import torch
 from splitserve.decode_worker.admin import DRAIN_PORT
 from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
-from splitserve.security.tls import add_tls_args, tls_from_args
+from splitserve.logs import configure_logging
+from splitserve.security.links import add_security_args, security_from_args
+from splitserve.worker_base.process import run_worker_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,9 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rdma-device", help="RDMA device for mooncake, e.g. mlx5_0")
     ap.add_argument("--drain-port", type=int, default=DRAIN_PORT, help="loopback-only port of /drain")
     ap.add_argument("--drain-timeout", type=float, default=600.0)
-    add_tls_args(ap)
+    ap.add_argument("--engine-stall-timeout", type=float, default=120.0,
+                    help="seconds one engine step may run before the worker reports itself stalled (503, out of "
+                         "the registry)")
+    add_security_args(ap)
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     torch.set_num_threads(args.torch_threads)
     model, served = resolve_model(args)
     advertise = args.advertise_host or (None if args.host == "0.0.0.0" else args.host) or socket.gethostname()
@@ -48,19 +50,10 @@ def main(argv: list[str] | None = None) -> int:
                                 host=args.host, port=args.port, advertise_host=advertise, bus_url=args.redis_url,
                                 cluster=args.cluster, kv_backend=args.kv_backend, kv_protocol=args.kv_protocol,
                                 rdma_device=args.rdma_device, admin_port=args.admin_port,
-                                drain_port=args.drain_port, drain_timeout_s=args.drain_timeout, tls=tls_from_args(args))
-
-    async def amain() -> None:
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        worker = DecodeWorker(config)
-        await worker.start()
-        print(f"splitserve decode-worker: {worker.worker_id} serving gRPC on {worker.address}, KV receiver "
-              f"{worker.kv_address}, admin {worker.admin_url or '(off)'}", flush=True)
-        await stop.wait()
-        await worker.drain(args.drain_timeout)
-        await worker.stop()
-
-    asyncio.run(amain())
-    return 0
+                                drain_port=args.drain_port, drain_timeout_s=args.drain_timeout,
+                                security=security_from_args(args), engine_stall_timeout_s=args.engine_stall_timeout)
+    worker = DecodeWorker(config)
+    return run_worker_process(
+        worker, lambda: f"splitserve decode-worker: {worker.worker_id} serving gRPC on {worker.address}, KV receiver "
+                        f"{worker.kv_address}, admin {worker.admin_url or '(off)'}",
+        before_stop=lambda: worker.drain(args.drain_timeout))

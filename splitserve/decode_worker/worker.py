@@ -6,25 +6,21 @@ prefix cache), lease the new ones to the KV receiver, ask the prefill worker to
 compute and push them, then admit the request with the first token it sampled.
 Any failure on that path (prefill worker down, transfer error, timeout) releases
 the lease and prefills locally instead: the client only sees a slower first token.
+A failure of this worker's own engine ends its streams with UNAVAILABLE, which the
+router answers by migrating them (worker_base/worker.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
-from splitserve.cluster.messages import LoadReport, WorkerInfo
-from splitserve.cluster.presence import WorkerPresence, advertised_host
-from splitserve.cluster.remote_bus import open_bus
-from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.config import EngineConfig
-from splitserve.engine.llm_engine import InvalidPromptError, LLMEngine, RequestOutput
+from splitserve.engine.async_engine import EngineDeadError
+from splitserve.engine.llm_engine import EngineStats, InvalidPromptError, RequestOutput
 from splitserve.engine.sampling_params import InvalidSamplingParams
 from splitserve.kvtransfer import KVReceiver, KVTransferConfig
 from splitserve.metrics import Metrics
@@ -37,121 +33,97 @@ from splitserve.proto.convert import (
 )
 from splitserve.proto.worker_pb2_grpc import (
     DecodeWorkerServicer,
+    DecodeWorkerStub,
     PrefillWorkerStub,
     add_DecodeWorkerServicer_to_server,
 )
-from splitserve.security.tls import TLSConfig, add_port, aio_channel
+from splitserve.worker_base.config import WorkerConfig
+from splitserve.worker_base.worker import RECONNECT_OPTIONS, WorkerBase
 
 log = logging.getLogger(__name__)
 
-# A restarted peer is dialled again within 2 s (gRPC's default backoff grows to 2 min).
-RECONNECT_OPTIONS = [("grpc.max_reconnect_backoff_ms", 2000), ("grpc.initial_reconnect_backoff_ms", 200)]
-
 
 @dataclass
-class DecodeWorkerConfig:
-    engine: EngineConfig
-    worker_id: str = field(default_factory=lambda: f"decode-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: any free port
-    advertise_host: str | None = None  # address routers and prefill workers use (default: host)
-    bus_url: str | None = None
-    cluster: str = "local"
-    kv_backend: str = "grpc"
-    kv_protocol: str = "tcp"  # mooncake: tcp | rdma
-    rdma_device: str | None = None
+class DecodeWorkerConfig(WorkerConfig):
     prefill_timeout_s: float = 30.0
-    heartbeat_ttl_s: float = 6.0
-    admin_port: int | None = None  # /health and /metrics; 0: any free port; None: off
     drain_port: int | None = None  # /drain on 127.0.0.1 only (`splitserve drain`); 0: any free; None: off
     drain_timeout_s: float = 600.0
-    tls: TLSConfig | None = None  # mutual TLS on its gRPC server, KV receiver and prefill calls
+
+    role = "decode"
 
 
-class DecodeWorker(DecodeWorkerServicer):
+class EngineFailed:
+    """Put on a stream's queue when the engine failed: the stream ends with UNAVAILABLE."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+class DecodeWorker(WorkerBase, DecodeWorkerServicer):
+    role = "decode"
+
     def __init__(self, config: DecodeWorkerConfig, metrics: Metrics | None = None, bus=None):
-        self.config = config
-        self._given_bus = bus  # tests and `splitserve serve` may share one bus object
-        self.worker_id = config.worker_id
-        self.metrics = metrics or Metrics()
-        self.streams: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self.draining = False
-        self.address = ""
-        self.admin_url = ""
-        self._admin = None
+        super().__init__(config, metrics, bus)
+        self.streams: dict[str, asyncio.Queue] = {}
         self._drain = None
         self.drain_port = 0
         self._prefill_channels: dict[str, grpc.aio.Channel] = {}
+        self.receiver: KVReceiver | None = None
 
     async def start(self) -> str:
         cfg = self.config
-        loop = asyncio.get_running_loop()
-        if cfg.admin_port is not None:  # up first: /health says "starting" while the model loads
-            from splitserve.decode_worker.admin import admin_app, start_admin
+        if cfg.admin_port is not None:
+            from splitserve.worker_base.admin import admin_app
 
-            self._admin, port = await start_admin(admin_app(self), cfg.host, cfg.admin_port)
-            self.admin_url = f"http://{advertised_host(cfg.host, cfg.advertise_host)}:{port}"
+            await self._start_admin(admin_app(self))
         if cfg.drain_port is not None:  # loopback only: nothing outside the pod may drain it
-            from splitserve.decode_worker.admin import drain_app, start_admin
+            from splitserve.decode_worker.admin import drain_app
+            from splitserve.worker_base.admin import start_admin
 
             self._drain, self.drain_port = await start_admin(drain_app(self, cfg.drain_timeout_s), "127.0.0.1",
                                                              cfg.drain_port)
-        engine = await asyncio.to_thread(LLMEngine, cfg.engine)
-        self.engine = AsyncEngine(engine, loop, self._dispatch, self._on_block_events)
-        self.engine.start()
-        host = advertised_host(cfg.host, cfg.advertise_host)
+        engine = await self._start_engine()
         self.receiver = KVReceiver(engine.runner.kv_pool, KVTransferConfig(
             backend=cfg.kv_backend, host=cfg.host, mooncake_protocol=cfg.kv_protocol,
-            mooncake_device=cfg.rdma_device or "", tls=cfg.tls), metrics=self.metrics, worker_id=self.worker_id)
+            mooncake_device=cfg.rdma_device or "", security=cfg.security), metrics=self.metrics,
+            worker_id=self.worker_id)
         kv_port = (await asyncio.to_thread(self.receiver.start)).rsplit(":", 1)[1]
-        self.kv_address = f"{host}:{kv_port}"  # what prefill workers dial (not 0.0.0.0)
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        self.server = self._server(options=[("grpc.max_receive_message_length", 64 << 20)])
         add_DecodeWorkerServicer_to_server(self, self.server)
-        port = add_port(self.server, f"{cfg.host}:{cfg.port}", cfg.tls)
-        await self.server.start()
-        self.address = f"{host}:{port}"
-        self.bus = self._given_bus or open_bus(cfg.bus_url, cfg.cluster, cfg.tls)
-        info = WorkerInfo(self.worker_id, "decode", self.address, engine.model_id, cfg.engine.block_size,
-                          engine.num_total_blocks, cfg.kv_backend)
-        self.presence = WorkerPresence(self.bus, info, self.load_report, ttl=cfg.heartbeat_ttl_s,
-                                       cached_blocks=self._cached_blocks)
-        await self.presence.start()
-        log.info("decode worker %s serving on %s (KV receiver %s, %d blocks%s)", self.worker_id, self.address,
-                 self.kv_address, engine.num_total_blocks, f", admin {self.admin_url}" if self.admin_url else "")
+        await self._bind(self.server)
+        self.kv_address = f"{self.address.rsplit(':', 1)[0]}:{kv_port}"  # what prefill workers dial
+        await self._start_presence(engine)
+        log.info("decode worker %s serving on %s (KV receiver %s, %d blocks%s; links: %s)", self.worker_id,
+                 self.address, self.kv_address, engine.num_total_blocks,
+                 f", admin {self.admin_url}" if self.admin_url else "", cfg.security.describe())
         return self.address
 
     async def stop(self) -> None:
-        await self.presence.stop()
-        await self.server.stop(grace=1.0)
+        if self.presence is not None:
+            await self.presence.stop()
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
         for channel in self._prefill_channels.values():
             await channel.close()
-        self.receiver.stop()
-        self.engine.stop()
-        if self._given_bus is None:
-            await self.bus.close()
-        for runner in (self._admin, self._drain):
-            if runner is not None:
-                await runner.cleanup()
+        if self.receiver is not None:
+            self.receiver.stop()
+        await self._stop_common()
+        if self._drain is not None:
+            await self._drain.cleanup()
 
     # ---- state ------------------------------------------------------------------------
-    def load_report(self) -> LoadReport:
-        e = self.engine.engine
-        waiting, running = len(e.scheduler.waiting) + len(e.remote), len(e.scheduler.running)
-        usage = e.block_manager.usage
-        sched = e.scheduler
-        self.metrics.sync_engine_counters("decode", self.worker_id, sched.prefix_query_tokens, sched.prefix_hit_tokens,
-                                          sched.num_preemptions)
-        m, labels = self.metrics, {"role": "decode", "worker": self.worker_id}
-        m.num_requests_waiting.labels(**labels).set(waiting)
-        m.num_requests_running.labels(**labels).set(running)
-        m.kv_cache_usage.labels(**labels).set(usage)
-        return LoadReport(self.worker_id, "decode", waiting, running, usage)
+    def _load_numbers(self, s: EngineStats) -> tuple[int, int]:
+        return s.waiting + s.remote_prefills, s.queued_prompt_tokens
 
-    def kv_state(self) -> dict:
-        """Block accounting for /health: after every request has ended, free == total."""
-        e = self.engine.engine
-        return {"free_blocks": e.num_free_blocks, "total_blocks": e.num_total_blocks, "sequences": len(e.sequences),
-                "remote_prefills": len(e.remote), "kv_leases": len(self.receiver.in_flight())}
+    def _kv_extras(self, s: EngineStats) -> dict:
+        return {"remote_prefills": s.remote_prefills,
+                "kv_leases": len(self.receiver.in_flight()) if self.receiver is not None else 0}
+
+    def admin_extras(self) -> dict:
+        return {"streams": len(self.streams)}
+
+    def _health_stub(self, channel):
+        return DecodeWorkerStub(channel)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -159,16 +131,18 @@ class DecodeWorker(DecodeWorkerServicer):
             if q is not None:
                 q.put_nowait(out)
 
-    async def _cached_blocks(self) -> list[int]:
-        bm = self.engine.engine.block_manager
-        return await self.engine.call(lambda: list(bm.hash_to_block))
+    def _in_flight(self) -> list[str]:
+        return sorted(self.streams)
 
-    def _on_block_events(self, events) -> None:
-        self.presence.publish_block_events(events)
+    def _fail_in_flight(self, reason: str) -> None:
+        for q in self.streams.values():
+            q.put_nowait(EngineFailed(reason))
 
     # ---- gRPC -------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context):  # noqa: N802 - gRPC name
         rid = request.request_id
+        if self.failed:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id}: {self.failed}")
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id} is draining")
         if not rid or rid in self.streams:
@@ -181,12 +155,13 @@ class DecodeWorker(DecodeWorkerServicer):
         if resume and params.max_tokens is not None:
             params.max_tokens = max(1, params.max_tokens - len(resume))
         prompt = list(request.prompt_token_ids) + resume
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = queue
         finished = False
         fallback = ""
         prefill_cached = 0
         prefill_worker = self.worker_id
+        engine = self.engine.engine
         try:
             first: RequestOutput | None = None
             if request.prefill_address and resume and params.seed is not None and not params.greedy:
@@ -196,11 +171,16 @@ class DecodeWorker(DecodeWorkerServicer):
                 if first is not None:
                     prefill_worker = request.prefill_worker_id
             if first is None:
-                await self.engine.call(self.engine.engine.add_request, rid, prompt, params, False, len(resume))
+                await self.engine.call(engine.add_request, rid, prompt, params, False, len(resume))
             header = True
             while True:
                 out = first if first is not None else await queue.get()
                 first = None
+                if isinstance(out, EngineFailed):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: {out.reason}")
+                if out.error is not None:  # a failed engine step: the router retries elsewhere
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        f"request {rid}: decode worker {self.worker_id}: {out.error}")
                 chunk = pb.GenerateChunk(token_ids=out.new_token_ids, finish_reason=out.finish_reason or "",
                                          logprobs=[logprob_to_proto(lp) for lp in out.new_logprobs])
                 if header:
@@ -215,6 +195,8 @@ class DecodeWorker(DecodeWorkerServicer):
                     return
         except InvalidPromptError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {exc}")
+        except EngineDeadError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: decode worker {self.worker_id}: {exc}")
         finally:
             self.streams.pop(rid, None)
             if not finished:  # the router went away (client disconnect, migration, abort)
@@ -232,14 +214,17 @@ class DecodeWorker(DecodeWorkerServicer):
     async def _abort(self, rid: str) -> bool:
         self.receiver.abort(rid)
         engine = self.engine.engine
-        return bool(await self.engine.call(lambda: engine.abort(rid) or (rid in engine.remote and (
-            engine.cancel_remote_prefill(rid) or True))))
+        try:
+            return bool(await self.engine.call(lambda: engine.abort(rid) or (rid in engine.remote and (
+                engine.cancel_remote_prefill(rid) or True))))
+        except EngineDeadError:
+            return False  # nothing left to free: the process is about to be replaced
 
     # ---- remote prefill -----------------------------------------------------------------
     def _prefill_channel(self, address: str) -> grpc.aio.Channel:
         # One channel per prefill worker: with mTLS a handshake per request would cost more than the RPC.
         if address not in self._prefill_channels:
-            self._prefill_channels[address] = aio_channel(address, self.config.tls, RECONNECT_OPTIONS)
+            self._prefill_channels[address] = self.config.security.aio_channel(address, RECONNECT_OPTIONS)
         return self._prefill_channels[address]
 
     async def _remote_prefill(self, request: pb.GenerateRequest, prompt: list[int], params,
@@ -262,7 +247,7 @@ class DecodeWorker(DecodeWorkerServicer):
                     request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
                     kv_receiver_address=self.kv_address, kv_backend=self.config.kv_backend, skip_blocks=skip,
                     dest_block_ids=dest, timeout_s=self.config.prefill_timeout_s,
-                ), timeout=self.config.prefill_timeout_s)
+                ), timeout=self.config.prefill_timeout_s, metadata=self.config.security.metadata)
             if lease is not None:
                 outcome = await asyncio.wrap_future(lease)
                 if not outcome.ok:
@@ -271,6 +256,8 @@ class DecodeWorker(DecodeWorkerServicer):
             first = await self.engine.call(engine.complete_remote_prefill, rid, reply.first_token_id, lp)
             return first, "", reply.num_cached_tokens
         except (grpc.aio.AioRpcError, RuntimeError) as exc:
+            if isinstance(exc, EngineDeadError):
+                raise
             why = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             log.warning("request %s: remote prefill on %s (%s) failed (%s); prefilling locally on %s",
                         rid, request.prefill_worker_id, request.prefill_address, why, self.worker_id)
@@ -285,27 +272,37 @@ class DecodeWorker(DecodeWorkerServicer):
             # Cancelled (client gone). The blocks may only be reused once the receiver says
             # no write can still land in them (one-sided writes cannot be recalled).
             if lease is None:
-                await self.engine.call(engine.cancel_remote_prefill, rid)
+                await asyncio.shield(self._cancel_remote_prefill(rid))
             else:
                 self.receiver.abort(rid, "the request was cancelled")
                 asyncio.get_running_loop().create_task(self._free_after_release(rid, released))
             raise
+
+    async def _cancel_remote_prefill(self, rid: str) -> None:
+        try:
+            await self.engine.call(self.engine.engine.cancel_remote_prefill, rid)
+        except EngineDeadError:
+            pass
 
     async def _free_after_release(self, rid: str, released: asyncio.Event) -> None:
         try:
             await asyncio.wait_for(released.wait(), timeout=self.config.prefill_timeout_s + 30)
         except TimeoutError:
             log.error("request %s: KV receiver never released its lease; freeing the blocks anyway", rid)
-        await self.engine.call(self.engine.engine.cancel_remote_prefill, rid)
+        await self._cancel_remote_prefill(rid)
 
     # ---- draining ------------------------------------------------------------------------
     async def drain(self, timeout: float = 600.0) -> bool:
-        """Stop admitting, leave the registry, wait for every stream to finish."""
+        """Stop admitting (routers see it draining), let every stream finish, then leave the
+        registry; streams still open at the deadline are migrated by the routers."""
         self.draining = True
-        await self.presence.hide()
+        if self.presence is not None:
+            await self.presence.announce_draining()
         deadline = time.monotonic() + timeout
         while self.streams and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
+        if self.presence is not None:
+            await self.presence.hide()
         return not self.streams
 
 

@@ -2,7 +2,22 @@
 
 The engine is single-threaded by design; workers are asyncio servers. Calls are
 queued to the engine thread and answered through futures; every step's outputs
-and KV events are handed back to the event loop.
+and KV events are handed back to the event loop, and after every loop iteration
+the thread publishes an immutable `EngineStats`, the only engine state other
+threads read.
+
+Nothing a client does may kill this thread:
+- a caller cancelled before its command ran: the command is skipped (the caller's
+  cleanup, queued after it, finds nothing to undo); once a command runs its future
+  can no longer be cancelled, so its result is always delivered (and discarded by a
+  caller that went away, whose own cleanup then undoes it);
+- a step that raises fails the requests of that step with an error (the worker turns
+  it into a retryable gRPC status, so the router migrates them) and the loop goes on;
+  `max_step_failures` failures in a row mean the engine is broken: it is declared dead.
+Death (that, or anything escaping the loop) fails every queued command with
+`EngineDeadError` and calls `on_dead` on the event loop: the worker leaves the
+registry, fails its streams and exits so it is restarted. A step that never returns
+is seen by `health()` as a stall.
 """
 
 from __future__ import annotations
@@ -11,29 +26,54 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
 from splitserve.engine.block_manager import BlockEvent
-from splitserve.engine.llm_engine import LLMEngine, RequestOutput
+from splitserve.engine.faults import FaultPlan
+from splitserve.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
 
 log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped for good; the worker must be restarted."""
+
+
+class EngineStalledError(EngineDeadError):
+    """One engine step has run so long that the engine is given up for dead."""
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
                  on_outputs: Callable[[list[RequestOutput]], None],
-                 on_events: Callable[[list[BlockEvent]], None] | None = None):
+                 on_events: Callable[[list[BlockEvent]], None] | None = None, *,
+                 on_dead: Callable[[BaseException], None] | None = None, name: str = "engine",
+                 max_step_failures: int = 3, stall_timeout_s: float = 120.0,
+                 on_step_failure: Callable[[list[str], BaseException], None] | None = None):
         self.engine = engine
         self.loop = loop
         self.on_outputs = on_outputs
         self.on_events = on_events
+        self.on_dead = on_dead
+        self.on_step_failure = on_step_failure
+        self.name = name
+        self.max_step_failures = max_step_failures
+        self.stall_timeout_s = stall_timeout_s
+        self.faults = FaultPlan.from_env(name)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._dead_lock = threading.Lock()  # `dead` and the queue: nothing is queued after the last drain
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
         self.steps = 0
-        self.error: BaseException | None = None
+        self.step_failures = 0  # all of them, for metrics
+        self.error: BaseException | None = None  # why the thread died
+        self.dead = False
+        self.stats: EngineStats = engine.stats()
+        self._step_started: float | None = None  # monotonic time of the step in progress
 
+    # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
 
@@ -42,33 +82,64 @@ class AsyncEngine:
         self._commands.put(None)
         self._thread.join(timeout=10)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self.dead
+
+    def step_running_s(self) -> float | None:
+        """How long the step in progress has been running; None between steps."""
+        started = self._step_started
+        return None if started is None else time.monotonic() - started
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, why not): dead, or a step running longer than `stall_timeout_s`."""
+        if not self.alive:
+            return False, f"engine thread is dead: {self.error!r}" if self.error else "engine thread is not running"
+        running = self.step_running_s()
+        if running is not None and running > self.stall_timeout_s:
+            return False, f"engine step running for {running:.0f}s (> {self.stall_timeout_s:.0f}s): the engine is stalled"
+        return True, ""
+
+    # ---- calls from the event loop -------------------------------------------------------
     async def call(self, fn: Callable, *args, **kwargs):
-        """Run fn(*args) on the engine thread (between steps) and return its result."""
+        """Run fn(*args) on the engine thread (between steps) and return its result.
+        Raises EngineDeadError once the engine has died."""
         fut: Future = Future()
-        self._commands.put((fn, args, kwargs, fut))
+        with self._dead_lock:
+            if self.dead:
+                raise EngineDeadError(f"engine {self.name} is dead: {self.error!r}")
+            self._commands.put((fn, args, kwargs, fut))
         return await asyncio.wrap_future(fut, loop=self.loop)
 
-    def _run_command(self, item) -> None:
-        fn, args, kwargs, fut = item
-        try:
-            fut.set_result(fn(*args, **kwargs))
-        except Exception as exc:  # handed to the caller
-            fut.set_exception(exc)
-
+    # ---- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stopped.is_set():
-            self._run_commands(wait=not self.engine.has_unfinished_requests())
-            if self.engine.has_unfinished_requests():
-                try:
-                    outputs = self.engine.step()
-                except Exception as exc:  # a broken step must not leave clients hanging
-                    log.exception("engine step failed; aborting every running request")
-                    self.error = exc
-                    outputs = self._fail_all()
-                self.steps += 1
-                if outputs:
-                    self.loop.call_soon_threadsafe(self.on_outputs, outputs)
-            self._flush_events()
+        failures_in_a_row = 0
+        try:
+            while not self._stopped.is_set():
+                self._run_commands(wait=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    self._step_started = time.monotonic()
+                    try:
+                        self.faults.before_step(self.steps)
+                        outputs = self.engine.step()
+                        failures_in_a_row = 0
+                    except Exception as exc:  # noqa: BLE001 - fail the step's requests, not the thread
+                        failures_in_a_row += 1
+                        outputs = self._fail_running(exc, failures_in_a_row)
+                    finally:
+                        self._step_started = None
+                    self.steps += 1
+                    if outputs:
+                        self.loop.call_soon_threadsafe(self.on_outputs, outputs)
+                self._flush_events()
+                self.stats = self.engine.stats(self.steps)
+        except BaseException as exc:  # noqa: BLE001 - anything escaping kills the engine: say so
+            if not self._stopped.is_set():
+                self.error = exc
+                log.critical("engine %s died (%r); in flight: %s", self.name, exc,
+                             sorted(self.engine.sequences) or "nothing", exc_info=exc)
+        finally:
+            self._die()
 
     def _run_commands(self, wait: bool) -> None:
         """Everything queued, before the next step; when idle, wait a little for work."""
@@ -83,6 +154,33 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
+    @staticmethod
+    def _run_command(item) -> None:
+        fn, args, kwargs, fut = item
+        if not fut.set_running_or_notify_cancel():
+            return  # the caller was cancelled before this ran: nothing applied, nothing to answer
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def _fail_running(self, exc: Exception, in_a_row: int) -> list[RequestOutput]:
+        """A step raised: its requests end with an error (retryable elsewhere)."""
+        self.step_failures += 1
+        rids = sorted(self.engine.sequences)
+        log.error("engine %s: step failed (%d in a row; requests %s): %r", self.name, in_a_row, rids, exc,
+                  exc_info=exc)
+        if self.on_step_failure is not None:
+            self.loop.call_soon_threadsafe(self.on_step_failure, rids, exc)
+        outputs = self.engine.fail_all(f"engine step failed on {self.name}: {exc!r}")
+        if in_a_row >= self.max_step_failures:
+            if outputs:  # their callers hear of it before the engine is declared dead
+                self.loop.call_soon_threadsafe(self.on_outputs, outputs)
+            raise EngineDeadError(f"{in_a_row} engine steps failed in a row, last: {exc!r}") from exc
+        return outputs
+
     def _flush_events(self) -> None:
         if self.on_events is None:
             return
@@ -90,10 +188,20 @@ class AsyncEngine:
         if events:
             self.loop.call_soon_threadsafe(self.on_events, events)
 
-    def _fail_all(self) -> list[RequestOutput]:
-        outputs = []
-        for rid in list(self.engine.sequences):
-            seq = self.engine.sequences[rid]
-            self.engine.abort(rid)
-            outputs.append(self.engine._output(seq, [], []))  # noqa: SLF001 - finish_reason "abort"
-        return outputs
+    def _die(self) -> None:
+        """The thread is ending: nothing queued may wait forever."""
+        with self._dead_lock:
+            self.dead = True
+        error = EngineDeadError(f"engine {self.name} stopped" + (f": {self.error!r}" if self.error else ""))
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None and item[3].set_running_or_notify_cancel():
+                item[3].set_exception(error)
+        if self.error is not None and self.on_dead is not None and not self.loop.is_closed():
+            try:
+                self.loop.call_soon_threadsafe(self.on_dead, self.error)
+            except RuntimeError:  # the loop closed meanwhile: nobody is left to tell
+                pass

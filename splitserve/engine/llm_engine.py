@@ -40,6 +40,31 @@ class RequestOutput:
     num_cached_tokens: int
     logprobs: list[TokenLogprobs]
     new_logprobs: list[TokenLogprobs]
+    error: str | None = None  # set when the engine failed the request (finish_reason "abort")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What other threads may know of an engine: taken by the engine thread between
+    steps and read by anyone (load reports, /health, metrics)."""
+
+    steps: int
+    waiting: int  # queued, not yet scheduled
+    running: int  # in the running batch (prefilling or decoding)
+    prefilling: int  # running with prompt tokens still to compute
+    queued_prompt_tokens: int  # prompt tokens still to compute, waiting or prefilling
+    remote_prefills: int  # decode side: waiting for KV from a prefill worker
+    held_for_push: int  # prefill side: finished, blocks kept for a KV push
+    sequences: int
+    free_blocks: int
+    total_blocks: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    preemptions: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
 
 
 class LLMEngine:
@@ -130,6 +155,27 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """End every scheduled request with `error` (after a failed step); blocks are freed."""
+        outputs = []
+        for rid in list(self.sequences):
+            seq = self.sequences[rid]
+            self.abort(rid)
+            out = self._output(seq, [], [])
+            out.error = error
+            outputs.append(out)
+        return outputs
+
+    def stats(self, steps: int = 0) -> EngineStats:
+        s = self.scheduler
+        prefilling = [q for q in s.running if q.num_computed_tokens < q.num_tokens - 1]
+        queued = sum(q.num_tokens - q.num_computed_tokens for q in s.waiting)
+        queued += sum(q.num_tokens - q.num_computed_tokens for q in prefilling)
+        return EngineStats(steps, len(s.waiting), len(s.running), len(prefilling), queued, len(self.remote),
+                           len(self.held), len(self.sequences), self.block_manager.num_free_blocks,
+                           self.block_manager.num_blocks, s.prefix_query_tokens, s.prefix_hit_tokens,
+                           s.num_preemptions)
 
     # ---- the loop ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -8,6 +8,7 @@ INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 UINT32_MAX = 2**32 - 1
 MAX_N = 128
+FLOAT32_MAX = 3.4028234663852886e38  # the wire type of temperature, top_p, min_p
 
 
 def _is_int(value, lo: int, hi: int) -> bool:
@@ -56,6 +57,8 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
                 bad(name, f"{name} must be a number, got {value!r}")
+            if abs(value) > FLOAT32_MAX:  # would arrive at the worker as inf
+                bad(name, f"{name} must be at most {FLOAT32_MAX:.3g}, got {value:.3g}")
         if not _is_int(self.n, 1, MAX_N):
             bad("n", f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.temperature < 0:

@@ -79,6 +79,15 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_bounded(self, text: str, max_tokens: int, add_special_tokens: bool = True) -> tuple[int, list[int] | None]:
+        """(token count, ids), with ids None when the count is over `max_tokens`. For long
+        texts, off the event loop: `encode_batch` releases the GIL while it tokenizes (plain
+        `encode` holds it throughout), and a text too long for the context never becomes a
+        Python list of ids."""
+        encoding = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        n = len(encoding)
+        return n, (encoding.ids if n <= max_tokens else None)
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.security.tls import TLSConfig
+from splitserve.security.links import NO_SECURITY, LinkSecurity
 
 BACKENDS = ("grpc", "mooncake")
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
@@ -30,6 +30,12 @@ class KVTransferConfig:
     # Concurrent PushBlocks streams a receiver serves; more are refused
     # (RESOURCE_EXHAUSTED) instead of queueing unbounded memory.
     max_concurrent_pushes: int = 16
+    # ...and from one peer (one gRPC connection, i.e. one prefill worker), so a stuck or
+    # flooding sender cannot take every slot.
+    max_pushes_per_peer: int = 8
+    # A stream that sends nothing (not even its header) for this long is cancelled and its
+    # slot freed; a live sender sends a chunk or a written-block report far more often.
+    push_idle_timeout_s: float = 10.0
     # mooncake backend.
     mooncake_protocol: str = "tcp"
     mooncake_device: str = ""  # RDMA device name(s), e.g. "mlx5_0"; "" = auto
@@ -37,9 +43,9 @@ class KVTransferConfig:
     # stream ended, so that a write already on the wire cannot land in blocks that
     # were handed to another request (one-sided writes cannot be recalled).
     one_sided_quarantine_s: float = 2.0
-    # Mutual TLS on the gRPC stream (PushBlocks/Describe); None: plaintext. Mooncake's
-    # one-sided data path is not covered (its TCP/RDMA transport has no TLS).
-    tls: TLSConfig | None = None
+    # Mutual TLS and/or the cluster token on the gRPC stream (PushBlocks/Describe). Mooncake's
+    # one-sided data path is not covered (its TCP/RDMA transport has neither).
+    security: LinkSecurity = NO_SECURITY
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -58,6 +64,10 @@ class KVTransferConfig:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
         if self.max_concurrent_pushes < 1:
             raise ValueError(f"max_concurrent_pushes must be at least 1, got {self.max_concurrent_pushes}")
+        if self.max_pushes_per_peer < 1:
+            raise ValueError(f"max_pushes_per_peer must be at least 1, got {self.max_pushes_per_peer}")
+        if self.push_idle_timeout_s <= 0:
+            raise ValueError(f"push_idle_timeout_s must be positive, got {self.push_idle_timeout_s}")
         if self.one_sided_quarantine_s < 0:
             raise ValueError(f"one_sided_quarantine_s must be >= 0, got {self.one_sided_quarantine_s}")
         if not 0 <= self.port <= 65535:

@@ -50,7 +50,7 @@ class GrpcSender(KVSender):
                  deadline: float) -> pb.PushAck:
         stream = self._frames(header, regions)
         timeout = self._remaining(deadline, header.request_id, address)
-        return frames.push_stub(self._channel(address))(stream, timeout=timeout)
+        return frames.push_stub(self._channel(address))(stream, timeout=timeout, metadata=self.config.security.metadata)
 
     def _frames(self, header: TransferHeader, regions: Sequence[memoryview]) -> Iterator[bytes]:
         """The encoded messages of one attempt: the header, then the data chunks."""

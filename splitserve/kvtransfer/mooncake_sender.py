@@ -123,7 +123,8 @@ class MooncakeSender(KVSender):
         # The gRPC deadline is only a backstop (so the call cannot outlive us by much):
         # the stream must not end while our write may still land, see the module doc.
         call = frames.push_stub(self._channel(address)).future(iter(outbox.get, None),
-                                                               timeout=left + self.config.timeout_s)
+                                                               timeout=left + self.config.timeout_s,
+                                                               metadata=self.config.security.metadata)
         attempt = _Attempt()
         reports = _Reports(regions, outbox)
         writer = self._writers.submit(self._write, call, outbox, attempt, endpoint, info.mooncake_session, writes,

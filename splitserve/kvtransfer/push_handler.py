@@ -20,6 +20,7 @@ from splitserve.kvtransfer.frames import Frame, FrameError, pb
 from splitserve.kvtransfer.lease import Lease, LeaseError, LeaseTable
 from splitserve.kvtransfer.one_sided import WrittenBlocks
 from splitserve.kvtransfer.pool_io import RegionLayout, StreamWriter
+from splitserve.kvtransfer.stream_guard import PeerBusy, StreamGuard
 from splitserve.kvtransfer.wire import TransferHeader, WireError, validate_header
 
 log = logging.getLogger(__name__)
@@ -46,15 +47,26 @@ class PushHandler:
     """The PushBlocks handler of one KVReceiver (called on gRPC's threads)."""
 
     def __init__(self, pool: KVCachePool, leases: LeaseTable, epoch: str, one_sided: bool, worker_id: str,
-                 count_bytes: Callable[[str, int], None]):
+                 count_bytes: Callable[[str, int], None], guard: StreamGuard):
         self.pool = pool
         self.leases = leases
         self.epoch = epoch
         self.one_sided_enabled = one_sided  # this receiver runs the mooncake backend
         self.worker_id = worker_id
         self._count_bytes = count_bytes
+        self.guard = guard
 
     def __call__(self, stream, context) -> pb.PushAck:
+        try:
+            slot = self.guard.enter(context.peer(), context)
+        except PeerBusy as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        try:
+            return self._serve(self.guard.watch(slot, stream), context)
+        finally:
+            self.guard.leave(slot)
+
+    def _serve(self, stream, context) -> pb.PushAck:
         try:
             first = _next(stream)
         except (_StreamBroken, ValueError) as exc:

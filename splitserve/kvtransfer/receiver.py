@@ -28,12 +28,12 @@ from splitserve.kvtransfer.lease import Lease, LeaseTable
 from splitserve.kvtransfer.malloc_tuning import reuse_message_buffers
 from splitserve.kvtransfer.mooncake_endpoint import MooncakeEndpoint
 from splitserve.kvtransfer.push_handler import PushHandler
+from splitserve.kvtransfer.stream_guard import StreamGuard
 from splitserve.kvtransfer.wire import (
     ReceiverInfo,
     dtype_name,
 )
 from splitserve.metrics import Metrics
-from splitserve.security.tls import add_port
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class KVReceiver:
         self.epoch = uuid.uuid4().hex
         self.leases = LeaseTable(self.config.max_attempts, self.config.one_sided_quarantine_s,
                                  on_outcome=self._record_outcome)
+        self.streams = StreamGuard(self.config.max_pushes_per_peer, self.config.push_idle_timeout_s, worker_id)
         self._server: grpc.Server | None = None
         self._mooncake: MooncakeEndpoint | None = None
         self._stop = threading.Event()
@@ -63,12 +64,12 @@ class KVReceiver:
             self._mooncake = MooncakeEndpoint(cfg.host, cfg.mooncake_protocol, cfg.mooncake_device)
             self._mooncake.register(self.pool.data_ptr(), self.pool.nbytes)  # once, for the pool's lifetime
         slots = cfg.max_concurrent_pushes + 2  # + Describe and headroom
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=slots, thread_name_prefix="kv-recv"),
-                             options=cfg.grpc_options(), maximum_concurrent_rpcs=slots)
+        server = cfg.security.sync_server(futures.ThreadPoolExecutor(max_workers=slots, thread_name_prefix="kv-recv"),
+                                          options=cfg.grpc_options(), maximum_concurrent_rpcs=slots)
         push = PushHandler(self.pool, self.leases, self.epoch, self._mooncake is not None, self.worker_id,
-                           self._count_bytes)
+                           self._count_bytes, self.streams)
         server.add_generic_rpc_handlers((frames.server_handler(push, self._describe),))
-        port = add_port(server, f"{cfg.host}:{cfg.port}", cfg.tls)
+        port = cfg.security.add_port(server, f"{cfg.host}:{cfg.port}")
         if port == 0:
             raise OSError(f"KV receiver of worker {self.worker_id} could not listen on {cfg.host}:{cfg.port}")
         server.start()
@@ -132,7 +133,7 @@ class KVReceiver:
     # ---- housekeeping -------------------------------------------------------------------
     def _reap(self) -> None:
         while not self._stop.is_set():
-            wait = self.leases.tick()
+            wait = min(self.leases.tick(), self.streams.cancel_idle())
             self._wake.wait(min(wait, 1.0))
             self._wake.clear()
 

@@ -30,12 +30,12 @@ from splitserve.kvtransfer.wire import (
     dtype_name,
 )
 from splitserve.metrics import Metrics
-from splitserve.security.tls import sync_channel
 
 _RPC_REASONS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
     grpc.StatusCode.UNAVAILABLE: "unavailable",
     grpc.StatusCode.RESOURCE_EXHAUSTED: "receiver_busy",
+    grpc.StatusCode.UNAUTHENTICATED: "unauthenticated",
 }
 
 
@@ -121,7 +121,7 @@ class KVSender(ABC):
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = sync_channel(address, self.config.tls, self.config.grpc_options())
+                channel = self.config.security.sync_channel(address, self.config.grpc_options())
                 self._channels[address] = channel
             return channel
 
@@ -139,7 +139,8 @@ class KVSender(ABC):
         if info is not None:
             return info
         reply = frames.describe_stub(self._channel(address))(
-            pb.DescribeRequest(), timeout=self._remaining(deadline, request_id, address))
+            pb.DescribeRequest(), timeout=self._remaining(deadline, request_id, address),
+            metadata=self.config.security.metadata)
         info = ReceiverInfo.decode(reply.info)
         with self._lock:
             self._infos[address] = info

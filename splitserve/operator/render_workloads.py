@@ -44,7 +44,8 @@ def render_router(spec: InferenceSpec) -> list[dict]:
         "command": ["splitserve"], "args": args, "env": c.env(spec),
         "ports": [{"name": "http", "containerPort": c.ROUTER_PORT, "protocol": "TCP"}],
         "readinessProbe": _probe("/health", c.ROUTER_PORT, 5, 3),
-        "livenessProbe": _probe("/health", c.ROUTER_PORT, 10, 6),
+        # /health is 503 while no decode worker is registered: restarting routers would not help.
+        "livenessProbe": _probe("/livez", c.ROUTER_PORT, 10, 6),
         "resources": spec.router.resources, "securityContext": c.container_security_context(),
         "volumeMounts": c.volume_mounts(spec, shm=False),
     }
@@ -78,10 +79,9 @@ def render_decode(spec: InferenceSpec, replicas: int) -> list[dict]:
         # Loading weights can take minutes; liveness starts only after the first success.
         "startupProbe": _probe("/health", c.ADMIN_PORT, 10, 90),
         "readinessProbe": _probe("/health", c.ADMIN_PORT, 5, 2),
-        # /health answers 503 while draining, so liveness must not use it: a drain may
-        # take drainTimeoutSeconds and must not be cut short by a restart.
-        "livenessProbe": {"tcpSocket": {"port": c.ADMIN_PORT}, "periodSeconds": 15, "failureThreshold": 4,
-                          "timeoutSeconds": 5},
+        # /livez, not /health: 503 only when the engine thread is dead or stalled or the gRPC
+        # server does not answer (a zombie that must be restarted); a draining worker is alive.
+        "livenessProbe": _probe("/livez", c.ADMIN_PORT, 15, 4),
         # Scale-down drains: /drain stops admission and returns once no stream is left
         # (finished or handed off); the grace period bounds how long that may take. It
         # listens on loopback only, so the hook execs `splitserve drain` inside the pod

@@ -9,18 +9,17 @@ kills the worker's process.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import os
-import signal
 import socket
 import sys
 
 import torch
 
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
+from splitserve.logs import configure_logging
 from splitserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
-from splitserve.security.tls import add_tls_args, tls_from_args
+from splitserve.security.links import add_security_args, security_from_args
+from splitserve.worker_base.process import run_worker_process
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,33 +33,24 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--worker-id", default=os.environ.get("POD_NAME") or f"prefill-{socket.gethostname()}")
     ap.add_argument("--redis-url", required=True)
     ap.add_argument("--cluster", default="local")
-    add_tls_args(ap)
+    ap.add_argument("--engine-stall-timeout", type=float, default=120.0,
+                    help="seconds one engine step may run before the worker reports itself stalled")
+    add_security_args(ap)
     return ap
 
 
 def main(argv: list[str] | None = None, worker_class: type[PrefillWorker] = PrefillWorker) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     torch.set_num_threads(args.torch_threads)
     model, served = resolve_model(args)
     config = PrefillWorkerConfig(engine_config_from_args(args, model, served), worker_id=args.worker_id,
                                  host=args.host, port=args.port, advertise_host=args.advertise_host,
-                                 bus_url=args.redis_url, cluster=args.cluster, metrics_port=args.metrics_port,
-                                 tls=tls_from_args(args))
-
-    async def amain() -> None:
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        worker = worker_class(config)
-        await worker.start()
-        print(f"splitserve prefill-worker: {worker.worker_id} serving gRPC on {worker.address}, "
-              f"metrics {worker.metrics_url}", flush=True)
-        await stop.wait()
-        await worker.stop()
-
-    asyncio.run(amain())
-    return 0
+                                 bus_url=args.redis_url, cluster=args.cluster, admin_port=args.metrics_port,
+                                 security=security_from_args(args), engine_stall_timeout_s=args.engine_stall_timeout)
+    worker = worker_class(config)
+    return run_worker_process(worker, lambda: f"splitserve prefill-worker: {worker.worker_id} serving gRPC on "
+                                              f"{worker.address}, metrics {worker.admin_url}")
 
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, generate_latest
 
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
+from splitserve.logs import configure_logging
 from splitserve.metrics import Metrics
 from splitserve.prefill_worker.worker import PrefillWorkerConfig
-from splitserve.security.tls import add_tls_args, tls_from_args
+from splitserve.security.links import add_security_args, security_from_args
 
 log = logging.getLogger("splitserve.prefill_pool")
 
@@ -50,7 +51,7 @@ def serve_metrics(port: int, registry: CollectorRegistry, healthy) -> None:
 def main(argv: list[str] | None = None) -> int:
     import ray
 
-    from splitserve.cluster.actors import WorkerActor
+    from splitserve.worker_base.actor import WorkerActor
 
     ap = argparse.ArgumentParser(prog="splitserve prefill-pool", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,14 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker-metrics-port", type=int, default=8082, help="each prefill actor's /metrics")
     ap.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS", "auto"))
     ap.add_argument("--gpus-per-worker", type=float, default=0.0)
-    add_tls_args(ap)
+    add_security_args(ap)
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     if args.replicas < 0:
         raise SystemExit("--replicas must be >= 0")
     model, served = resolve_model(args)
     engine = engine_config_from_args(args, model, served)
-    tls = tls_from_args(args)  # the files must exist at the same paths on every Ray node (a mounted secret)
+    security = security_from_args(args)  # TLS files / token must exist at the same paths on every Ray node
     ray.init(address=args.ray_address, logging_level=logging.WARNING)
     metrics = Metrics(CollectorRegistry())
     actors: dict[str, object] = {}
@@ -94,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = PrefillWorkerConfig(engine, worker_id=f"{args.cluster}-prefill-{slot}", host="0.0.0.0", port=args.port,
                                   advertise_host=None, bus_url=args.redis_url, cluster=args.cluster,
-                                  metrics_port=args.worker_metrics_port, kv_protocol=args.kv_protocol,
-                                  rdma_device=args.rdma_device, tls=tls)
+                                  admin_port=args.worker_metrics_port, kv_protocol=args.kv_protocol,
+                                  rdma_device=args.rdma_device, security=security)
         placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)} if node_id else {}
         return WorkerActor.options(name=f"prefill-{slot}", lifetime="detached", get_if_exists=True, num_cpus=1,
                                    num_gpus=args.gpus_per_worker, **placement).remote("prefill", cfg,

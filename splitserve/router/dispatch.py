@@ -23,7 +23,7 @@ from splitserve.router import errors
 from splitserve.router.index_sync import IndexSync
 from splitserve.router.policy import NoHealthyWorker, PolicyConfig, RouteDecision, route
 from splitserve.router.radix_index import RadixIndex
-from splitserve.security.tls import TLSConfig, aio_channel
+from splitserve.security.links import NO_SECURITY, LinkSecurity
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class DispatchConfig:
     seed: int | None = None  # routing RNG (tie breaks); fixed in tests
     mode: str = "prefix"  # prefix | round-robin | random (baselines for benchmarks)
     index_max_blocks: int = 1_000_000
-    tls: TLSConfig | None = None  # mutual TLS to the decode workers
+    security: LinkSecurity = NO_SECURITY  # cluster token / mutual TLS to the decode workers
 
 
 @dataclass
@@ -66,9 +66,12 @@ class Dispatcher:
         self.metrics = metrics or Metrics()
         self.seed = hash_seed(config.model_id)
         self.index = RadixIndex(max_blocks=config.index_max_blocks)
-        self.sync = IndexSync(bus, self.index, metrics=self.metrics)
+        self.sync = IndexSync(bus, self.index, metrics=self.metrics, model=config.model_id,
+                              block_size=config.block_size, on_departure=self._worker_left)
         self.rng = random.Random(config.seed)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._calls: dict[str, set] = {}  # decode worker -> its Generate calls in flight
+        self._evicted: set = set()  # calls cancelled because their worker left: migrate them
         self._sent: dict[str, list[float]] = {}  # worker -> send times since its last load report
         self._task: asyncio.Task | None = None
         self._rr = 0
@@ -131,8 +134,19 @@ class Dispatcher:
             return None
         address = state.info.address
         if address not in self._channels:
-            self._channels[address] = aio_channel(address, self.config.tls, _CHANNEL_OPTIONS)
+            self._channels[address] = self.config.security.aio_channel(address, _CHANNEL_OPTIONS)
         return DecodeWorkerStub(self._channels[address])
+
+    def _worker_left(self, worker: str) -> None:
+        """A decode worker left the registry (dead, wedged, draining): its streams cannot be
+        trusted to finish, so they migrate now rather than hang."""
+        calls = self._calls.pop(worker, set())
+        if calls:
+            log.warning("decode worker %s left the registry with %d streams in flight: migrating them", worker,
+                        len(calls))
+        for call in calls:
+            self._evicted.add(call)
+            call.cancel()
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                        decision: RouteDecision) -> AsyncIterator[StreamEvent]:
@@ -158,7 +172,8 @@ class Dispatcher:
                 stub = self._stub(decision.decode_worker)
                 if stub is None:
                     raise _Gone(decision.decode_worker)
-                call = stub.Generate(req)
+                call = stub.Generate(req, metadata=self.config.security.metadata)
+                self._calls.setdefault(decision.decode_worker, set()).add(call)
                 async for chunk in call:
                     produced.extend(chunk.token_ids)
                     yield StreamEvent(list(chunk.token_ids), [logprob_from_proto(lp) for lp in chunk.logprobs],
@@ -173,9 +188,15 @@ class Dispatcher:
                 reason = f"{exc.code().name}: {exc.details()}"
             except _Gone:
                 reason = "it left the registry (stopped heartbeating)"
+            except asyncio.CancelledError:
+                if call not in self._evicted or asyncio.current_task().cancelling():
+                    raise  # our own caller was cancelled (client gone, deadline)
+                reason = "it left the registry mid-stream (dead, wedged or draining)"
             finally:
                 if call is not None:
                     call.cancel()
+                    self._evicted.discard(call)
+                    self._calls.get(decision.decode_worker, set()).discard(call)
             failed.add(decision.decode_worker)
             if attempt >= self.config.max_migrations:
                 raise WorkerFailure(f"request {request_id}: decode worker(s) {sorted(failed)} failed "

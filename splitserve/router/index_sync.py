@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from splitserve.cluster.bus import START, BusError, ClusterBus, KVRecord, parse_position
-from splitserve.cluster.messages import LoadReport, WorkerInfo
+from splitserve.cluster.messages import LoadReport, WorkerInfo, registration_refusal
 from splitserve.metrics import Metrics
 from splitserve.router.radix_index import RadixIndex
 
@@ -41,7 +41,8 @@ class WorkerState:
 class IndexSync:
     def __init__(self, bus: ClusterBus, index: RadixIndex, *, approx_ttl: float = 60.0,
                  refresh_interval: float = 1.0, read_block: float = 0.5, batch: int = 1000,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, model: str | None = None, block_size: int | None = None,
+                 on_departure=None):
         self.bus = bus
         self.index = index
         self.approx_ttl = approx_ttl
@@ -49,13 +50,21 @@ class IndexSync:
         self.read_block = read_block
         self.batch = batch
         self.metrics = metrics
+        self.model = model  # workers serving another model or block size are refused
+        self.block_size = block_size
+        self.on_departure = on_departure  # called with a worker id when it leaves the registry
         self.workers: dict[str, WorkerState] = {}
         self.loads: dict[str, LoadReport] = {}
+        self.refused: dict[str, str] = {}  # worker id -> why (logged once per registration)
         self._stopped = False
 
     # ---- what the router asks --------------------------------------------------------
     def live(self, role: str) -> list[str]:
-        return [w for w, st in self.workers.items() if st.info.role == role]
+        """Workers of `role` that take new requests (registered, not draining)."""
+        return [w for w, st in self.workers.items() if st.info.role == role and not st.info.draining]
+
+    def draining(self) -> list[str]:
+        return [w for w, st in self.workers.items() if st.info.draining]
 
     def mode(self, worker_id: str) -> str:
         st = self.workers.get(worker_id)
@@ -70,11 +79,14 @@ class IndexSync:
     # ---- refresh: registry and loads ---------------------------------------------------
     async def refresh(self) -> None:
         live = await self.bus.live_workers()
+        live = {w: info for w, info in live.items() if self._admissible(info)}
         for worker_id in [w for w in self.workers if w not in live]:
-            log.warning("worker %s stopped heartbeating: dropping its %d blocks from the "
-                        "router index", worker_id, self.index.blocks_of(worker_id))
+            log.warning("worker %s left the registry (stopped heartbeating, deregistered or unhealthy): dropping "
+                        "its %d blocks from the router index", worker_id, self.index.blocks_of(worker_id))
             del self.workers[worker_id]
             self.index.remove_worker(worker_id)
+            if self.on_departure is not None:
+                self.on_departure(worker_id)
         for worker_id, info in live.items():
             st = self.workers.get(worker_id)
             if st is None:
@@ -88,6 +100,20 @@ class IndexSync:
         if self.metrics is not None:
             for role in ("prefill", "decode"):
                 self.metrics.workers_healthy.labels(role=role).set(len(self.live(role)))
+
+    def _admissible(self, info: WorkerInfo) -> bool:
+        refusal = registration_refusal(info, self.model, self.block_size)
+        if refusal is None:
+            self.refused.pop(info.worker_id, None)
+            return True
+        reason, message = refusal
+        key = f"{reason}@{info.started_at}"
+        if self.refused.get(info.worker_id) != key:  # once per registration, not once a second
+            self.refused[info.worker_id] = key
+            log.error("router: %s", message)
+            if self.metrics is not None:
+                self.metrics.worker_registrations_refused.labels(reason=reason).inc()
+        return False
 
     # ---- KV events ---------------------------------------------------------------------
     async def poll(self, block: float | None = None) -> int:

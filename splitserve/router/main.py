@@ -13,11 +13,13 @@ import signal
 from aiohttp import web
 
 from splitserve.cluster.bus import ClusterBus
+from splitserve.logs import configure_logging
+from splitserve.metrics import Metrics
 from splitserve.router.admission import AdmissionConfig
 from splitserve.router.dispatch import DispatchConfig, Dispatcher
 from splitserve.router.policy import PolicyConfig
-from splitserve.router.server import RouterServer, ServerConfig
-from splitserve.security.tls import add_tls_args, tls_from_args
+from splitserve.router.server import HTTPLimits, RouterServer, ServerConfig
+from splitserve.security.links import LinkSecurity, add_security_args, security_from_args
 
 log = logging.getLogger("splitserve.router")
 
@@ -26,7 +28,10 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"),
-                    help="require 'Authorization: Bearer KEY' (default: $SPLITSERVE_API_KEY)")
+                    help="require 'Authorization: Bearer KEY' (default: $SPLITSERVE_API_KEY). Visible in `ps`: "
+                         "prefer --api-key-file or the environment variable")
+    ap.add_argument("--api-key-file", default=os.environ.get("SPLITSERVE_API_KEY_FILE"),
+                    help="read the API key from this file (default: $SPLITSERVE_API_KEY_FILE)")
     ap.add_argument("--disagg-min-uncached-tokens", type=int, default=256,
                     help="prompts with fewer uncached tokens are prefilled by the decode worker")
     ap.add_argument("--max-migrations", type=int, default=2)
@@ -38,26 +43,53 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--request-timeout", type=float,
                     help="seconds a request may take end to end; then it is aborted on every worker and the "
                          "client gets 504 (default: no deadline)")
-    add_tls_args(ap)
+    h = ap.add_argument_group("HTTP limits (clients are untrusted)")
+    h.add_argument("--max-request-body-mb", type=float, default=HTTPLimits.max_body_mb,
+                   help="largest request body accepted; larger ones get 413 (default: %(default)s)")
+    h.add_argument("--body-read-timeout", type=float, default=HTTPLimits.body_read_timeout_s,
+                   help="seconds a client has to send a whole request body; then 408 (default: %(default)s)")
+    h.add_argument("--http-idle-timeout", type=float, default=HTTPLimits.idle_timeout_s,
+                   help="seconds a connection may stay open without a complete request: idle keep-alive or "
+                        "headers still arriving; then it is closed (default: %(default)s)")
+    add_security_args(ap)
+
+
+def api_key_from_args(args: argparse.Namespace) -> str | None:
+    if not args.api_key_file:
+        return args.api_key
+    try:
+        with open(args.api_key_file) as f:
+            key = f.read().strip()
+    except OSError as exc:
+        raise SystemExit(f"--api-key-file {args.api_key_file!r}: {exc.strerror}") from None
+    if not key:
+        raise SystemExit(f"--api-key-file {args.api_key_file!r} is empty")
+    return key
 
 
 async def start_router(args: argparse.Namespace, model: str, served: str, bus: ClusterBus,
-                       block_size: int, max_model_len: int | None) -> tuple[web.AppRunner, Dispatcher]:
+                       block_size: int, max_model_len: int | None, security: LinkSecurity | None = None,
+                       metrics: Metrics | None = None,
+                       expected_workers: dict[str, int] | None = None) -> tuple[web.AppRunner, Dispatcher]:
     try:
         admission = AdmissionConfig(args.max_queued_requests, args.request_timeout)
+        limits = HTTPLimits(args.max_request_body_mb, args.body_read_timeout, args.http_idle_timeout)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     dispatcher = Dispatcher(DispatchConfig(
         model_id=served, block_size=block_size, seed=args.routing_seed, max_migrations=args.max_migrations,
-        mode=args.routing_mode, tls=tls_from_args(args),
-        policy=PolicyConfig(disagg_min_uncached_tokens=args.disagg_min_uncached_tokens)), bus)
+        mode=args.routing_mode, security=security or security_from_args(args),
+        policy=PolicyConfig(disagg_min_uncached_tokens=args.disagg_min_uncached_tokens)), bus, metrics)
     await dispatcher.start()
     gc.freeze()  # the index is long-lived: keep it out of collections (routing-latency spikes)
-    server = RouterServer(ServerConfig(model, served, api_key=args.api_key, max_model_len=max_model_len,
-                                       admission=admission), dispatcher)
+    server = RouterServer(ServerConfig(model, served, api_key=api_key_from_args(args), max_model_len=max_model_len,
+                                       admission=admission, limits=limits, expected_workers=expected_workers or {}),
+                          dispatcher)
     # handler_cancellation: a client that disconnects cancels its handler, which cancels
     # the worker streams (the decode workers abort the request and free its blocks).
-    runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)
+    # keepalive_timeout also bounds a connection whose request headers never complete.
+    runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True,
+                           keepalive_timeout=limits.idle_timeout_s)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     return runner, dispatcher
@@ -76,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-model-len", type=int)
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     model, served = resolve_model(args)
 
     async def amain() -> None:

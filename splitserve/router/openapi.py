@@ -133,6 +133,9 @@ def openapi_document(served_model: str, max_model_len: int, auth: bool) -> dict:
                 "200": {"description": "ready", "content": {"application/json": {"schema": {"type": "object"}}}},
                 "503": {"description": "no decode worker", "content": {"application/json": {
                     "schema": {"type": "object"}}}}}}},
+            "/livez": {"get": {"operationId": "livez", "responses": {
+                "200": {"description": "the router process answers (liveness)", "content": {"application/json": {
+                    "schema": {"type": "object"}}}}}}},
             "/metrics": {"get": {"operationId": "metrics", "responses": plain}},
             "/openapi.json": {"get": {"operationId": "openapi", "responses": {
                 "200": {"description": "this document", "content": {"application/json": {

@@ -2,7 +2,9 @@
 (SSE when `stream`), /v1/models, /health, /metrics, /openapi.json.
 
 Tokenize once here, route by prefix, stream from the decode worker, detokenize here.
-Client mistakes get OpenAI-format 4xx errors; nothing a client sends produces a 5xx.
+Clients are untrusted: bodies are size- and time-limited, validated before anything else,
+and tokenized off the event loop when long (router/prompts.py); every client mistake is
+an OpenAI-format 4xx and nothing a client sends produces a 5xx.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field, replace
 
@@ -19,17 +22,36 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from splitserve.engine.config import ModelConfig
-from splitserve.engine.tokenizer import ChatTemplateError, Tokenizer
+from splitserve.engine.tokenizer import Tokenizer
 from splitserve.router import errors, protocol
 from splitserve.router import responses as R
 from splitserve.router.admission import Admission, AdmissionConfig, check_request_limits
+from splitserve.router.choice import ChoiceRun
 from splitserve.router.dispatch import Dispatcher, WorkerFailure
 from splitserve.router.errors import APIError
 from splitserve.router.openapi import openapi_document
 from splitserve.router.policy import NoHealthyWorker
-from splitserve.router.text_output import TextAssembler
+from splitserve.router.prompts import PromptTokenizer
 
 log = logging.getLogger(__name__)
+
+_CLIENT_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces: safe in logs and headers
+
+
+@dataclass(frozen=True)
+class HTTPLimits:
+    max_body_mb: float = 16.0  # larger bodies: 413
+    body_read_timeout_s: float = 30.0  # a body still arriving after this: 408
+    idle_timeout_s: float = 75.0  # keep-alive idle, or headers never completed: connection closed
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_mb", "body_read_timeout_s", "idle_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name.replace('_', '-')} must be a positive number, got {getattr(self, name)}")
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * (1 << 20))
 
 
 @dataclass
@@ -39,6 +61,8 @@ class ServerConfig:
     api_key: str | None = None
     max_model_len: int | None = None
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    limits: HTTPLimits = field(default_factory=HTTPLimits)
+    expected_workers: dict[str, int] = field(default_factory=dict)  # `serve`: workers it started, per role
 
 
 class RouterServer:
@@ -50,20 +74,26 @@ class RouterServer:
         self.tokenizer = Tokenizer(config.model_dir, model.eos_token_ids)
         self.vocab_size = model.vocab_size
         self.max_model_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
+        self.prompts = PromptTokenizer(self.tokenizer, self.max_model_len)
         self.created = int(time.time())
         self.admission = Admission(config.admission)
         self._openapi = json.dumps(openapi_document(config.served_model_name, self.max_model_len,
                                                     auth=bool(config.api_key))).encode()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=64 << 20)
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=self.config.limits.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/livez", self.livez)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/openapi.json", self.openapi)
+        app.on_cleanup.append(self._cleanup)
         return app
+
+    async def _cleanup(self, app: web.Application) -> None:
+        self.prompts.close()
 
     # ---- middleware ---------------------------------------------------------------------
     @web.middleware
@@ -75,13 +105,19 @@ class RouterServer:
             return web.Response(status=exc.status, body=exc.to_json(), content_type="application/json",
                                 headers=getattr(exc, "headers", None))
         except web.HTTPException as exc:  # 404/405/413 from aiohttp itself, in OpenAI shape
-            err = APIError(exc.status, f"{request.method} {request.path}: {exc.reason}",
-                           "not_found_error" if exc.status == 404 else "invalid_request_error")
+            message = f"{request.method} {request.path}: {exc.reason}"
+            if exc.status == 413:
+                message += (f" (the body limit is {self.config.limits.max_body_mb:g} MiB: "
+                            "--max-request-body-mb)")
+            err = APIError(exc.status, message, "not_found_error" if exc.status == 404 else "invalid_request_error")
+            self.metrics.request_errors.labels(model=self.config.served_model_name, code=str(exc.status)).inc()
             return web.Response(status=exc.status, body=err.to_json(), content_type="application/json")
-        except (asyncio.CancelledError, ConnectionResetError):
-            raise  # the client went away: nothing to answer
+        except asyncio.CancelledError:
+            raise  # the client went away (aiohttp cancelled the handler): nothing to answer
+        except ConnectionResetError:  # it went away while we wrote: nobody to answer, nothing to log
+            return web.Response(status=499)  # nginx's "client closed request"; aiohttp drops it quietly
         except Exception:  # a bug: say so in OpenAI's shape, with the id to find the traceback under
-            rid = request.headers.get("X-Request-Id") or R.new_request_id(False)
+            rid = client_request_id(request) or R.new_request_id(False)
             log.exception("request %s (%s %s) failed with an internal error", rid, request.method, request.path)
             err = errors.server_error(rid)
             self.metrics.request_errors.labels(model=self.config.served_model_name, code="500").inc()
@@ -105,17 +141,33 @@ class RouterServer:
         return web.json_response(R.models_list([self.config.served_model_name], self.created))
 
     async def health(self, request: web.Request) -> web.Response:
-        decode = self.dispatcher.sync.live("decode")
+        """200 "ok" when every role has the workers it should; 200 "degraded" when some are
+        missing but requests are served; 503 with no decode worker."""
+        sync = self.dispatcher.sync
+        decode, prefill = sync.live("decode"), sync.live("prefill")
+        missing = {role: want - len(have) for role, have, want in (
+            ("decode", decode, self.config.expected_workers.get("decode", 0)),
+            ("prefill", prefill, self.config.expected_workers.get("prefill", 0))) if len(have) < want}
+        status = "no decode workers" if not decode else ("degraded" if missing else "ok")
         index = self.dispatcher.index
-        body = {"status": "ok" if decode else "no decode workers", "decode_workers": sorted(decode),
-                "prefill_workers": sorted(self.dispatcher.sync.live("prefill")),
+        body = {"status": status, "decode_workers": sorted(decode), "prefill_workers": sorted(prefill),
+                "draining_workers": sorted(sync.draining()),
                 "index": {"blocks": index.num_blocks,
                           "per_worker": {w: index.blocks_of(w) for w in sorted(index.workers())}}}
+        if missing:
+            body["missing_workers"] = missing
+        if sync.refused:
+            body["refused_workers"] = sorted(sync.refused)
         if request.query.get("index_digest"):  # O(index size): for tests and debugging only
             snap = sorted((h, sorted(ws)) for h, ws in index.snapshot().items())
             body["index"]["digest"] = hashlib.sha256(repr(snap).encode()).hexdigest()
         body["admission"] = self.admission.snapshot()
         return web.json_response(body, status=200 if decode else 503)
+
+    async def livez(self, request: web.Request) -> web.Response:
+        """Liveness: this process answers. Missing workers are /health's business (readiness);
+        restarting the router would not bring them back."""
+        return web.json_response({"status": "alive"})
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.Response(body=self._openapi, content_type="application/json")
@@ -125,21 +177,26 @@ class RouterServer:
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # ---- generation ---------------------------------------------------------------------------
+    async def _body(self, request: web.Request) -> bytes:
+        try:
+            async with asyncio.timeout(self.config.limits.body_read_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.config.limits.body_read_timeout_s:g}s "
+                           "(--body-read-timeout)", "invalid_request_error", code="request_timeout") from None
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = protocol.parse_completion_request(await request.read(), [self.config.served_model_name])
+        req = protocol.parse_completion_request(await self._body(request), [self.config.served_model_name])
         if req.prompt_token_ids is not None:
             protocol.check_token_ids(req.prompt_token_ids, self.vocab_size)
             prompt = req.prompt_token_ids
         else:
-            prompt = self.tokenizer.encode(req.prompt)
+            prompt = await self.prompts.encode(req.prompt)
         return await self._generate(request, req, prompt, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = protocol.parse_chat_request(await request.read(), [self.config.served_model_name])
-        try:
-            prompt = self.tokenizer.encode_chat(req.messages_for_template())
-        except ChatTemplateError as exc:
-            raise errors.invalid_request(str(exc), "messages") from None
+        req = protocol.parse_chat_request(await self._body(request), [self.config.served_model_name])
+        prompt = await self.prompts.encode_chat(req.messages_for_template())
         return await self._generate(request, req, prompt, chat=True)
 
     async def _generate(self, request: web.Request, req, prompt: list[int], chat: bool) -> web.StreamResponse:
@@ -149,7 +206,7 @@ class RouterServer:
                                                   "messages" if chat else "prompt")
         params = replace(req.params, max_tokens=max_tokens)
         check_request_limits(params)
-        rid = request.headers.get("X-Request-Id") or R.new_request_id(chat)
+        rid = R.new_request_id(chat)  # ours, unique; the client's X-Request-Id is only a correlation id
         started = self.admission.enter(rid)  # 429 beyond --max-queued-requests
         try:
             return await self._admitted(request, req, prompt, params, rid, chat)
@@ -162,8 +219,11 @@ class RouterServer:
             decision, _ = self.dispatcher.decide(prompt)
         except NoHealthyWorker as exc:
             raise APIError(503, f"{exc}; retry shortly", "service_unavailable", code="no_workers") from None
-        log.info("request %s: %d prompt tokens -> %s", rid, len(prompt), decision.header_value())
-        headers = {"X-Request-Id": rid, "X-Splitserve-Route": decision.header_value()}
+        client_id = client_request_id(request)
+        log.info("request %s%s: %d prompt tokens -> %s", rid, f" (client id {client_id})" if client_id else "",
+                 len(prompt), decision.header_value())
+        headers = {"X-Request-Id": client_id or rid, "X-Splitserve-Request-Id": rid,
+                   "X-Splitserve-Route": decision.header_value()}
         choices = [ChoiceRun(self, rid, i, prompt, self._choice_params(params, i), decision)
                    for i in range(params.n)]
         timeout = self.admission.config.request_timeout_s
@@ -218,13 +278,13 @@ class RouterServer:
                 except TimeoutError:  # the deadline passed: stop the workers, tell the client, end the stream
                     for t in tasks:
                         t.cancel()
-                    await resp.write(R.sse_error(deadline_exceeded(choices[0].rid,
-                                                                   self.admission.config.request_timeout_s)))
+                    await self._sse_error(resp, deadline_exceeded(choices[0].rid,
+                                                                  self.admission.config.request_timeout_s))
                     break
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, APIError):
-                    await resp.write(R.sse_error(item))
+                    await self._sse_error(resp, item)
                 else:
                     await resp.write(R.sse(item))
             if req.include_usage and not remaining:
@@ -236,81 +296,23 @@ class RouterServer:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        await resp.write_eof()
+        try:
+            await resp.write_eof()
+        except ConnectionResetError:  # the client closed after [DONE]: it has everything
+            pass
         return resp
 
 
-class ChoiceRun:
-    """One choice of a request: its worker stream, text, logprobs and latency metrics."""
+    async def _sse_error(self, resp: web.StreamResponse, err: APIError) -> None:
+        """An error after the 200 went out: an SSE error event, counted like any error answer."""
+        self.metrics.request_errors.labels(model=self.config.served_model_name, code=str(err.status)).inc()
+        await resp.write(R.sse_error(err))
 
-    def __init__(self, server: RouterServer, rid: str, index: int, prompt: list[int], params, decision):
-        self.server, self.rid, self.index, self.prompt, self.params = server, rid, index, prompt, params
-        self.decision = decision
-        self.text = TextAssembler(server.tokenizer, list(params.stop), params.skip_special_tokens)
-        self.want_logprobs = params.logprobs is not None
-        self.logprobs: list = []
-        self.finish_reason: str | None = None
-        self.cached_tokens = 0
-        self.served_by: dict[str, str | int] = {}  # who actually served it (after any migration)
-        self.start = time.monotonic()
 
-    async def events(self):
-        """(text delta, new logprobs, finish_reason) per worker chunk."""
-        m, model = self.server.metrics, self.server.config.served_model_name
-        sub_id = self.rid if self.index == 0 else f"{self.rid}-{self.index}"
-        last = None
-        async for ev in self.server.dispatcher.generate(sub_id, self.prompt, self.params, self.decision):
-            now = time.monotonic()
-            if ev.decode_worker:  # first chunk from a (possibly new) decode worker
-                self.served_by = {"decode": ev.decode_worker, "prefill": ev.prefill_worker,
-                                  "decode_cached": ev.num_cached_tokens, "prefill_cached": ev.prefill_cached_tokens}
-            if last is None:
-                self.cached_tokens = ev.num_cached_tokens
-                m.time_to_first_token.labels(model=model).observe(now - self.start)
-            elif ev.token_ids:
-                m.inter_token_latency.labels(model=model).observe(now - last)
-            last = now
-            delta = self.text.add(ev.token_ids, final=ev.finish_reason is not None)
-            self.logprobs.extend(ev.logprobs)
-            finish = "stop" if delta.stopped else ev.finish_reason
-            yield delta.text, ev.logprobs, finish
-            if finish is not None:
-                self.finish_reason = finish
-                m.e2e_request_latency.labels(model=model).observe(now - self.start)
-                m.request_success.labels(model=model, finish_reason=finish).inc()
-                m.generation_tokens.labels(model=model).inc(len(self.text.token_ids))
-                m.prompt_tokens.labels(model=model).inc(len(self.prompt))
-                return  # a stop string ends the stream here; the worker call is cancelled
-
-    async def run_to_end(self) -> None:
-        async for _ in self.events():
-            pass
-
-    def logprobs_out(self, chat: bool) -> list[R.TokenLogprob]:  # same entries; the shape differs later
-        return [self._token_logprob(lp) for lp in self.logprobs]
-
-    def _token_logprob(self, lp) -> R.TokenLogprob:
-        tok = self.server.tokenizer
-        return R.TokenLogprob(tok.decode([lp.token_id], skip_special_tokens=False), lp.logprob,
-                              [(tok.decode([t], skip_special_tokens=False), v) for t, v in lp.top])
-
-    async def chunks(self, model: str, created: int, chat: bool):
-        first = True
-        offset = 0
-        pending: list = []  # logprobs of tokens whose text is held back: sent with the next chunk
-        async for text, lps, finish in self.events():
-            pending.extend(lps)
-            if not text and finish is None and not first:
-                continue  # nothing visible yet (held back, or an incomplete character)
-            lps, pending = pending, []
-            lp_out = [self._token_logprob(lp) for lp in lps] if self.want_logprobs else None
-            if chat:
-                yield R.chat_chunk(self.rid, model, created, self.index, text if text or not first else "",
-                                   finish, lp_out, first=first)
-            else:
-                yield R.completion_chunk(self.rid, model, created, self.index, text, finish, lp_out, offset)
-            offset += len(text)
-            first = False
+def client_request_id(request: web.Request) -> str | None:
+    """The client's X-Request-Id, if it is safe to log and echo back."""
+    value = request.headers.get("X-Request-Id")
+    return value if value is not None and _CLIENT_ID.match(value) else None
 
 
 def deadline_exceeded(rid: str, timeout: float | None) -> APIError:

@@ -1,1 +1,2 @@
-"""Transport security: mutual TLS for the gRPC links (see tls.py)."""
+"""Transport security of the gRPC links: mutual TLS (tls.py) and the cluster token,
+bundled per process as a LinkSecurity (links.py)."""

@@ -58,27 +58,6 @@ class TLSConfig:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
 
-def add_port(server, address: str, tls: TLSConfig | None) -> int:
-    """Bind `address` on a grpc (sync or aio) server, with mTLS when configured."""
-    if tls is None:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, tls.server_credentials())
-
-
-def aio_channel(address: str, tls: TLSConfig | None, options: list | None = None) -> grpc.aio.Channel:
-    options = list(options or [])
-    if tls is None:
-        return grpc.aio.insecure_channel(address, options=options)
-    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options + tls.channel_options())
-
-
-def sync_channel(address: str, tls: TLSConfig | None, options: list | None = None) -> grpc.Channel:
-    options = list(options or [])
-    if tls is None:
-        return grpc.insecure_channel(address, options=options)
-    return grpc.secure_channel(address, tls.channel_credentials(), options=options + tls.channel_options())
-
-
 def add_tls_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("mutual TLS on gRPC links (all three files, or none)")
     g.add_argument("--tls-cert", default=os.environ.get("SPLITSERVE_TLS_CERT"),

@@ -47,9 +47,10 @@ def start_redis(workdir: Path) -> tuple[str, subprocess.Popen]:
 class SplitserveProcess:
     """`splitserve <command> ...` as a child process; ready when it prints its URL."""
 
-    def __init__(self, command: str, args: list[str], timeout: float = 180):
+    def __init__(self, command: str, args: list[str], timeout: float = 180, env: dict | None = None):
         self.port = free_port()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_ACCEPT_CALLS_FROM_PYTHON_VERSION_MISMATCH": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_ACCEPT_CALLS_FROM_PYTHON_VERSION_MISMATCH": "1",
+               **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", command, "--port", str(self.port),
                                       *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=env, start_new_session=True)

@@ -171,7 +171,7 @@ def test_decode_scale_down_drains():
                                                              "--timeout", "630"]}}
     assert pod["terminationGracePeriodSeconds"] > 600  # the drain timeout, plus margin
     assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8081}
-    assert c["livenessProbe"]["tcpSocket"] == {"port": 8081}  # /health is 503 while draining
+    assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": 8081}  # /health is 503 while draining
     strategy = m[("Deployment", "llama3-8b-decode")]["spec"]["strategy"]["rollingUpdate"]
     assert strategy == {"maxSurge": 0, "maxUnavailable": 1}
 

@@ -1,5 +1,5 @@
 """One real cluster for the reliability tests: redis-server, 2 decode workers, 1 prefill
-worker (tests/reliability/faulty_prefill.py: faults chosen per request id) and a router,
+worker (tests/reliability/faulty_prefill.py: faults chosen per request by its seed) and a router,
 each its own OS process, every gRPC link over mutual TLS. Tests that kill a process start a replacement before they end,
 so the next test finds the same shape. Greedy references come from the engine in this
 process (an undisturbed run of the same model)."""
@@ -23,6 +23,7 @@ from tests.reliability.cluster import SERVED, Cluster
 from tests.security.certs import make_pki
 
 FAULTY_PREFILL = "tests.reliability.faulty_prefill"
+FAULT_SEEDS = {"corrupt_once": 900001, "corrupt_always": 900002, "drop": 900003, "slow": 900004}
 
 
 @pytest.fixture(scope="session")
@@ -88,12 +89,20 @@ class StreamResult:
         return self.route.split(";")[0].split("=")[-1].strip() if self.route else ""
 
 
+def with_fault(body: dict, fault: str | None) -> dict:
+    """The faulty prefill worker's fault for this request (tests/reliability/faulty_prefill.py)."""
+    if fault is not None:
+        body["seed"] = FAULT_SEEDS[fault]  # greedy: the seed changes nothing else
+    return body
+
+
 async def stream_completion(session: aiohttp.ClientSession, base: str, prompt: list[int], max_tokens: int,
                             request_id: str | None = None, headers: dict | None = None,
-                            out: StreamResult | None = None) -> StreamResult:
+                            out: StreamResult | None = None, fault: str | None = None) -> StreamResult:
     """Stream one greedy completion, filling `out` as chunks arrive (tests watch progress)."""
-    body = {"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "logprobs": 0, "stream_options": {"include_usage": True}}
+    body = with_fault({"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "logprobs": 0, "stream_options": {"include_usage": True}},
+                      fault)
     hdrs = dict(headers or {})
     if request_id:
         hdrs["X-Request-Id"] = request_id
@@ -125,9 +134,10 @@ async def stream_completion(session: aiohttp.ClientSession, base: str, prompt: l
 
 
 async def complete(session: aiohttp.ClientSession, base: str, prompt: list[int], max_tokens: int,
-                   request_id: str | None = None) -> tuple[int, dict, dict]:
+                   request_id: str | None = None, fault: str | None = None) -> tuple[int, dict, dict]:
     """Non-streaming greedy completion: (status, body, headers)."""
-    body = {"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body = with_fault({"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True}, fault)
     async with session.post(base + "/v1/completions", json=body,
                             headers={"X-Request-Id": request_id} if request_id else {}) as resp:
         return resp.status, await resp.json(), dict(resp.headers)

@@ -58,7 +58,7 @@ def test_kv_chunks_corrupted_or_dropped(cluster, reference):
 
         async def go(batch=batch, fault=fault):
             async with aiohttp.ClientSession() as s:
-                return await asyncio.gather(*(complete(s, base, p, 16, f"{fault}-{i}") for i, p in enumerate(batch)))
+                return await asyncio.gather(*(complete(s, base, p, 16, f"{fault}-{i}", fault=fault) for i, p in enumerate(batch)))
 
         for i, ((status, body, headers), (_, text)) in enumerate(zip(asyncio.run(go()), expected, strict=True)):
             assert status == 200 and body["choices"][0]["text"] == text, (fault, i, body)
@@ -110,7 +110,7 @@ def test_prefill_worker_killed_during_prefills(cluster, reference):
 
     async def go():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-            tasks = [asyncio.create_task(stream_completion(s, base, p, 24, f"slow-{i}")) for i, p in enumerate(batch)]
+            tasks = [asyncio.create_task(stream_completion(s, base, p, 24, f"slow-{i}", fault="slow")) for i, p in enumerate(batch)]
             await asyncio.to_thread(wait_for, lambda: requests.get(health, timeout=5).json()["kv"]["held_for_push"],
                                     30, "prefills holding KV for their push")
             cluster.prefill["prefill-0"].kill()

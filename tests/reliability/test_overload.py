@@ -15,7 +15,13 @@ import pytest
 import requests
 
 from tests.reliability.cluster import SERVED
-from tests.reliability.conftest import assert_identical, prompts, stream_completion, wait_for
+from tests.reliability.conftest import (
+    FAULT_SEEDS,
+    assert_identical,
+    prompts,
+    stream_completion,
+    wait_for,
+)
 
 LOAD_BOUND = 256
 
@@ -118,12 +124,12 @@ def test_client_disconnect_aborts_on_every_worker(cluster, stream, path):
     progress is cancelled and its lease released, every block comes back."""
     base = cluster.router.base_url
     prompt = prompts(40 + stream, 1, 20 if path == "local-prefill" else 90)[0]
-    rid = f"slow-disconnect-{path}-{stream}-{time.monotonic_ns()}"  # slow-: the prefill waits before pushing
+    rid = f"disconnect-{path}-{stream}-{time.monotonic_ns()}"
     health = cluster.prefill["prefill-0"].match.group(2) + "/health"
 
     async def go():
         body = {"model": SERVED, "prompt": prompt, "max_tokens": 3000, "ignore_eos": True, "temperature": 0,
-                "stream": stream}
+                "stream": stream, "seed": FAULT_SEEDS["slow"]}  # slow: the prefill waits before pushing
         async with aiohttp.ClientSession() as s:
 
             async def call():

@@ -10,7 +10,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import grpc
 import pytest
 from aiohttp import web
 
@@ -23,7 +22,7 @@ from splitserve.proto.worker_pb2_grpc import add_BusServicer_to_server
 from splitserve.router.dispatch import DispatchConfig, Dispatcher
 from splitserve.router.policy import PolicyConfig
 from splitserve.router.server import RouterServer, ServerConfig
-from splitserve.security.tls import add_port
+from splitserve.security.links import LinkSecurity
 from tests.helpers.processes import free_port
 from tests.security.certs import CertFiles, make_pki
 
@@ -76,7 +75,7 @@ def stack(make_ckpt, tmp_path_factory):
     model = make_ckpt("llama")
     pki = tmp_path_factory.mktemp("pki")
     certs, impostor = make_pki(pki, "cluster"), make_pki(pki, "impostor")
-    tls = certs.tls()
+    security = LinkSecurity(tls=certs.tls())
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True, name="security-stack")
     thread.start()
@@ -84,14 +83,14 @@ def stack(make_ckpt, tmp_path_factory):
     async def start():
         engine = EngineConfig(model=str(model), num_kv_blocks=96, model_id=SERVED, max_model_len=MAX_MODEL_LEN)
         bus = InProcBus()
-        bridge = grpc.aio.server()
+        bridge = security.aio_server()
         add_BusServicer_to_server(BusServicer(bus), bridge)
-        bridge_port = add_port(bridge, "127.0.0.1:0", tls)
+        bridge_port = security.add_port(bridge, "127.0.0.1:0")
         await bridge.start()
-        decode = DecodeWorker(DecodeWorkerConfig(engine, worker_id="d0", tls=tls, admin_port=None), bus=bus)
-        prefill = PrefillWorker(PrefillWorkerConfig(engine, worker_id="p0", tls=tls), bus=bus)
+        decode = DecodeWorker(DecodeWorkerConfig(engine, worker_id="d0", security=security, admin_port=None), bus=bus)
+        prefill = PrefillWorker(PrefillWorkerConfig(engine, worker_id="p0", security=security), bus=bus)
         await asyncio.gather(decode.start(), prefill.start())
-        dispatcher = Dispatcher(DispatchConfig(model_id=SERVED, tls=tls, seed=7,
+        dispatcher = Dispatcher(DispatchConfig(model_id=SERVED, security=security, seed=7,
                                                policy=PolicyConfig(disagg_min_uncached_tokens=24)), bus)
         await dispatcher.start()
         while len(dispatcher.sync.workers) < 2:

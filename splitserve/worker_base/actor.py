@@ -1,25 +1,35 @@
-"""Ray actors hosting prefill and decode workers (`splitserve serve`, and the prefill
+"""The Ray actor hosting a prefill or decode worker (`splitserve serve`, and the prefill
 pool in Kubernetes). Each actor runs its worker's asyncio loop on a thread of its own;
-routers talk to the worker over gRPC, never through the actor handle."""
+routers talk to the worker over gRPC, never through the actor handle.
+
+Ray restarts the actor whenever its process dies (no lifetime cap: a worker that fails
+once an hour must not be gone for good after three); it then re-registers under the same
+worker id, announcing `cleared` so routers drop stale entries. A worker whose engine
+died ends its own process (`fatal`) so that Ray restarts it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 
 import ray
 
+log = logging.getLogger(__name__)
 
-@ray.remote(max_restarts=3, max_task_retries=0)
+FATAL_EXIT_CODE = 3  # the worker's engine died; Ray restarts the actor
+
+
+@ray.remote(max_restarts=-1, max_task_retries=0)
 class WorkerActor:
-    """Restarted by Ray (up to 3 times) if its process dies; it then re-registers
-    under the same worker id, announcing `cleared` so routers drop stale entries."""
-
     def __init__(self, role: str, config, torch_threads: int = 1):
         import torch
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        from splitserve.logs import configure_logging
+
+        configure_logging()
         torch.set_num_threads(torch_threads)
         self.role = role
         self.loop = asyncio.new_event_loop()
@@ -45,7 +55,17 @@ class WorkerActor:
             self._ready.set()
             return
         self._ready.set()
+        self.loop.create_task(self._exit_when_fatal())
         self.loop.run_forever()
+
+    async def _exit_when_fatal(self) -> None:
+        await self.worker.fatal.wait()
+        log.critical("%s worker %s: %s; exiting so that Ray restarts it", self.role, self.worker.worker_id,
+                     self.worker.failed)
+        try:
+            await asyncio.wait_for(self.worker.stop(), timeout=10)
+        finally:
+            os._exit(FATAL_EXIT_CODE)  # the actor's process: Ray sees it die and restarts the actor
 
     def address(self) -> str:
         return self.worker.address
@@ -54,8 +74,8 @@ class WorkerActor:
         return self.worker.worker_id
 
     def describe(self) -> str:
-        url = getattr(self.worker, "admin_url", "") or getattr(self.worker, "metrics_url", "")
         kv = getattr(self.worker, "kv_address", "")
+        url = self.worker.admin_url
         return f"{self.role} worker {self.worker.worker_id}: gRPC {self.worker.address}" + (
             f", KV receiver {kv}" if kv else "") + (f", metrics {url}/metrics" if url else "")
 

@@ -1,0 +1,83 @@
+"""One choice of a request at the router: its worker stream (through the dispatcher, so
+migrations are invisible here), the text the client sees, its logprobs and latency
+metrics, and its OpenAI-shaped chunks."""
+
+from __future__ import annotations
+
+import time
+
+from splitserve.router import responses as R
+from splitserve.router.text_output import TextAssembler
+
+
+class ChoiceRun:
+    """One choice of a request: its worker stream, text, logprobs and latency metrics."""
+
+    def __init__(self, server, rid: str, index: int, prompt: list[int], params, decision):
+        self.server, self.rid, self.index, self.prompt, self.params = server, rid, index, prompt, params
+        self.decision = decision
+        self.text = TextAssembler(server.tokenizer, list(params.stop), params.skip_special_tokens)
+        self.want_logprobs = params.logprobs is not None
+        self.logprobs: list = []
+        self.finish_reason: str | None = None
+        self.cached_tokens = 0
+        self.served_by: dict[str, str | int] = {}  # who actually served it (after any migration)
+        self.start = time.monotonic()
+
+    async def events(self):
+        """(text delta, new logprobs, finish_reason) per worker chunk."""
+        m, model = self.server.metrics, self.server.config.served_model_name
+        sub_id = self.rid if self.index == 0 else f"{self.rid}-{self.index}"
+        last = None
+        async for ev in self.server.dispatcher.generate(sub_id, self.prompt, self.params, self.decision):
+            now = time.monotonic()
+            if ev.decode_worker:  # first chunk from a (possibly new) decode worker
+                self.served_by = {"decode": ev.decode_worker, "prefill": ev.prefill_worker,
+                                  "decode_cached": ev.num_cached_tokens, "prefill_cached": ev.prefill_cached_tokens}
+            if last is None:
+                self.cached_tokens = ev.num_cached_tokens
+                m.time_to_first_token.labels(model=model).observe(now - self.start)
+            elif ev.token_ids:
+                m.inter_token_latency.labels(model=model).observe(now - last)
+            last = now
+            delta = self.text.add(ev.token_ids, final=ev.finish_reason is not None)
+            self.logprobs.extend(ev.logprobs)
+            finish = "stop" if delta.stopped else ev.finish_reason
+            yield delta.text, ev.logprobs, finish
+            if finish is not None:
+                self.finish_reason = finish
+                m.e2e_request_latency.labels(model=model).observe(now - self.start)
+                m.request_success.labels(model=model, finish_reason=finish).inc()
+                m.generation_tokens.labels(model=model).inc(len(self.text.token_ids))
+                m.prompt_tokens.labels(model=model).inc(len(self.prompt))
+                return  # a stop string ends the stream here; the worker call is cancelled
+
+    async def run_to_end(self) -> None:
+        async for _ in self.events():
+            pass
+
+    def logprobs_out(self, chat: bool) -> list[R.TokenLogprob]:  # same entries; the shape differs later
+        return [self._token_logprob(lp) for lp in self.logprobs]
+
+    def _token_logprob(self, lp) -> R.TokenLogprob:
+        tok = self.server.tokenizer
+        return R.TokenLogprob(tok.decode([lp.token_id], skip_special_tokens=False), lp.logprob,
+                              [(tok.decode([t], skip_special_tokens=False), v) for t, v in lp.top])
+
+    async def chunks(self, model: str, created: int, chat: bool):
+        first = True
+        offset = 0
+        pending: list = []  # logprobs of tokens whose text is held back: sent with the next chunk
+        async for text, lps, finish in self.events():
+            pending.extend(lps)
+            if not text and finish is None and not first:
+                continue  # nothing visible yet (held back, or an incomplete character)
+            lps, pending = pending, []
+            lp_out = [self._token_logprob(lp) for lp in lps] if self.want_logprobs else None
+            if chat:
+                yield R.chat_chunk(self.rid, model, created, self.index, text if text or not first else "",
+                                   finish, lp_out, first=first)
+            else:
+                yield R.completion_chunk(self.rid, model, created, self.index, text, finish, lp_out, offset)
+            offset += len(text)
+            first = False

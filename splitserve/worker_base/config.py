@@ -1,0 +1,37 @@
+"""Settings every worker has, whatever its role."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+from splitserve.engine.config import EngineConfig
+from splitserve.security.links import NO_SECURITY, LinkSecurity
+
+
+@dataclass
+class WorkerConfig:
+    engine: EngineConfig
+    worker_id: str = ""  # "": <role>-<hostname>-<random>
+    host: str = "127.0.0.1"
+    port: int = 0  # gRPC; 0: any free port
+    advertise_host: str | None = None  # address routers and peers dial (default: host)
+    bus_url: str | None = None
+    cluster: str = "local"
+    heartbeat_ttl_s: float = 6.0
+    admin_port: int | None = None  # /health and /metrics; 0: any free port; None: off
+    security: LinkSecurity = field(default_factory=lambda: NO_SECURITY)  # mTLS / cluster token on every gRPC link
+    kv_backend: str = "grpc"
+    kv_protocol: str = "tcp"  # mooncake transport: tcp | rdma
+    rdma_device: str | None = None
+    # A step running longer than this marks the engine stalled: /health says 503 and the
+    # worker leaves the registry until it recovers. Long enough for a first CUDA step that
+    # compiles kernels; lower it where steps are known to be short.
+    engine_stall_timeout_s: float = 120.0
+
+    role = ""  # set by each subclass
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            self.worker_id = f"{self.role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"

@@ -1,0 +1,230 @@
+"""WorkerBase: the engine thread, presence on the bus, health and failure handling of a
+worker. `DecodeWorker` and `PrefillWorker` add their gRPC service on top.
+
+Health tells the truth: a worker is healthy only while it is started, not draining,
+its engine thread alive and not stalled, and its gRPC server answering. When the engine
+thread dies the worker does not linger as a zombie: it leaves the registry at once (so
+routers stop sending to it), fails its in-flight requests with a retryable status (so
+the router migrates them), and sets `fatal`, on which its host process exits to be
+restarted (Ray restarts the actor; Kubernetes the container).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+
+import grpc
+
+from splitserve.cluster.messages import LoadReport, WorkerInfo
+from splitserve.cluster.presence import WorkerPresence, advertised_host
+from splitserve.cluster.remote_bus import open_bus
+from splitserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineStalledError
+from splitserve.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
+from splitserve.metrics import Metrics
+from splitserve.proto.convert import pb
+from splitserve.worker_base.config import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+# A restarted peer is dialled again within 2 s (gRPC's default backoff grows to 2 min).
+RECONNECT_OPTIONS = [("grpc.max_reconnect_backoff_ms", 2000), ("grpc.initial_reconnect_backoff_ms", 200)]
+
+
+class WorkerBase(abc.ABC):
+    role = ""
+
+    def __init__(self, config: WorkerConfig, metrics: Metrics | None = None, bus=None):
+        self.config = config
+        self.worker_id = config.worker_id
+        self.metrics = metrics or Metrics()
+        self._given_bus = bus  # tests and `splitserve serve` may share one bus object
+        self.address = ""
+        self.admin_url = ""
+        self.draining = False
+        self.failed: str | None = None  # why this worker can no longer serve (its engine died)
+        self.fatal = asyncio.Event()  # set once failed: the host process should exit and be restarted
+        self.engine: AsyncEngine | None = None
+        self.presence: WorkerPresence | None = None
+        self._admin = None
+        self._self_channel: grpc.aio.Channel | None = None
+        self._watchdog: asyncio.Task | None = None
+        self.server: grpc.aio.Server | None = None  # this role's gRPC service
+        self.metrics.engine_alive.labels(role=self.role, worker=self.worker_id).set(0)
+
+    # ---- start / stop ---------------------------------------------------------------------
+    async def _start_admin(self, app) -> None:
+        """Up first: /health says "starting" while the model loads."""
+        from splitserve.worker_base.admin import start_admin
+
+        cfg = self.config
+        self._admin, port = await start_admin(app, cfg.host, cfg.admin_port)
+        self.admin_url = f"http://{advertised_host(cfg.host, cfg.advertise_host)}:{port}"
+
+    async def _start_engine(self) -> LLMEngine:
+        engine = await asyncio.to_thread(LLMEngine, self.config.engine)
+        self.engine = AsyncEngine(engine, asyncio.get_running_loop(), self._dispatch, self._on_block_events,
+                                  on_dead=self._engine_died, on_step_failure=self._engine_step_failed,
+                                  name=self.worker_id, stall_timeout_s=self.config.engine_stall_timeout_s)
+        self.engine.start()
+        self.metrics.engine_alive.labels(role=self.role, worker=self.worker_id).set(1)
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch_engine())
+        return engine
+
+    def _server(self, **options) -> grpc.aio.Server:
+        return self.config.security.aio_server(**options)
+
+    async def _bind(self, server: grpc.aio.Server) -> str:
+        cfg = self.config
+        port = cfg.security.add_port(server, f"{cfg.host}:{cfg.port}")
+        if port == 0:
+            raise OSError(f"{self.role} worker {self.worker_id} could not listen on {cfg.host}:{cfg.port}")
+        await server.start()
+        self.address = f"{advertised_host(cfg.host, cfg.advertise_host)}:{port}"
+        return self.address
+
+    async def _start_presence(self, engine: LLMEngine) -> None:
+        cfg = self.config
+        self.bus = self._given_bus or open_bus(cfg.bus_url, cfg.cluster, cfg.security)
+        info = WorkerInfo(self.worker_id, self.role, self.address, engine.model_id, cfg.engine.block_size,
+                          engine.num_total_blocks, cfg.kv_backend)
+        self.presence = WorkerPresence(self.bus, info, self.load_report, ttl=cfg.heartbeat_ttl_s,
+                                       cached_blocks=self._cached_blocks, healthy=self._engine_healthy)
+        await self.presence.start()
+
+    async def _stop_common(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self.presence is not None:
+            await self.presence.stop()
+        if self._self_channel is not None:
+            await self._self_channel.close()
+        if self.engine is not None:
+            self.engine.stop()
+        if self._given_bus is None and getattr(self, "bus", None) is not None:
+            await self.bus.close()
+        if self._admin is not None:
+            await self._admin.cleanup()
+
+    # ---- state --------------------------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
+    def load_report(self) -> LoadReport:
+        s = self.stats
+        waiting, waiting_tokens = self._load_numbers(s)
+        m, labels = self.metrics, {"role": self.role, "worker": self.worker_id}
+        m.sync_engine_counters(self.role, self.worker_id, s.prefix_query_tokens, s.prefix_hit_tokens, s.preemptions)
+        m.num_requests_waiting.labels(**labels).set(waiting)
+        m.num_requests_running.labels(**labels).set(s.running)
+        m.kv_cache_usage.labels(**labels).set(s.kv_usage)
+        return LoadReport(self.worker_id, self.role, waiting, s.running, s.kv_usage, waiting_tokens=waiting_tokens)
+
+    def _load_numbers(self, s: EngineStats) -> tuple[int, int]:
+        """(waiting requests, queued prompt tokens) as this role reports them."""
+        return s.waiting, s.queued_prompt_tokens
+
+    def kv_state(self) -> dict:
+        """Block accounting for /health: once every request has ended, free == total."""
+        s = self.stats
+        return {"free_blocks": s.free_blocks, "total_blocks": s.total_blocks, "sequences": s.sequences,
+                **self._kv_extras(s)}
+
+    def _kv_extras(self, s: EngineStats) -> dict:
+        return {}
+
+    def admin_extras(self) -> dict:
+        """Role-specific fields of /health."""
+        return {}
+
+    def _engine_healthy(self) -> bool:
+        return self.failed is None and self.engine is not None and self.engine.health()[0]
+
+    async def health(self) -> tuple[bool, str, str]:
+        """(healthy, status word, detail) for /health and the liveness probe."""
+        if self.failed:
+            return False, "failed", self.failed
+        if self.engine is None or not self.address:
+            return False, "starting", "the model is loading"
+        ok, why = self.engine.health()
+        if not ok:
+            return False, "engine_unhealthy", why
+        if self.draining:
+            return False, "draining", "draining: no new requests"
+        try:
+            await self._probe_grpc()
+        except grpc.aio.AioRpcError as exc:
+            return False, "grpc_unhealthy", f"own gRPC server at {self.address}: {exc.code().name} {exc.details()}"
+        return True, "ok", ""
+
+    async def _probe_grpc(self) -> None:
+        """A Health call to our own gRPC server, through the same door peers use."""
+        if self._self_channel is None:
+            self._self_channel = self.config.security.aio_channel(self.address)
+        stub = self._health_stub(self._self_channel)
+        await stub.Health(pb.HealthRequest(), timeout=2.0, metadata=self.config.security.metadata)
+
+    @abc.abstractmethod
+    def _health_stub(self, channel):
+        """This role's gRPC stub on `channel` (each has a Health method)."""
+
+    async def _cached_blocks(self) -> list[int]:
+        bm = self.engine.engine.block_manager
+        return await self.engine.call(lambda: list(bm.hash_to_block))
+
+    def _on_block_events(self, events) -> None:
+        if self.presence is not None:
+            self.presence.publish_block_events(events)
+
+    @abc.abstractmethod
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """On the event loop: one engine step's outputs to the requests waiting for them."""
+
+    # ---- engine failures ------------------------------------------------------------------
+    def _engine_step_failed(self, request_ids: list[str], exc: BaseException) -> None:
+        self.metrics.engine_step_failures.labels(role=self.role, worker=self.worker_id).inc()
+
+    async def _watch_engine(self) -> None:
+        """A step past `engine_stall_timeout_s` makes the worker unhealthy: it leaves the
+        registry (presence) and its streams migrate. Still stuck after twice that, the engine
+        is given up for dead, so the process is replaced: a hung kernel never returns."""
+        limit = 2 * self.config.engine_stall_timeout_s
+        while self.failed is None and self.engine.alive:
+            await asyncio.sleep(min(1.0, limit / 20))
+            running = self.engine.step_running_s()
+            if running is not None and running > limit:
+                self._engine_died(EngineStalledError(f"one engine step has run for {running:.1f}s "
+                                                     f"(> 2 x --engine-stall-timeout {limit / 2:g}s)"))
+
+    def _engine_died(self, exc: BaseException) -> None:
+        """On the event loop, once: the engine thread is gone for good."""
+        if self.failed is not None:
+            return
+        self.failed = f"engine stalled: {exc}" if isinstance(exc, EngineStalledError) else f"engine thread died: {exc!r}"
+        self.metrics.engine_alive.labels(role=self.role, worker=self.worker_id).set(0)
+        log.critical("%s worker %s: %s; leaving the registry, failing its in-flight requests (%s) so they are "
+                     "retried elsewhere, and exiting to be restarted", self.role, self.worker_id, self.failed,
+                     ", ".join(self._in_flight()) or "none")
+        asyncio.get_running_loop().create_task(self._fail_over())
+
+    async def _fail_over(self) -> None:
+        try:
+            if self.presence is not None:
+                await self.presence.hide()
+            self._fail_in_flight(f"{self.role} worker {self.worker_id}: {self.failed}")
+            await asyncio.sleep(0.5)  # let the failed streams' statuses reach their callers
+        finally:
+            self.fatal.set()
+
+    @abc.abstractmethod
+    def _in_flight(self) -> list[str]:
+        """Ids of the requests this worker is serving now (for the log line of a failure)."""
+
+    @abc.abstractmethod
+    def _fail_in_flight(self, reason: str) -> None:
+        """End every in-flight request with a retryable error naming `reason`."""
+
+
+__all__ = ["RECONNECT_OPTIONS", "EngineDeadError", "WorkerBase"]
