@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -62,6 +63,11 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
     security = given if given.token else LinkSecurity.generate(given.tls)
     metrics = Metrics()
 
+    # Ray first: it forks its processes, which must not happen while this process runs gRPC
+    # threads (grpc's fork handlers; Ray's dashboard head died with SIGABRT that way).
+    start_ray()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # ray.init installed its own SIGTERM handler (sys.exit)
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     bus = open_bus(args.redis_url, "local")
     bridge = None
     worker_bus = args.redis_url
@@ -74,9 +80,6 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await bridge.start()
         print(f"splitserve: embedded bus bridge on {worker_bus} ({security.describe()})", flush=True)
 
-    start_ray()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # ray.init installed its own SIGTERM handler (sys.exit)
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     opts = {"num_cpus": 0}  # workers share the machine; torch threads are set per worker
     actors = []
     common = dict(bus_url=worker_bus, kv_backend=args.kv_backend, admin_port=0, security=security,
@@ -113,6 +116,8 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
         for a in actors:
             try:
                 await asyncio.to_thread(ray.get, a.stop.remote(), timeout=30)
+            except ray.exceptions.RayActorError:  # already gone (the signal reached the whole group)
+                pass
             except Exception as exc:  # noqa: BLE001 - best effort at shutdown
                 log.warning("worker actor did not stop cleanly: %s", exc)
         ray.shutdown()
@@ -138,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     # that differ only in ids and ports.
     os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # Ray's own RPC ports authenticate with a token. Ray's default writes one to
+    # ~/.ray/auth_token, readable by every user of the host; ours is fresh per run and
+    # lives only in the environment of this run's processes (readable by their user alone).
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if os.environ["RAY_AUTH_MODE"] == "token" and not os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
     if args.prefill_workers < 0 or args.decode_workers < 1:

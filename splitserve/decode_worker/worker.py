@@ -213,6 +213,8 @@ class DecodeWorker(WorkerBase, DecodeWorkerServicer):
 
     async def _abort(self, rid: str) -> bool:
         self.receiver.abort(rid)
+        if self.failed:  # a dead or stalled engine cannot free anything; the process is replaced
+            return False
         engine = self.engine.engine
         try:
             return bool(await self.engine.call(lambda: engine.abort(rid) or (rid in engine.remote and (

@@ -22,6 +22,7 @@ from splitserve.router.server import HTTPLimits, RouterServer, ServerConfig
 from splitserve.security.links import LinkSecurity, add_security_args, security_from_args
 
 log = logging.getLogger("splitserve.router")
+LINGER_S = 2.0
 
 
 def add_router_args(ap: argparse.ArgumentParser) -> None:
@@ -87,9 +88,11 @@ async def start_router(args: argparse.Namespace, model: str, served: str, bus: C
                           dispatcher)
     # handler_cancellation: a client that disconnects cancels its handler, which cancels
     # the worker streams (the decode workers abort the request and free its blocks).
-    # keepalive_timeout also bounds a connection whose request headers never complete.
+    # keepalive_timeout also bounds a connection whose request headers never complete;
+    # lingering_time bounds how long the unread rest of a body is drained after an early
+    # answer (401, 408, 413) before the connection closes (aiohttp's default: 10 s).
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True,
-                           keepalive_timeout=limits.idle_timeout_s)
+                           keepalive_timeout=limits.idle_timeout_s, lingering_time=LINGER_S)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     return runner, dispatcher

@@ -102,8 +102,11 @@ class RouterServer:
             return await handler(request)
         except APIError as exc:
             self.metrics.request_errors.labels(model=self.config.served_model_name, code=str(exc.status)).inc()
-            return web.Response(status=exc.status, body=exc.to_json(), content_type="application/json",
+            resp = web.Response(status=exc.status, body=exc.to_json(), content_type="application/json",
                                 headers=getattr(exc, "headers", None))
+            if exc.status == 408:  # no keep-alive: the rest of that body may never come
+                resp.force_close()
+            return resp
         except web.HTTPException as exc:  # 404/405/413 from aiohttp itself, in OpenAI shape
             message = f"{request.method} {request.path}: {exc.reason}"
             if exc.status == 413:

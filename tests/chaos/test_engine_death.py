@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
 import threading
 import time
 from datetime import datetime
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -98,3 +100,29 @@ def test_dead_decode_engine_leaves_migrates_and_is_replaced(faulty_serve, refere
     assert healths["prefill-0"]["engine"]["alive"] and healths["decode-0"]["engine"]["steps"] < DIE_AT_STEP
     again = asyncio.run(go())  # the restarted worker serves (its fault fired once, before the restart)
     assert_identical(again, reference(batch, TOKENS), TOKENS)
+
+
+def session_members(sid: int) -> list[str]:
+    """Processes still in session `sid` (the serve process and everything Ray started for it)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # fields[3] is the session id; Z: zombie
+            found.append(f"{stat.parent.name} {(stat.parent / 'comm').read_text().strip()}")
+    return found
+
+
+def test_sigterm_to_serve_alone_stops_every_process_it_started(faulty_serve):
+    """What a supervisor does (docker stop, systemd's main-PID kill): SIGTERM to the serve
+    process only. Ray's agents used to outlive it by a minute or two."""
+    proc = faulty_serve.proc.proc
+    assert len(session_members(proc.pid)) > 5  # serve, GCS, raylet, agents, the worker actors
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, faulty_serve.log()[-3000:]
+    deadline = time.monotonic() + 15
+    while session_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not session_members(proc.pid), session_members(proc.pid)

@@ -5,16 +5,19 @@ drops out of the registry) nor leaves the router holding the memory."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import threading
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 import requests
 
 from tests.chaos.conftest import SERVED
+from tests.reliability.conftest import assert_identical, prompts, stream_completion
 
 DEEP = 10_000
 HUGE_INT = int("9" * 400)
@@ -139,3 +142,19 @@ def test_a_5mb_prompt_keeps_health_fast_the_registry_whole_and_memory_flat(serve
     assert slowest < 0.1, f"/health took {slowest * 1000:.0f} ms while the prompt was processed"
     assert probe.worker_sets == {(("decode-0", "decode-1"), ("prefill-0",))}, probe.worker_sets
     assert rss_after <= rss_before * 1.10, (rss_before, rss_after)
+
+
+def test_clients_reusing_one_x_request_id_do_not_collide(serve, reference):
+    """The client's X-Request-Id is a correlation id only: requests get router-made ids on
+    the workers, so four concurrent requests sharing one header all complete."""
+    batch = prompts(811, 4, 30)
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await asyncio.gather(*(stream_completion(s, serve.base_url, p, 40, request_id="same-id")
+                                          for p in batch))
+
+    results = asyncio.run(go())
+    assert_identical(results, reference(batch, 40), 40)
+    assert {r.headers["X-Request-ID"] for r in results} == {"same-id"}
+    assert len({r.headers["X-Splitserve-Request-Id"] for r in results}) == 4

@@ -236,3 +236,24 @@ async def test_background_loop_survives_a_bus_outage(bus_factory, caplog):
         sync.stop()
         await asyncio.wait_for(task, timeout=3)
         bus.live_workers = real_live_workers
+
+
+async def test_workers_of_another_model_or_block_size_are_refused_and_counted(bus_factory, caplog):
+    """Cluster mode (Redis): nothing checks at registration, so the router does. A worker
+    with another block size would miss every prefix lookup; one with another model would
+    answer with the wrong model."""
+    bus = bus_factory()
+    good = Publisher(bus, "d-good")
+    await good.register()
+    await bus.register(WorkerInfo("d-blocks", "decode", "127.0.0.1:2", "demo", 2 * BS, 64), 30.0)
+    await bus.register(WorkerInfo("d-model", "decode", "127.0.0.1:3", "other-model", BS, 64), 30.0)
+    metrics = Metrics()
+    sync = IndexSync(bus, RadixIndex(), metrics=metrics, model="demo", block_size=BS)
+    for _ in range(3):  # refused on every refresh, logged and counted once per registration
+        await sync.refresh()
+    assert sync.live("decode") == ["d-good"]
+    assert set(sync.refused) == {"d-blocks", "d-model"}
+    count = metrics.worker_registrations_refused.labels
+    assert count(reason="block_size_mismatch")._value.get() == 1 and count(reason="model_mismatch")._value.get() == 1
+    refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusals) == 2 and any("--block-size" in m for m in refusals), refusals

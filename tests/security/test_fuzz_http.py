@@ -121,6 +121,37 @@ def test_hypothesis_raw_bodies(stack, session, raw, path):
     _post_and_check(stack, session, path, raw)
 
 
+# ---- hostile values: unpaired surrogates, numbers beyond float32/int64, deep nesting -----------
+surrogate = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)  # st.text() never draws these
+hostile_text = st.text(st.one_of(st.characters(), surrogate), max_size=30)
+huge_number = st.one_of(st.integers(10**18, 10**400), st.integers(-10**400, -10**18),
+                        st.floats(min_value=3.5e38, allow_infinity=False), st.floats(max_value=-3.5e38,
+                                                                                  allow_infinity=False))
+hostile_value = st.one_of(hostile_text, huge_number, st.lists(st.one_of(hostile_text, huge_number), max_size=3))
+FIELDS = PARAMS + ["prompt", "model", "user", "x-unknown"]
+
+
+@settings(max_examples=HYPOTHESIS_EXAMPLES // 3, **FUZZ_SETTINGS)
+@given(field=st.sampled_from(FIELDS), value=hostile_value, content=hostile_text,
+       path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+def test_hypothesis_hostile_values(stack, session, field, value, content, path):
+    base = ({"prompt": content} if path == "/v1/completions"
+            else {"messages": [{"role": "user", "content": content}]})
+    body = {"model": SERVED, "max_tokens": 2, **base, field: value}
+    _post_and_check(stack, session, path, body)
+
+
+@settings(max_examples=HYPOTHESIS_EXAMPLES // 6, **FUZZ_SETTINGS)
+@given(depth=st.integers(1, 20_000), where=st.sampled_from(["prompt", "stop", "messages", "logit_bias", "x"]),
+       opener=st.sampled_from(["[", '{"a":']), path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+def test_hypothesis_deep_nesting(stack, session, depth, where, opener, path):
+    closer = "]" if opener == "[" else "}"
+    nested = opener * depth + "1" + closer * depth
+    base = '"prompt": "hi"' if path == "/v1/completions" else '"messages": [{"role": "user", "content": "hi"}]'
+    raw = f'{{"model": "{SERVED}", "max_tokens": 2, {base}, "{where}": {nested}}}'.encode()
+    _post_and_check(stack, session, path, raw)
+
+
 def test_total_requests_and_blocks(stack):
     """Runs last in this file: the sum over the tests above, and the stack's KV blocks."""
     total = sum(COUNTS.values())

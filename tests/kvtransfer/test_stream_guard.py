@@ -1,0 +1,59 @@
+"""Idle and flooding PushBlocks streams against a real KV receiver. Before, 18 streams that
+sent nothing took every slot for good: real pushes failed `receiver_busy` and every
+request fell back to a local prefill. Now one peer holds at most `max_pushes_per_peer`
+streams, and a stream silent for `push_idle_timeout_s` is cancelled."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+
+from splitserve.kvtransfer import create_sender, frames
+from tests.kvtransfer import peer
+from tests.kvtransfer.conftest import config_for, hashes_for, start_decode, wait_until
+
+IDLE_S = 0.5
+PER_PEER = 4
+
+
+def silent_stream(stop: threading.Event):
+    """A PushBlocks request stream that never sends a frame (until told to end)."""
+    stop.wait(30)
+    return
+    yield  # noqa: B901 - a generator that yields nothing
+
+
+def test_idle_and_flooding_streams_cannot_keep_real_pushes_out():
+    decode = start_decode(config_for("grpc", max_pushes_per_peer=PER_PEER, push_idle_timeout_s=IDLE_S,
+                                     max_concurrent_pushes=16))
+    stop = threading.Event()
+    try:
+        with grpc.insecure_channel(decode.address) as channel:  # one connection: one peer
+            push = frames.push_stub(channel)
+            calls = [push.future(silent_stream(stop), timeout=30) for _ in range(18)]
+            wait_until(lambda: sum(c.done() for c in calls) >= 18 - PER_PEER, IDLE_S / 2, "the excess refused")
+            refused = [c for c in calls if c.done()]
+            codes = [c.code().name for c in refused]
+            assert codes == ["RESOURCE_EXHAUSTED"] * (18 - PER_PEER), codes
+            assert all("max_pushes_per_peer 4" in c.details() for c in refused)
+            assert decode.receiver.streams.open_streams() == PER_PEER
+            began = time.monotonic()
+            wait_until(lambda: all(c.done() for c in calls), 5, "idle streams cancelled")
+            assert time.monotonic() - began < IDLE_S + 2
+            assert sum(c.code() == grpc.StatusCode.CANCELLED for c in calls) == PER_PEER
+            assert decode.receiver.streams.idle_cancelled == PER_PEER
+            assert decode.receiver.streams.open_streams() == 0
+        # A real push from another peer lands.
+        start = decode.free()
+        dest = decode.allocate(3)
+        lease = decode.expect("real", dest, hashes_for(3))
+        with create_sender("grpc", config_for("grpc")) as sender:
+            result = sender.push("real", decode.address, peer.source_pool(), [1, 2, 3], dest, hashes_for(3))
+        assert result.nbytes > 0 and lease.result(timeout=10).ok
+        assert decode.free() == start - 3
+    finally:
+        stop.set()
+        decode.receiver.stop()
+

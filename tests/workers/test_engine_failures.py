@@ -1,0 +1,58 @@
+"""A decode worker whose engine hangs in a step (a wedged kernel): it tells the truth on
+/health and /livez, leaves the registry so routers migrate its streams, and once stuck
+for twice --engine-stall-timeout gives itself up (`fatal`), so its process is replaced."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import grpc
+import pytest
+
+from splitserve.cluster.inproc_bus import InProcBus
+from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+from splitserve.engine import EngineConfig, SamplingParams
+from splitserve.engine.faults import ENV, release_hangs
+from splitserve.proto.convert import pb, sampling_to_proto
+from splitserve.proto.worker_pb2_grpc import DecodeWorkerStub
+
+STALL_S = 0.4
+
+
+async def health(url: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as http, http.get(url) as r:
+        return r.status, await r.json()
+
+
+async def test_a_hung_engine_step_is_reported_withdrawn_then_given_up(make_ckpt, monkeypatch):
+    monkeypatch.setenv(ENV, json.dumps([{"engine": "d-stall", "fault": "hang", "at_step": 3}]))
+    bus = InProcBus()
+    worker = DecodeWorker(DecodeWorkerConfig(EngineConfig(model=str(make_ckpt("llama")), num_kv_blocks=64,
+                                                          model_id="test-model"),
+                                             worker_id="d-stall", admin_port=0, heartbeat_ttl_s=0.9,
+                                             engine_stall_timeout_s=STALL_S), bus=bus)
+    await worker.start()
+    try:
+        status, body = await health(worker.admin_url + "/health")
+        assert status == 200 and body["status"] == "ok" and body["engine"]["alive"], body
+        async with grpc.aio.insecure_channel(worker.address) as ch:
+            call = DecodeWorkerStub(ch).Generate(pb.GenerateRequest(
+                request_id="r", prompt_token_ids=list(range(5, 40)),
+                sampling=sampling_to_proto(SamplingParams(max_tokens=50, ignore_eos=True))))
+            await call.read()  # the stream runs; at step 3 the engine hangs
+            await asyncio.sleep(STALL_S + 0.1)
+            status, body = await health(worker.admin_url + "/health")
+            assert status == 503 and body["status"] == "engine_unhealthy" and "stalled" in body["detail"], body
+            status, body = await health(worker.admin_url + "/livez")
+            assert status == 503, body  # liveness too: Kubernetes restarts a wedged worker
+            await asyncio.wait_for(worker.fatal.wait(), 5)  # past 2 x the stall timeout: given up
+            assert worker.failed.startswith("engine stalled") and "d-stall" not in await bus.live_workers()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                while True:
+                    await asyncio.wait_for(call.read(), 5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "stalled" in err.value.details()
+    finally:
+        release_hangs()
+        await worker.stop()
