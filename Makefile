@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.splitserve-installed
 PROTOS := $(wildcard splitserve/proto/*.proto)
 
-.PHONY: setup serve test lint bench-engine bench-router bench-kvtransfer clean
+.PHONY: setup serve test lint chaos bench-engine bench-router bench-kvtransfer clean
 
 $(STAMP): pyproject.toml scripts/setup.sh $(PROTOS)
 	bash scripts/setup.sh
@@ -23,6 +23,10 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check splitserve tests bench
+
+# The chaos suite (part of `make test`) with a 10x client-reset storm; docs/reliability.md
+chaos: $(STAMP)
+	SPLITSERVE_CHAOS_RESETS=1000 $(BIN)/python -m pytest -q -p no:cacheprovider -s tests/chaos
 
 # Engine against transformers (static batching), 64 requests; see docs/benchmarks.md
 bench-engine: $(STAMP)

@@ -37,12 +37,14 @@ class WorkerPresence:
     def __init__(self, bus: ClusterBus, info: WorkerInfo, load: Callable[[], LoadReport],
                  ttl: float = 6.0, load_interval: float = 0.5,
                  cached_blocks: Callable[[], Awaitable[list[int]]] | None = None,
-                 healthy: Callable[[], bool] = lambda: True):
+                 healthy: Callable[[], Awaitable[str]] | None = None):
         self.bus = bus
         self.info = info
         self.load = load
         self.cached_blocks = cached_blocks  # hashes in this worker's prefix cache now
-        self.healthy = healthy  # False (engine stalled or dead): out of the registry until it recovers
+        # "" when healthy, else why not (engine stalled or dead, own gRPC server not answering):
+        # out of the registry until it recovers
+        self.healthy = healthy or _always_healthy
         self.withdrawn = False  # left the registry because it was unhealthy
         self.ttl = ttl
         self.load_interval = load_interval
@@ -112,10 +114,11 @@ class WorkerPresence:
             await asyncio.sleep(0.2 if failing else self.ttl / 3)
             if not self.visible:
                 continue
-            if not self.healthy():
+            why = await self.healthy()
+            if why:
                 if not self.withdrawn:  # routers stop sending here; in-flight streams migrate
-                    log.error("worker %s is unhealthy (engine stalled or dead): leaving the registry until it "
-                              "recovers", self.info.worker_id)
+                    log.error("worker %s is unhealthy (%s): leaving the registry until it recovers",
+                              self.info.worker_id, why)
                     self.withdrawn = True
                     try:
                         await self.bus.deregister(self.info.worker_id)
@@ -159,3 +162,7 @@ class WorkerPresence:
                             event.event_id, exc)
                 pending = event
                 await asyncio.sleep(0.5)
+
+
+async def _always_healthy() -> str:
+    return ""

@@ -69,6 +69,8 @@ class FaultPlan:
                 raise ValueError(f"${ENV}: fault {f.kind!r} is not one of {KINDS}")
         if faults:
             log.warning("engine %s: fault injection armed: %s", engine_name, faults)
+        if any(f.kind == "hang" for f in faults):
+            _HANG.clear()  # a test may have released earlier hangs
         return cls(faults)
 
     def before_step(self, step: int) -> None:

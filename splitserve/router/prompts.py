@@ -8,7 +8,8 @@ refused from its start alone. Chat templates with long content render in the poo
 prompts does not leave the router holding gigabytes.
 
 At most `max_pending` long inputs wait or run at once; more are refused with 429, so a
-client sending megabytes cannot queue everyone else's prompts behind its own.
+client sending megabytes cannot queue everyone else's prompts behind its own. Large bodies
+are parsed in the same pool (server.py).
 """
 
 from __future__ import annotations
@@ -67,13 +68,13 @@ class PromptTokenizer:
     async def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
         if len(text) <= INLINE_CHARS:
             return self._checked(*self.tokenizer.encode_bounded(text, self.max_model_len, add_special_tokens), param)
-        return await self._offload(self._encode_long, text, add_special_tokens, param)
+        return await self.offload(self._encode_long, text, add_special_tokens, param)
 
     async def encode_chat(self, messages: list[dict]) -> list[int]:
         size = sum(len(m.get("content") or "") for m in messages)
         if size <= INLINE_CHARS:
             return self._render_and_encode(messages)
-        return await self._offload(self._render_and_encode, messages)
+        return await self.offload(self._render_and_encode, messages)
 
     # ---- in the pool (or inline for small inputs) -----------------------------------------
     def _render_and_encode(self, messages: list[dict]) -> list[int]:
@@ -114,7 +115,8 @@ class PromptTokenizer:
                 f"tokens. Shorten the {param}.", param)
         return ids
 
-    async def _offload(self, fn, *args) -> list[int]:
+    async def offload(self, fn, *args):
+        """fn(*args) in the pool (bounded: 429 beyond `max_pending`)."""
         if self.pending >= self.max_pending:
             raise APIError(429, f"{self.pending} long prompts are being tokenized already; retry shortly",
                            "rate_limit_error", code="tokenizer_busy")

@@ -90,7 +90,7 @@ class WorkerBase(abc.ABC):
         info = WorkerInfo(self.worker_id, self.role, self.address, engine.model_id, cfg.engine.block_size,
                           engine.num_total_blocks, cfg.kv_backend)
         self.presence = WorkerPresence(self.bus, info, self.load_report, ttl=cfg.heartbeat_ttl_s,
-                                       cached_blocks=self._cached_blocks, healthy=self._engine_healthy)
+                                       cached_blocks=self._cached_blocks, healthy=self._unhealthy_because)
         await self.presence.start()
 
     async def _stop_common(self) -> None:
@@ -139,8 +139,11 @@ class WorkerBase(abc.ABC):
         """Role-specific fields of /health."""
         return {}
 
-    def _engine_healthy(self) -> bool:
-        return self.failed is None and self.engine is not None and self.engine.health()[0]
+    async def _unhealthy_because(self) -> str:
+        """What the heartbeat checks: "" while the worker can serve (draining included: its
+        registration says so), else why not. The same checks as /health."""
+        ok, status, detail = await self.health()
+        return "" if ok or status == "draining" else f"{status}: {detail}"
 
     async def health(self) -> tuple[bool, str, str]:
         """(healthy, status word, detail) for /health and the liveness probe."""

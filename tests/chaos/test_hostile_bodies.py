@@ -115,13 +115,21 @@ class HealthProbe(threading.Thread):
                 time.sleep(0.01)
 
 
-@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
-def test_a_5mb_prompt_keeps_health_fast_the_registry_whole_and_memory_flat(serve, chat):
-    text = _words(5 << 20, seed=4 + chat)
+def _5mb_body(shape: str) -> dict:
+    if shape == "completion":
+        return {"model": SERVED, "prompt": _words(5 << 20, seed=4), "max_tokens": 4}
+    if shape == "chat":
+        return {"model": SERVED, "messages": [{"role": "user", "content": _words(5 << 20, seed=5)}], "max_tokens": 4}
+    # 130,000 short messages: JSON parsing and validation alone take about 0.3 s
+    return {"model": SERVED, "messages": [{"role": "user", "content": w} for w in _words(5 << 20, 6).split(" ")[:130_000]],
+            "max_tokens": 4}
+
+
+@pytest.mark.parametrize("shape", ["completion", "chat", "chat-many-messages"])
+def test_a_5mb_prompt_keeps_health_fast_the_registry_whole_and_memory_flat(serve, shape):
+    chat = shape != "completion"
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    body = ({"model": SERVED, "messages": [{"role": "user", "content": text}], "max_tokens": 4} if chat
-            else {"model": SERVED, "prompt": text, "max_tokens": 4})
-    data = json.dumps(body).encode()
+    data = json.dumps(_5mb_body(shape)).encode()
     for _ in range(2):  # warm: the tokenizer pool's threads and allocator arenas exist before we measure
         requests.post(serve.base_url + path, data=data, headers={"Content-Type": "application/json"}, timeout=120)
     time.sleep(1.0)
@@ -136,7 +144,7 @@ def test_a_5mb_prompt_keeps_health_fast_the_registry_whole_and_memory_flat(serve
     rss_after = serve.router_rss()
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
     slowest = max(probe.latencies)
-    print(f"5 MB {'chat' if chat else 'completion'} prompt: refused in {r.elapsed.total_seconds():.2f}s; "
+    print(f"{len(data) / 2**20:.1f} MiB {shape} body: refused in {r.elapsed.total_seconds():.2f}s; "
           f"/health answered {len(probe.latencies)} times, slowest {slowest * 1000:.0f} ms; router RSS "
           f"{rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB")
     assert slowest < 0.1, f"/health took {slowest * 1000:.0f} ms while the prompt was processed"

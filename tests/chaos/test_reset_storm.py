@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import socket
 import struct
@@ -29,7 +30,7 @@ from tests.reliability.conftest import (
     wait_for,
 )
 
-RESETS = 100
+RESETS = int(os.environ.get("SPLITSERVE_CHAOS_RESETS", "100"))  # `make chaos` runs 1,000
 STREAMS = 12
 STREAM_TOKENS = 512
 
