@@ -69,6 +69,7 @@ class DecodeWorker(WorkerBase, DecodeWorkerServicer):
         self.drain_port = 0
         self._prefill_channels: dict[str, grpc.aio.Channel] = {}
         self.receiver: KVReceiver | None = None
+        self._leased: set[str] = set()  # remote prefills whose KV lease may still be open
 
     async def start(self) -> str:
         cfg = self.config
@@ -216,9 +217,10 @@ class DecodeWorker(WorkerBase, DecodeWorkerServicer):
         if self.failed:  # a dead or stalled engine cannot free anything; the process is replaced
             return False
         engine = self.engine.engine
+        leased = rid in self._leased  # a remote prefill's blocks wait for its lease to be released
         try:
             return bool(await self.engine.call(lambda: engine.abort(rid) or (rid in engine.remote and (
-                engine.cancel_remote_prefill(rid) or True))))
+                leased or engine.cancel_remote_prefill(rid) or True))))
         except EngineDeadError:
             return False  # nothing left to free: the process is about to be replaced
 
@@ -243,6 +245,8 @@ class DecodeWorker(WorkerBase, DecodeWorkerServicer):
         loop = asyncio.get_running_loop()
         lease = self.receiver.expect(rid, dest, hashes, lambda _ids: loop.call_soon_threadsafe(released.set),
                                      timeout=self.config.prefill_timeout_s) if dest else None
+        if lease is not None:
+            self._leased.add(rid)  # its blocks are freed by _release_reservation, never by _abort
         try:
             reply = await PrefillWorkerStub(self._prefill_channel(request.prefill_address)).Prefill(
                 pb.PrefillRequest(
@@ -256,6 +260,7 @@ class DecodeWorker(WorkerBase, DecodeWorkerServicer):
                     raise RuntimeError(f"KV transfer {outcome.reason}: {outcome.detail}")
             lp = logprob_from_proto(reply.first_logprob) if reply.has_logprob else None
             first = await self.engine.call(engine.complete_remote_prefill, rid, reply.first_token_id, lp)
+            self._leased.discard(rid)  # the blocks belong to the running request now
             return first, "", reply.num_cached_tokens
         except (grpc.aio.AioRpcError, RuntimeError) as exc:
             if isinstance(exc, EngineDeadError):
@@ -264,34 +269,32 @@ class DecodeWorker(WorkerBase, DecodeWorkerServicer):
             log.warning("request %s: remote prefill on %s (%s) failed (%s); prefilling locally on %s",
                         rid, request.prefill_worker_id, request.prefill_address, why, self.worker_id)
             self.metrics.local_prefill_fallbacks.labels(worker=self.worker_id, reason=_reason(exc)).inc()
-            if lease is not None:
-                self.receiver.abort(rid, "remote prefill failed")
-                await asyncio.wrap_future(lease)
-                await asyncio.wait_for(released.wait(), timeout=self.config.prefill_timeout_s + 5)
-            await self.engine.call(engine.cancel_remote_prefill, rid)
+            # Shielded: a client that leaves now must not skip the wait for the lease.
+            await asyncio.shield(self._release_reservation(rid, lease, released, "remote prefill failed"))
             return None, why, 0
-        except BaseException:
-            # Cancelled (client gone). The blocks may only be reused once the receiver says
-            # no write can still land in them (one-sided writes cannot be recalled).
-            if lease is None:
-                await asyncio.shield(self._cancel_remote_prefill(rid))
-            else:
-                self.receiver.abort(rid, "the request was cancelled")
-                asyncio.get_running_loop().create_task(self._free_after_release(rid, released))
+        except BaseException:  # cancelled (client gone): free in the background, then go
+            loop.create_task(self._release_reservation(rid, lease, released, "the request was cancelled"))
             raise
 
-    async def _cancel_remote_prefill(self, rid: str) -> None:
+    async def _release_reservation(self, rid: str, lease, released: asyncio.Event, why: str) -> None:
+        """Free a remote prefill's reserved blocks, once the receiver says no write can still
+        land in them (one-sided writes cannot be recalled): after its lease succeeded, or
+        after it failed and released them."""
         try:
-            await self.engine.call(self.engine.engine.cancel_remote_prefill, rid)
-        except EngineDeadError:
-            pass
-
-    async def _free_after_release(self, rid: str, released: asyncio.Event) -> None:
-        try:
-            await asyncio.wait_for(released.wait(), timeout=self.config.prefill_timeout_s + 30)
-        except TimeoutError:
-            log.error("request %s: KV receiver never released its lease; freeing the blocks anyway", rid)
-        await self._cancel_remote_prefill(rid)
+            if lease is not None and not (lease.done() and lease.result().ok):
+                self.receiver.abort(rid, why)
+                try:
+                    await asyncio.wait_for(released.wait(), timeout=self.config.prefill_timeout_s + 30)
+                except TimeoutError:
+                    log.error("request %s: the KV receiver of %s never released its lease; freeing the blocks "
+                              "anyway", rid, self.worker_id)
+        finally:
+            self._leased.discard(rid)
+            if not self.failed:
+                try:
+                    await self.engine.call(self.engine.engine.cancel_remote_prefill, rid)
+                except EngineDeadError:
+                    pass  # nothing left to free: the process is about to be replaced
 
     # ---- draining ------------------------------------------------------------------------
     async def drain(self, timeout: float = 600.0) -> bool:
