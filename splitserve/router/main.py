@@ -19,7 +19,12 @@ from splitserve.router.admission import AdmissionConfig
 from splitserve.router.dispatch import DispatchConfig, Dispatcher
 from splitserve.router.policy import PolicyConfig
 from splitserve.router.server import HTTPLimits, RouterServer, ServerConfig
-from splitserve.security.links import LinkSecurity, add_security_args, security_from_args
+from splitserve.security.links import (
+    LinkSecurity,
+    add_security_args,
+    read_secret_file,
+    security_from_args,
+)
 
 log = logging.getLogger("splitserve.router")
 LINGER_S = 2.0
@@ -56,16 +61,7 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
 
 
 def api_key_from_args(args: argparse.Namespace) -> str | None:
-    if not args.api_key_file:
-        return args.api_key
-    try:
-        with open(args.api_key_file) as f:
-            key = f.read().strip()
-    except OSError as exc:
-        raise SystemExit(f"--api-key-file {args.api_key_file!r}: {exc.strerror}") from None
-    if not key:
-        raise SystemExit(f"--api-key-file {args.api_key_file!r} is empty")
-    return key
+    return read_secret_file(args.api_key_file, "--api-key-file") if args.api_key_file else args.api_key
 
 
 async def start_router(args: argparse.Namespace, model: str, served: str, bus: ClusterBus,

@@ -148,11 +148,18 @@ def security_from_args(args: argparse.Namespace) -> LinkSecurity:
     token = os.environ.get("SPLITSERVE_CLUSTER_TOKEN") or None
     path = getattr(args, "cluster_token_file", None)
     if path:
-        try:
-            with open(path) as f:
-                token = f.read().strip()
-        except OSError as exc:
-            raise SystemExit(f"--cluster-token-file {path!r}: {exc.strerror} (mount the token secret)") from None
-        if not token:
-            raise SystemExit(f"--cluster-token-file {path!r} is empty")
+        token = read_secret_file(path, "--cluster-token-file")
     return LinkSecurity(tls, token)
+
+
+def read_secret_file(path: str, flag: str) -> str:
+    """A secret (token, API key) from a file such as a mounted Secret; SystemExit naming the
+    flag when it cannot be read or is empty."""
+    try:
+        with open(path) as f:
+            secret = f.read().strip()
+    except OSError as exc:
+        raise SystemExit(f"{flag} {path!r}: {exc.strerror} (is the secret mounted there?)") from None
+    if not secret:
+        raise SystemExit(f"{flag} {path!r} is empty")
+    return secret

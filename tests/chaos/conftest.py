@@ -26,9 +26,13 @@ DISAGG_MIN = 64  # prompts with at least this many uncached tokens go to the pre
 LONG_TOKENS = 3 * DISAGG_MIN  # "long" prompts in these tests
 TTL = 6.0  # the workers' heartbeat TTL (WorkerConfig's default, which `serve` uses)
 
-# "... decode worker decode-0 serving on 127.0.0.1:1 (KV receiver 127.0.0.1:2, 256 blocks, admin http://...; ..."
-_WORKER_LINE = re.compile(r"(decode|prefill) worker (\S+) serving on (\S+) \((?:KV receiver (\S+), )?"
-                          r".*?admin (http://[0-9.:]+)")
+# serve's own line, printed before it serves: "splitserve: decode worker decode-0: gRPC 127.0.0.1:1,
+# KV receiver 127.0.0.1:2, metrics http://127.0.0.1:3/metrics"; and the worker's log line, relayed
+# by Ray (later, and again after a restart): "... decode worker decode-0 serving on 127.0.0.1:1
+# (KV receiver 127.0.0.1:2, 256 blocks, admin http://127.0.0.1:3; ..."
+_WORKER_LINE = re.compile(
+    r"(decode|prefill) worker (\S+?):? (?:gRPC|serving on) ([0-9.:]+),? (?:\(?KV receiver ([0-9.:]+), )?"
+    r".*?(?:metrics|admin) (http://[0-9.:]+)")
 _BRIDGE_LINE = re.compile(r"embedded bus bridge on grpc://(\S+)")
 
 
