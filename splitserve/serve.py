@@ -23,7 +23,7 @@ import time
 
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.logs import configure_logging
-from splitserve.router.main import add_router_args, start_router
+from splitserve.router.main import add_router_args, bind_http, start_router
 from splitserve.security.links import LinkSecurity, security_from_args
 
 log = logging.getLogger("splitserve.serve")
@@ -63,6 +63,11 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
     security = given if given.token else LinkSecurity.generate(given.tls)
     metrics = Metrics()
 
+    try:
+        http = bind_http(args.host, args.port)
+    except OSError as exc:
+        raise SystemExit(f"splitserve serve: cannot listen on {args.host}:{args.port}: {exc.strerror} "
+                         "(--host/--port)") from None
     # Ray first: it forks its processes, which must not happen while this process runs gRPC
     # threads (grpc's fork handlers; Ray's dashboard head died with SIGABRT that way).
     start_ray()
@@ -98,7 +103,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
         runner, dispatcher = await start_router(args, model, served, bus, args.block_size, args.max_model_len,
                                                 security=security, metrics=metrics,
                                                 expected_workers={"decode": args.decode_workers,
-                                                                  "prefill": args.prefill_workers})
+                                                                  "prefill": args.prefill_workers}, sock=http)
         expected = args.prefill_workers + args.decode_workers
         deadline = time.monotonic() + 60
         while len(dispatcher.sync.workers) < expected and time.monotonic() < deadline:

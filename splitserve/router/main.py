@@ -9,6 +9,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 
 from aiohttp import web
 
@@ -64,10 +65,21 @@ def api_key_from_args(args: argparse.Namespace) -> str | None:
     return read_secret_file(args.api_key_file, "--api-key-file") if args.api_key_file else args.api_key
 
 
+def bind_http(host: str, port: int) -> socket.socket:
+    """The HTTP port, taken before anything slow starts: a port in use fails at once, with a
+    clear message, and nothing started meanwhile (Ray picks random ports) can take it."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.create_server((host, port), family=family)  # early clients wait in the backlog
+    sock.setblocking(False)
+    return sock
+
+
 async def start_router(args: argparse.Namespace, model: str, served: str, bus: ClusterBus,
                        block_size: int, max_model_len: int | None, security: LinkSecurity | None = None,
                        metrics: Metrics | None = None,
-                       expected_workers: dict[str, int] | None = None) -> tuple[web.AppRunner, Dispatcher]:
+                       expected_workers: dict[str, int] | None = None,
+                       sock: socket.socket | None = None) -> tuple[web.AppRunner, Dispatcher]:
+    """The router on `sock` if given (bound early by the caller), else on --host/--port."""
     try:
         admission = AdmissionConfig(args.max_queued_requests, args.request_timeout)
         limits = HTTPLimits(args.max_request_body_mb, args.body_read_timeout, args.http_idle_timeout)
@@ -90,7 +102,8 @@ async def start_router(args: argparse.Namespace, model: str, served: str, bus: C
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True,
                            keepalive_timeout=limits.idle_timeout_s, lingering_time=LINGER_S)
     await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
+    site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, args.host, args.port)
+    await site.start()
     return runner, dispatcher
 
 
