@@ -23,6 +23,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check splitserve tests bench
+	$(BIN)/lint-imports
 
 # The chaos suite (part of `make test`) with a 10x client-reset storm; docs/reliability.md
 chaos: $(STAMP)
@@ -30,7 +31,7 @@ chaos: $(STAMP)
 
 # Engine against transformers (static batching), 64 requests; see docs/benchmarks.md
 bench-engine: $(STAMP)
-	$(BIN)/python bench/engine_vs_transformers.py --out bench/results/engine_vs_transformers.json
+	$(BIN)/splitserve bench engine --out bench/results/engine_vs_transformers.json
 
 # Routing decision latency: 2,048-token prompt, 64 workers, ~1M-block index
 bench-router: $(STAMP)

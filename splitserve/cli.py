@@ -25,10 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 # `splitserve bench TARGET ...` for component micro-benchmarks; anything else is
 # the serving load generator.
 BENCH_TARGETS: dict[str, str] = {
-    "engine": "bench.engine_vs_transformers",
-    "kernels": "splitserve.kernels.bench",
-    "kvtransfer": "splitserve.kvtransfer.bench",
-    "router": "splitserve.router.bench",
+    "engine": "splitserve.benchmark.engine_vs_transformers",
+    "kernels": "splitserve.benchmark.kernels",
+    "kvtransfer": "splitserve.benchmark.kvtransfer",
+    "router": "splitserve.benchmark.router_decision",
 }
 
 

@@ -48,10 +48,10 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
     import ray
 
     from splitserve.cluster.remote_bus import BusServicer, open_bus
-    from splitserve.decode_worker.worker import DecodeWorkerConfig
-    from splitserve.engine.demo import DEMO_LABEL
+    from splitserve.core.model_dir import DEMO_LABEL
+    from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
     from splitserve.metrics import Metrics
-    from splitserve.prefill_worker.worker import PrefillWorkerConfig
+    from splitserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
     from splitserve.worker_base.actor import WorkerActor
 
     if args.model is None:
@@ -91,10 +91,10 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
                   engine_stall_timeout_s=args.engine_stall_timeout)
     for i in range(args.decode_workers):
         cfg = DecodeWorkerConfig(engine, worker_id=f"decode-{i}", **common)
-        actors.append(WorkerActor.options(name=f"decode-{i}", **opts).remote("decode", cfg, args.torch_threads))
+        actors.append(WorkerActor.options(name=f"decode-{i}", **opts).remote(DecodeWorker, cfg, args.torch_threads))
     for i in range(args.prefill_workers):
         cfg = PrefillWorkerConfig(engine, worker_id=f"prefill-{i}", **common)
-        actors.append(WorkerActor.options(name=f"prefill-{i}", **opts).remote("prefill", cfg, args.torch_threads))
+        actors.append(WorkerActor.options(name=f"prefill-{i}", **opts).remote(PrefillWorker, cfg, args.torch_threads))
 
     runner = dispatcher = None
     try:

@@ -6,31 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import Awaitable, Callable
 
 from splitserve.cluster.bus import BusError, ClusterBus
 from splitserve.cluster.messages import KVEvent, LoadReport, WorkerInfo
-from splitserve.engine.block_manager import BlockEvent
+from splitserve.core.block_events import BlockEvent
 
 log = logging.getLogger(__name__)
-
-
-def advertised_host(host: str, advertise: str | None) -> str:
-    """The address other components dial: explicit, else the bind address unless it is
-    a wildcard, else this node's address (a Ray node or pod IP)."""
-    if advertise:
-        return advertise
-    if host not in ("0.0.0.0", "::", ""):
-        return host
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return socket.gethostbyname(socket.gethostname())
 
 
 class WorkerPresence:

@@ -14,7 +14,7 @@ import urllib.request
 
 from aiohttp import web
 
-DRAIN_PORT = 8083
+from splitserve.core.ports import DRAIN_PORT
 
 
 def drain_app(worker, drain_timeout: float) -> web.Application:

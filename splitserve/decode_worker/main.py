@@ -12,7 +12,7 @@ import socket
 
 import torch
 
-from splitserve.decode_worker.admin import DRAIN_PORT
+from splitserve.core.ports import ADMIN_PORT, DECODE_GRPC_PORT, DRAIN_PORT
 from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.logs import configure_logging
@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(ap)
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=50052)
-    ap.add_argument("--admin-port", type=int, default=8081)
+    ap.add_argument("--port", type=int, default=DECODE_GRPC_PORT)
+    ap.add_argument("--admin-port", type=int, default=ADMIN_PORT)
     ap.add_argument("--advertise-host", default=os.environ.get("POD_IP"),
                     help="address other components dial (default: $POD_IP, else --host)")
     ap.add_argument("--worker-id", default=os.environ.get("POD_NAME") or f"decode-{socket.gethostname()}")

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from splitserve.core.sampling_params import InvalidSamplingParams
 from splitserve.engine.async_engine import EngineDeadError
 from splitserve.engine.llm_engine import EngineStats, InvalidPromptError, RequestOutput
-from splitserve.engine.sampling_params import InvalidSamplingParams
 from splitserve.kvtransfer import KVReceiver, KVTransferConfig
 from splitserve.metrics import Metrics
 from splitserve.proto.convert import (

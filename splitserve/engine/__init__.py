@@ -1,11 +1,24 @@
-"""Model runtime shared by prefill and decode workers."""
+"""Model runtime shared by prefill and decode workers.
 
-from splitserve.engine.config import CheckpointError, EngineConfig, ModelConfig
-from splitserve.engine.llm import LLM, GenerationOutput
-from splitserve.engine.llm_engine import InvalidPromptError, LLMEngine, RequestOutput
-from splitserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
+`from splitserve.engine import LLM` works, but nothing heavy is imported until a name is
+asked for: importing `splitserve.engine.<module>` must not pull torch and the models into
+a process that needs one small piece."""
 
-__all__ = [
-    "LLM", "LLMEngine", "EngineConfig", "ModelConfig", "SamplingParams", "GenerationOutput",
-    "RequestOutput", "CheckpointError", "InvalidPromptError", "InvalidSamplingParams",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "LLM": "splitserve.engine.llm", "GenerationOutput": "splitserve.engine.llm",
+    "LLMEngine": "splitserve.engine.llm_engine", "RequestOutput": "splitserve.engine.llm_engine",
+    "InvalidPromptError": "splitserve.engine.llm_engine", "EngineConfig": "splitserve.engine.config",
+    "ModelConfig": "splitserve.core.model_config", "CheckpointError": "splitserve.core.model_config",
+    "SamplingParams": "splitserve.core.sampling_params", "InvalidSamplingParams": "splitserve.core.sampling_params",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'splitserve.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import os
 
+from splitserve.core.model_dir import resolve_model as core_resolve_model
 from splitserve.engine.config import EngineConfig
 
 
@@ -26,14 +26,11 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
 
 def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
     """(checkpoint dir, served name); builds the demo checkpoint when no --model is given."""
-    model = args.model
-    if model is None:
+    if args.model is None:
         from splitserve.engine.demo import ensure_demo_checkpoint
 
-        model = str(ensure_demo_checkpoint())
-    elif not os.path.isfile(os.path.join(model, "config.json")):
-        raise SystemExit(f"{model}/config.json not found: --model must be a Hugging Face checkpoint directory")
-    return model, args.served_model_name or os.path.basename(os.path.normpath(model))
+        ensure_demo_checkpoint()
+    return core_resolve_model(args)
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str, served: str) -> EngineConfig:

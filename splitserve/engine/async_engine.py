@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from splitserve.engine.block_manager import BlockEvent
+from splitserve.core.block_events import BlockEvent
 from splitserve.engine.faults import FaultPlan
 from splitserve.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
 

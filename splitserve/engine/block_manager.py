@@ -11,21 +11,14 @@ eviction is recorded as a KV event for the router's index.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
-from splitserve.engine.hashing import block_hashes
+from splitserve.core.block_events import BlockEvent
+from splitserve.core.hashing import block_hashes
 from splitserve.engine.sequence import Sequence
 
 
 class NoFreeBlocksError(RuntimeError):
     pass
-
-
-@dataclass
-class BlockEvent:
-    kind: str  # "stored" | "removed"
-    block_hashes: list[int]
-    parent: int | None = None
 
 
 class BlockManager:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from splitserve.engine.config import CheckpointError
+from splitserve.core.model_config import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from splitserve.engine.config import CheckpointError
-from splitserve.engine.sampling_params import InvalidSamplingParams
+from splitserve.core.model_config import CheckpointError
+from splitserve.core.sampling_params import InvalidSamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,8 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     args = ap.parse_args(argv)
 
+    from splitserve.core.model_dir import DEMO_LABEL
     from splitserve.engine import LLM, SamplingParams
-    from splitserve.engine.demo import DEMO_LABEL, ensure_demo_checkpoint
+    from splitserve.engine.demo import ensure_demo_checkpoint
 
     model = args.model
     if model is None:

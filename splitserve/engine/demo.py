@@ -9,14 +9,13 @@ download. Built on first use in ~/.cache/splitserve (or $SPLITSERVE_CACHE).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-DEMO_NAME = "splitserve-demo-llama-random-v1"
-DEMO_LABEL = "random-weight demo model (meaningless output)"
+from splitserve.core.model_dir import DEMO_LABEL, DEMO_NAME, demo_dir
+
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                   "<|eot_id|>"]
 CHAT_TEMPLATE = (
@@ -29,10 +28,6 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
 }
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPLITSERVE_CACHE", Path.home() / ".cache" / "splitserve"))
 
 
 def build_tokenizer(vocab_size: int = 1024):
@@ -86,7 +81,7 @@ def write_checkpoint(out_dir: str | Path, family: str = "llama", seed: int = 0, 
 
 def ensure_demo_checkpoint() -> Path:
     """The demo checkpoint's directory, created (atomically) if it does not exist yet."""
-    target = cache_root() / DEMO_NAME
+    target = demo_dir()
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

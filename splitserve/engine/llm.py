@@ -6,10 +6,10 @@ import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+from splitserve.core.logprobs import TokenLogprobs
+from splitserve.core.sampling_params import SamplingParams
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine, RequestOutput
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.sequence import TokenLogprobs
 
 
 @dataclass

@@ -12,15 +12,17 @@ from pathlib import Path
 
 import torch
 
+from splitserve.core.hashing import hash_seed
+from splitserve.core.logprobs import TokenLogprobs
+from splitserve.core.model_config import ModelConfig
+from splitserve.core.sampling_params import SamplingParams
+from splitserve.core.tokenizer import IncrementalDetokenizer, Tokenizer
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.config import EngineConfig, ModelConfig
-from splitserve.engine.hashing import hash_seed
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.sampler import sample
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler
-from splitserve.engine.sequence import Sequence, TokenLogprobs
-from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from splitserve.engine.sequence import Sequence
 
 
 class InvalidPromptError(ValueError):

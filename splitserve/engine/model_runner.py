@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.core.model_config import ModelConfig
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache import KVCachePool, KVCacheSpec, num_blocks_for_memory
 from splitserve.engine.models.llama import AttentionMetadata
 from splitserve.engine.models.loader import load_model

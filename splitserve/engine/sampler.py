@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.engine.sequence import Sequence, TokenLogprobs
+from splitserve.core.logprobs import TokenLogprobs
+from splitserve.engine.sequence import Sequence
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:

@@ -8,21 +8,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.tokenizer import IncrementalDetokenizer
+from splitserve.core.logprobs import TokenLogprobs
+from splitserve.core.sampling_params import SamplingParams
+from splitserve.core.tokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the top-N (token id, logprob), most likely first
 
 
 @dataclass(eq=False)  # identity, not field-wise equality: two requests may look alike

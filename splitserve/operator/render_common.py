@@ -3,17 +3,19 @@ the model volume. Pure functions of the parsed spec."""
 
 from __future__ import annotations
 
-# decode /drain, bound to 127.0.0.1 inside the pod (preStop `splitserve drain`): the worker's own default
-from splitserve.decode_worker.admin import DRAIN_PORT  # noqa: F401 - re-exported for the renderers
+# The ports the worker CLIs listen on by default (one definition, core/ports.py).
+from splitserve.core.ports import (  # noqa: F401 - the renderers use them as c.<NAME>
+    ADMIN_PORT,
+    DECODE_GRPC_PORT,
+    DRAIN_PORT,
+    PREFILL_GRPC_PORT,
+    REDIS_PORT,
+    ROUTER_PORT,
+)
 
 from .spec import InferenceSpec, RoleSpec
 
 MODEL_MOUNT = "/models"
-ROUTER_PORT = 8000
-PREFILL_GRPC_PORT = 50051
-DECODE_GRPC_PORT = 50052
-ADMIN_PORT = 8081  # decode admin HTTP (/health, /metrics) and prefill-pool metrics
-REDIS_PORT = 6379
 RUN_AS_USER = 1000
 
 

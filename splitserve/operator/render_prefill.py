@@ -9,12 +9,14 @@ pool so the pool's exit ends the pod (and KubeRay restarts it).
 
 from __future__ import annotations
 
+from splitserve.core.ports import PREFILL_ADMIN_PORT
+
 from . import render_common as c
 from .render_workloads import kv_args
 from .spec import InferenceSpec
 
 PREFILL_GROUP = "prefill"
-WORKER_METRICS_PORT = 8082  # each prefill actor's /metrics, on the Ray worker pods
+WORKER_METRICS_PORT = PREFILL_ADMIN_PORT  # each prefill actor's /metrics, on the Ray worker pods
 
 
 def _container(spec: InferenceSpec, name: str, resources: dict) -> dict:

@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from splitserve.core.ports import PREFILL_ADMIN_PORT
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.logs import configure_logging
 from splitserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(ap)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=50051)
-    ap.add_argument("--metrics-port", type=int, default=8082, help="/metrics and /health (with block accounting)")
+    ap.add_argument("--metrics-port", type=int, default=PREFILL_ADMIN_PORT, help="/metrics and /health (with block accounting)")
     ap.add_argument("--advertise-host", default=os.environ.get("POD_IP"))
     ap.add_argument("--worker-id", default=os.environ.get("POD_NAME") or f"prefill-{socket.gethostname()}")
     ap.add_argument("--redis-url", required=True)

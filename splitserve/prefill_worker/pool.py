@@ -19,10 +19,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from splitserve.core.ports import PREFILL_ADMIN_PORT
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.logs import configure_logging
 from splitserve.metrics import Metrics
-from splitserve.prefill_worker.worker import PrefillWorkerConfig
+from splitserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from splitserve.security.links import add_security_args, security_from_args
 
 log = logging.getLogger("splitserve.prefill_pool")
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="one actor per live Ray worker node (ignores --replicas once worker nodes exist)")
     ap.add_argument("--port", type=int, default=50051, help="gRPC port of each prefill actor (0: any)")
     ap.add_argument("--metrics-port", type=int, default=8081, help="the pool driver's own /metrics")
-    ap.add_argument("--worker-metrics-port", type=int, default=8082, help="each prefill actor's /metrics")
+    ap.add_argument("--worker-metrics-port", type=int, default=PREFILL_ADMIN_PORT, help="each prefill actor's /metrics")
     ap.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS", "auto"))
     ap.add_argument("--gpus-per-worker", type=float, default=0.0)
     add_security_args(ap)
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                                   rdma_device=args.rdma_device, security=security)
         placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)} if node_id else {}
         return WorkerActor.options(name=f"prefill-{slot}", lifetime="detached", get_if_exists=True, num_cpus=1,
-                                   num_gpus=args.gpus_per_worker, **placement).remote("prefill", cfg,
+                                   num_gpus=args.gpus_per_worker, **placement).remote(PrefillWorker, cfg,
                                                                                       args.torch_threads)
 
     serve_metrics(args.metrics_port, metrics.registry, lambda: bool(actors))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.sequence import TokenLogprobs
+from splitserve.core.logprobs import TokenLogprobs
+from splitserve.core.sampling_params import SamplingParams
 from splitserve.proto.build import ensure_built
 
 ensure_built()

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.core.sampling_params import SamplingParams
 from splitserve.router import errors
 from splitserve.router.errors import APIError
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from splitserve.cluster.bus import ClusterBus
-from splitserve.engine.hashing import block_hashes, hash_seed
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.sequence import TokenLogprobs
+from splitserve.core.hashing import block_hashes, hash_seed
+from splitserve.core.logprobs import TokenLogprobs
+from splitserve.core.sampling_params import SamplingParams
 from splitserve.metrics import Metrics
 from splitserve.proto.convert import logprob_from_proto, pb, sampling_to_proto
 from splitserve.proto.worker_pb2_grpc import DecodeWorkerStub

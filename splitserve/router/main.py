@@ -109,7 +109,7 @@ async def start_router(args: argparse.Namespace, model: str, served: str, bus: C
 
 def main(argv: list[str] | None = None) -> int:
     from splitserve.cluster.remote_bus import open_bus
-    from splitserve.engine.args import resolve_model
+    from splitserve.core.model_dir import resolve_model
 
     ap = argparse.ArgumentParser(prog="splitserve router", description=__doc__)
     add_router_args(ap)

@@ -20,7 +20,7 @@ import ctypes.util
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from splitserve.engine.tokenizer import ChatTemplateError, Tokenizer
+from splitserve.core.tokenizer import ChatTemplateError, Tokenizer
 from splitserve.router import errors
 from splitserve.router.errors import APIError
 

@@ -14,7 +14,7 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from splitserve.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from splitserve.core.sampling_params import InvalidSamplingParams, SamplingParams
 from splitserve.router import errors
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field, replace
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from splitserve.engine.config import ModelConfig
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.core.model_config import ModelConfig
+from splitserve.core.tokenizer import Tokenizer
 from splitserve.router import errors, protocol
 from splitserve.router import responses as R
 from splitserve.router.admission import Admission, AdmissionConfig, check_request_limits

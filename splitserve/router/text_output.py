@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from splitserve.core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass

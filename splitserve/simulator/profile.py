@@ -71,7 +71,7 @@ class StepProbe:
         return [self.rng.randrange(self.lo, self.hi) for _ in range(n)]
 
     def add(self, prompt: list[int], max_tokens: int) -> None:
-        from splitserve.engine.sampling_params import SamplingParams
+        from splitserve.core.sampling_params import SamplingParams
 
         self.ids += 1
         self.engine.add_request(f"profile-{self.ids}", prompt,
@@ -148,7 +148,8 @@ def profile_steps(model: str, repeats: int, max_batched: int, log) -> list[dict]
 
 def profile_transfer(model: str, backend: str, repeats: int, log,
                      sizes: tuple[int, ...] = (1, 4, 16, 64, 128, 256, 512)) -> tuple[list[dict], int]:
-    from splitserve.engine.config import DTYPES, ModelConfig
+    from splitserve.core.model_config import ModelConfig
+    from splitserve.engine.config import DTYPES
     from splitserve.engine.kv_cache import KVCachePool, KVCacheSpec
     from splitserve.kvtransfer import KVReceiver, KVTransferConfig, create_sender
 
@@ -181,7 +182,7 @@ def profile_transfer(model: str, backend: str, repeats: int, log,
 
 
 def profile_routing(workers: int, prompt_tokens: int, repeats: int) -> dict:
-    from splitserve.engine.hashing import block_hashes, hash_seed
+    from splitserve.core.hashing import block_hashes, hash_seed
     from splitserve.router.policy import PolicyConfig, route
     from splitserve.router.radix_index import RadixIndex
 

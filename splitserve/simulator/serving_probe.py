@@ -147,7 +147,7 @@ def _load_run(costs: CostModel, results: list, frontend: float, wall: float, log
 
 
 def measure_serving_overhead(model: str, costs: CostModel, torch_threads: int, log) -> dict:
-    from splitserve.engine.config import ModelConfig
+    from splitserve.core.model_config import ModelConfig
 
     vocab = ModelConfig.from_dir(model).vocab_size
     port = _free_port()

@@ -1,6 +1,7 @@
 """The Ray actor hosting a prefill or decode worker (`splitserve serve`, and the prefill
 pool in Kubernetes). Each actor runs its worker's asyncio loop on a thread of its own;
-routers talk to the worker over gRPC, never through the actor handle.
+routers talk to the worker over gRPC, never through the actor handle. It is given the
+worker's class (DecodeWorker or PrefillWorker), so this base package imports neither.
 
 Ray restarts the actor whenever its process dies (no lifetime cap: a worker that fails
 once an hour must not be gone for good after three); it then re-registers under the same
@@ -24,30 +25,27 @@ FATAL_EXIT_CODE = 3  # the worker's engine died; Ray restarts the actor
 
 @ray.remote(max_restarts=-1, max_task_retries=0)
 class WorkerActor:
-    def __init__(self, role: str, config, torch_threads: int = 1):
+    def __init__(self, worker_class: type, config, torch_threads: int = 1):
         import torch
 
         from splitserve.logs import configure_logging
 
         configure_logging()
         torch.set_num_threads(torch_threads)
-        self.role = role
+        self.role = worker_class.role
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(config,), daemon=True, name=f"{role}-worker")
+        self._thread = threading.Thread(target=self._run, args=(worker_class, config), daemon=True,
+                                        name=f"{self.role}-worker")
         self._thread.start()
         self._ready.wait()
         if self._error is not None:
-            raise RuntimeError(f"{role} worker {config.worker_id} failed to start: {self._error}") from self._error
+            raise RuntimeError(f"{self.role} worker {config.worker_id} failed to start: {self._error}") from self._error
 
-    def _run(self, config) -> None:
+    def _run(self, worker_class: type, config) -> None:
         asyncio.set_event_loop(self.loop)
-        if self.role == "prefill":
-            from splitserve.prefill_worker.worker import PrefillWorker as Worker
-        else:
-            from splitserve.decode_worker.worker import DecodeWorker as Worker
-        self.worker = Worker(config)
+        self.worker = worker_class(config)
         try:
             self.loop.run_until_complete(self.worker.start())
         except BaseException as exc:  # noqa: BLE001 - reported by __init__

@@ -35,3 +35,20 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if not self.worker_id:
             self.worker_id = f"{self.role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+
+
+def advertised_host(host: str, advertise: str | None) -> str:
+    """The address other components dial: explicit, else the bind address unless it is
+    a wildcard, else this node's address (a Ray node or pod IP)."""
+    if advertise:
+        return advertise
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return socket.gethostbyname(socket.gethostname())

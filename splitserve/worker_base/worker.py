@@ -18,13 +18,13 @@ import logging
 import grpc
 
 from splitserve.cluster.messages import LoadReport, WorkerInfo
-from splitserve.cluster.presence import WorkerPresence, advertised_host
+from splitserve.cluster.presence import WorkerPresence
 from splitserve.cluster.remote_bus import open_bus
 from splitserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineStalledError
 from splitserve.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
 from splitserve.metrics import Metrics
 from splitserve.proto.convert import pb
-from splitserve.worker_base.config import WorkerConfig
+from splitserve.worker_base.config import WorkerConfig, advertised_host
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import random
 
 from splitserve.cluster.bus import BusError
 from splitserve.cluster.messages import KVEvent, LoadReport, WorkerInfo
-from splitserve.engine.hashing import block_hashes, hash_seed
+from splitserve.core.hashing import block_hashes, hash_seed
 from splitserve.metrics import Metrics
 from splitserve.router.index_sync import IndexSync
 from splitserve.router.policy import route

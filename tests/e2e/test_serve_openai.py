@@ -7,7 +7,7 @@ import openai
 import pytest
 import requests
 
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.core.tokenizer import Tokenizer
 from tests.e2e.conftest import DISAGG_MIN, SERVED
 from tests.helpers.processes import SplitserveProcess
 from tests.helpers.reference import hf_greedy

@@ -2,9 +2,9 @@
 
 import pytest
 
+from splitserve.core.hashing import block_hashes
+from splitserve.core.sampling_params import SamplingParams
 from splitserve.engine.block_manager import BlockManager, NoFreeBlocksError
-from splitserve.engine.hashing import block_hashes
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence
 
 BS = 4

@@ -4,8 +4,9 @@ import json
 import subprocess
 import sys
 
+from splitserve.core.model_dir import DEMO_NAME
 from splitserve.engine import LLM, SamplingParams
-from splitserve.engine.demo import DEMO_NAME, ensure_demo_checkpoint
+from splitserve.engine.demo import ensure_demo_checkpoint
 
 
 def test_demo_checkpoint_is_deterministic_labelled_and_loads(tmp_path, monkeypatch):

@@ -1,7 +1,7 @@
 """Token budget, chunked prefill mixed with decode, preemption by recompute."""
 
+from splitserve.core.sampling_params import SamplingParams
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sequence import Sequence, SequenceStatus
 

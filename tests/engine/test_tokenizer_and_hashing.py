@@ -2,8 +2,8 @@
 
 import random
 
-from splitserve.engine.hashing import block_hashes, chain_hash, hash_seed
-from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from splitserve.core.hashing import block_hashes, chain_hash, hash_seed
+from splitserve.core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 def test_chat_template_matches_transformers(make_ckpt):

@@ -6,8 +6,9 @@ import json
 
 import torch
 
-from splitserve.kernels import bench, ops
-from splitserve.kernels.bench_model import LLAMA3_8B, TOY
+from splitserve.benchmark import kernels as bench
+from splitserve.benchmark.kernels_model import LLAMA3_8B, TOY
+from splitserve.kernels import ops
 
 LLAMA3_8B_PARAMS = 8_030_261_248  # published parameter count
 LLAMA3_8B_EMBEDDING = 128256 * 4096
@@ -39,7 +40,7 @@ def test_cpu_run_writes_json_that_says_its_figures_mean_nothing(tmp_path, capsys
     assert "MEANS NOTHING" in result["note"] and "MEANS NOTHING" in capsys.readouterr().err
     assert result["device"].startswith("cpu")
     assert result["model"]["hidden"] == TOY.hidden and result["model"]["num_layers"] == TOY.num_layers
-    assert "bench_model.py" in result["built_from"]
+    assert "kernels_model.py" in result["built_from"]
     assert result["peak"]["hbm_bytes_per_s"] > 0 and result["peak"]["matmul_flops_per_s"] > 0
     assert [r["batch"] for r in result["decode_attention"]] == [1, 2]
     assert all(r["bytes_per_s"] > 0 and 0 < r["fraction_of_peak"] for r in result["decode_attention"])

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from splitserve.core.hashing import block_hashes, hash_seed
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.hashing import block_hashes, hash_seed
 from splitserve.engine.kv_cache import KVCachePool
 from splitserve.kvtransfer import KVReceiver, KVTransferConfig
 from tests.kvtransfer import peer

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from splitserve.kvtransfer import bench
+from splitserve.benchmark import kvtransfer as bench
 
 
 @pytest.mark.parametrize("backend", ["grpc", "mooncake"])

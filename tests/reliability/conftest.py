@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 import requests
 
+from splitserve.core.tokenizer import Tokenizer
 from splitserve.engine import LLM, SamplingParams
-from splitserve.engine.tokenizer import Tokenizer
 from tests.reliability.cluster import SERVED, Cluster
 from tests.security.certs import make_pki
 

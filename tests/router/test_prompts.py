@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.core.tokenizer import Tokenizer
 from splitserve.router import prompts as P
 from splitserve.router.errors import APIError
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from splitserve.engine.hashing import block_hashes, hash_seed
+from splitserve.core.hashing import block_hashes, hash_seed
 from splitserve.router.radix_index import RadixIndex, _bits
 
 

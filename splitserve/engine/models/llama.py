@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine.config import ModelConfig
+from splitserve.core.model_config import ModelConfig
 from splitserve.kernels import ops
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
+from splitserve.core.model_config import CheckpointError, ModelConfig
 from splitserve.engine.checkpoint import iter_weights
-from splitserve.engine.config import CheckpointError, ModelConfig
 from splitserve.engine.models.llama import LlamaForCausalLM
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 import xxhash
 
+from splitserve.benchmark.kvtransfer_bare import BareSink, bare_grpc_push, bare_mooncake_push
 from splitserve.engine.kv_cache import KVCachePool, KVCacheSpec
-from splitserve.kvtransfer.bench_bare import BareSink, bare_grpc_push, bare_mooncake_push
 from splitserve.kvtransfer.config import KVTransferConfig
 from splitserve.kvtransfer.pool_io import RegionLayout, host_regions
 

@@ -1,4 +1,4 @@
-"""`splitserve bench kernels` (or `python -m splitserve.kernels.bench`): kernel and
+"""`splitserve bench kernels` (or `python -m splitserve.benchmark.kernels`): kernel and
 model-step efficiency of a Llama-3-8B-shaped model with random bfloat16 weights.
 
 On CUDA it measures, against peaks it measures itself on the same device:
@@ -11,7 +11,7 @@ On CUDA it measures, against peaks it measures itself on the same device:
     apart: the engine's model runner does its own capture);
   - prefill of one 2048-token prompt as model-FLOPs utilisation against the peak matmul rate;
   - the same work through transformers' LlamaForCausalLM (random init) for comparison.
-The decode/prefill steps come from splitserve/kernels/bench_model.py (the kernels plus
+The decode/prefill steps come from splitserve/benchmark/kernels_model.py (the kernels plus
 torch matmuls), not from the engine's model class.
 
 Without CUDA it runs a toy shape through Triton's interpreter so the script itself is
@@ -72,8 +72,8 @@ def measure_peaks(device: torch.device, dtype: torch.dtype, timer) -> dict:
 
 
 def measure_decode_attention(model, batches: list[int], context: int, peak_bw: float, timer, iters: int) -> list:
+    from splitserve.benchmark.kernels_model import decode_inputs
     from splitserve.kernels import ops
-    from splitserve.kernels.bench_model import decode_inputs
 
     s, results = model.shape, []
     elem = model.kv.data.element_size()
@@ -94,7 +94,7 @@ def measure_decode_attention(model, batches: list[int], context: int, peak_bw: f
 
 
 def measure_decode_steps(model, batches, context, peak_bw, timer, iters, cuda_graph: bool) -> list:
-    from splitserve.kernels.bench_model import decode_inputs
+    from splitserve.benchmark.kernels_model import decode_inputs
 
     s, results = model.shape, []
     elem = model.kv.data.element_size()
@@ -159,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"splitserve bench kernels: {problem}", file=sys.stderr)
         return 2
+    from splitserve.benchmark.kernels_model import LLAMA3_8B, TOY
     from splitserve.kernels import ops
-    from splitserve.kernels.bench_model import LLAMA3_8B, TOY
 
     ops.set_backend("triton")  # the point is to time the Triton kernels, also on the CPU
     device = torch.device("cuda" if cuda else "cpu")
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         "note": "measured on the GPU" if cuda else CPU_NOTE,
         "model": {"name": "Llama-3-8B shape" if cuda else "toy Llama shape", **shape.__dict__,
                   "dtype": str(dtype), "weights": "random"},
-        "built_from": "splitserve kernels (Triton) + torch matmuls in splitserve/kernels/bench_model.py; "
+        "built_from": "splitserve kernels (Triton) + torch matmuls in splitserve/benchmark/kernels_model.py; "
                       "not the engine's model class",
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
     }
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _splitserve_figures(shape, dtype, device, args, peaks, timer, cuda: bool) -> dict:
-    from splitserve.kernels.bench_model import BenchModel, blocks_needed, prefill_inputs
+    from splitserve.benchmark.kernels_model import BenchModel, blocks_needed, prefill_inputs
 
     num_blocks = max(blocks_needed(shape, max(args.batches), args.context),
                      blocks_needed(shape, 1, args.prefill_tokens))
@@ -219,7 +219,7 @@ def _splitserve_figures(shape, dtype, device, args, peaks, timer, cuda: bool) ->
 def _transformers_figures(shape, dtype, device, args, peaks, timer) -> dict:
     import transformers
 
-    from splitserve.kernels.bench_hf import measure_hf
+    from splitserve.benchmark.kernels_hf import measure_hf
 
     hf = measure_hf(shape, dtype, device, args.batches, args.context, args.prefill_tokens,
                     args.hf_new_tokens, timer)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from splitserve.kernels.bench_model import LlamaShape
+from splitserve.benchmark.kernels_model import LlamaShape
 
 
 def build_hf_llama(shape: LlamaShape, dtype: torch.dtype, device: torch.device, max_position: int):

@@ -11,7 +11,7 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from splitserve.engine.config import CheckpointError
+from splitserve.core.model_config import CheckpointError
 
 
 class ChatTemplateError(ValueError):

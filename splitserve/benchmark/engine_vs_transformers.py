@@ -8,7 +8,7 @@ thread count in --threads and transformers at each batch size; the ratio compare
 the best engine run with the best transformers run. Throughput counts only
 requested output tokens.
 
-    python bench/engine_vs_transformers.py [--model DIR] [--out results.json]
+    splitserve bench engine [--model DIR] [--out results.json]
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def run_transformers(model_dir: str, prompts, outputs, batch_size: int, dtype: s
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="splitserve bench engine", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint dir (default: the random-weight demo model)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--hf-batch-sizes", default="8,16,32,64")
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="1,2", help="torch CPU thread counts to try on both sides")
     ap.add_argument("--out", help="write JSON results here")
     args = ap.parse_args(argv)
-    from splitserve.engine.config import ModelConfig
+    from splitserve.core.model_config import ModelConfig
     from splitserve.engine.demo import ensure_demo_checkpoint
 
     thread_counts = [int(t) for t in args.threads.split(",")]

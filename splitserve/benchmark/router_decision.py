@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from splitserve.cluster.messages import LoadReport
-from splitserve.engine.hashing import block_hashes, hash_seed
+from splitserve.core.hashing import block_hashes, hash_seed
 from splitserve.router.policy import PolicyConfig, route
 from splitserve.router.radix_index import RadixIndex
 

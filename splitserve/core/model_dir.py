@@ -1,0 +1,35 @@
+"""Which checkpoint directory a command serves, and the name clients ask for it by.
+
+Without --model the random-weight demo model is used. Building it needs torch and
+transformers (engine/demo.py), so the commands that hold a model (serve, the workers)
+build it on first use; a router alone only reads it and says how to build it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+DEMO_NAME = "splitserve-demo-llama-random-v1"
+DEMO_LABEL = "random-weight demo model (meaningless output)"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPLITSERVE_CACHE", Path.home() / ".cache" / "splitserve"))
+
+
+def demo_dir() -> Path:
+    return cache_root() / DEMO_NAME
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
+    """(checkpoint dir, served name); SystemExit with what to do when there is none."""
+    model = args.model
+    if model is None:
+        model = str(demo_dir())
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise SystemExit(f"no --model given and the {DEMO_LABEL} is not built yet: run `splitserve "
+                             "demo-model` (or `splitserve serve`, which builds it), or pass --model")
+    elif not os.path.isfile(os.path.join(model, "config.json")):
+        raise SystemExit(f"{model}/config.json not found: --model must be a Hugging Face checkpoint directory")
+    return model, args.served_model_name or os.path.basename(os.path.normpath(model))
