@@ -1,12 +1,6 @@
-"""Decode worker: receives KV from prefill workers (or prefills itself), runs continuous
-batching, and streams tokens to the router over gRPC `Generate`.
-
-Remote prefill, step by step: reserve the prompt's blocks (reusing this worker's
-prefix cache), lease the new ones to the KV receiver, ask the prefill worker to
-compute and push them, then admit the request with the first token it sampled.
-Any failure on that path (prefill worker down, transfer error, timeout) releases
-the lease and prefills locally instead: the client only sees a slower first token.
-A failure of this worker's own engine ends its streams with UNAVAILABLE, which the
+"""Decode worker: receives KV from prefill workers (or prefills itself, see
+remote_prefill.py), runs continuous batching, and streams tokens to the router over
+gRPC `Generate`. A failure of this worker's own engine ends its streams with UNAVAILABLE, which the
 router answers by migrating them (worker_base/worker.py).
 """
 
@@ -20,25 +14,24 @@ from dataclasses import dataclass
 import grpc
 
 from splitserve.core.sampling_params import InvalidSamplingParams
+from splitserve.decode_worker.remote_prefill import RemotePrefill
 from splitserve.engine.async_engine import EngineDeadError
-from splitserve.engine.llm_engine import EngineStats, InvalidPromptError, RequestOutput
+from splitserve.engine.llm_engine import InvalidPromptError, RequestOutput
+from splitserve.engine.stats import EngineStats
 from splitserve.kvtransfer import KVReceiver, KVTransferConfig
 from splitserve.metrics import Metrics
 from splitserve.proto.convert import (
-    logprob_from_proto,
     logprob_to_proto,
     pb,
     sampling_from_proto,
-    sampling_to_proto,
 )
 from splitserve.proto.worker_pb2_grpc import (
     DecodeWorkerServicer,
     DecodeWorkerStub,
-    PrefillWorkerStub,
     add_DecodeWorkerServicer_to_server,
 )
 from splitserve.worker_base.config import WorkerConfig
-from splitserve.worker_base.worker import RECONNECT_OPTIONS, WorkerBase
+from splitserve.worker_base.worker import WorkerBase
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +52,7 @@ class EngineFailed:
         self.reason = reason
 
 
-class DecodeWorker(WorkerBase, DecodeWorkerServicer):
+class DecodeWorker(RemotePrefill, WorkerBase, DecodeWorkerServicer):
     role = "decode"
 
     def __init__(self, config: DecodeWorkerConfig, metrics: Metrics | None = None, bus=None):
@@ -224,78 +217,6 @@ class DecodeWorker(WorkerBase, DecodeWorkerServicer):
         except EngineDeadError:
             return False  # nothing left to free: the process is about to be replaced
 
-    # ---- remote prefill -----------------------------------------------------------------
-    def _prefill_channel(self, address: str) -> grpc.aio.Channel:
-        # One channel per prefill worker: with mTLS a handshake per request would cost more than the RPC.
-        if address not in self._prefill_channels:
-            self._prefill_channels[address] = self.config.security.aio_channel(address, RECONNECT_OPTIONS)
-        return self._prefill_channels[address]
-
-    async def _remote_prefill(self, request: pb.GenerateRequest, prompt: list[int], params,
-                              draws_done: int) -> tuple[RequestOutput | None, str, int]:
-        """(first output, "", prefill worker's cached tokens) on success; (None, why, 0) when
-        the caller should prefill locally."""
-        rid, engine = request.request_id, self.engine.engine
-        seq = await self.engine.call(engine.reserve_remote_prefill, rid, prompt, params, draws_done)
-        if seq is None:
-            return None, "no free KV blocks for the whole prompt yet", 0
-        skip = seq.num_cached_tokens // self.config.engine.block_size
-        dest, hashes = await self.engine.call(engine.remote_prefill_blocks, seq, skip)
-        released = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        lease = self.receiver.expect(rid, dest, hashes, lambda _ids: loop.call_soon_threadsafe(released.set),
-                                     timeout=self.config.prefill_timeout_s) if dest else None
-        if lease is not None:
-            self._leased.add(rid)  # its blocks are freed by _release_reservation, never by _abort
-        try:
-            reply = await PrefillWorkerStub(self._prefill_channel(request.prefill_address)).Prefill(
-                pb.PrefillRequest(
-                    request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
-                    kv_receiver_address=self.kv_address, kv_backend=self.config.kv_backend, skip_blocks=skip,
-                    dest_block_ids=dest, timeout_s=self.config.prefill_timeout_s,
-                ), timeout=self.config.prefill_timeout_s, metadata=self.config.security.metadata)
-            if lease is not None:
-                outcome = await asyncio.wrap_future(lease)
-                if not outcome.ok:
-                    raise RuntimeError(f"KV transfer {outcome.reason}: {outcome.detail}")
-            lp = logprob_from_proto(reply.first_logprob) if reply.has_logprob else None
-            first = await self.engine.call(engine.complete_remote_prefill, rid, reply.first_token_id, lp)
-            self._leased.discard(rid)  # the blocks belong to the running request now
-            return first, "", reply.num_cached_tokens
-        except (grpc.aio.AioRpcError, RuntimeError) as exc:
-            if isinstance(exc, EngineDeadError):
-                raise
-            why = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            log.warning("request %s: remote prefill on %s (%s) failed (%s); prefilling locally on %s",
-                        rid, request.prefill_worker_id, request.prefill_address, why, self.worker_id)
-            self.metrics.local_prefill_fallbacks.labels(worker=self.worker_id, reason=_reason(exc)).inc()
-            # Shielded: a client that leaves now must not skip the wait for the lease.
-            await asyncio.shield(self._release_reservation(rid, lease, released, "remote prefill failed"))
-            return None, why, 0
-        except BaseException:  # cancelled (client gone): free in the background, then go
-            loop.create_task(self._release_reservation(rid, lease, released, "the request was cancelled"))
-            raise
-
-    async def _release_reservation(self, rid: str, lease, released: asyncio.Event, why: str) -> None:
-        """Free a remote prefill's reserved blocks, once the receiver says no write can still
-        land in them (one-sided writes cannot be recalled): after its lease succeeded, or
-        after it failed and released them."""
-        try:
-            if lease is not None and not (lease.done() and lease.result().ok):
-                self.receiver.abort(rid, why)
-                try:
-                    await asyncio.wait_for(released.wait(), timeout=self.config.prefill_timeout_s + 30)
-                except TimeoutError:
-                    log.error("request %s: the KV receiver of %s never released its lease; freeing the blocks "
-                              "anyway", rid, self.worker_id)
-        finally:
-            self._leased.discard(rid)
-            if not self.failed:
-                try:
-                    await self.engine.call(self.engine.engine.cancel_remote_prefill, rid)
-                except EngineDeadError:
-                    pass  # nothing left to free: the process is about to be replaced
-
     # ---- draining ------------------------------------------------------------------------
     async def drain(self, timeout: float = 600.0) -> bool:
         """Stop admitting (routers see it draining), let every stream finish, then leave the
@@ -309,9 +230,3 @@ class DecodeWorker(WorkerBase, DecodeWorkerServicer):
         if self.presence is not None:
             await self.presence.hide()
         return not self.streams
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return exc.code().name.lower()
-    return "kv_transfer"

@@ -32,7 +32,8 @@ from concurrent.futures import Future
 
 from splitserve.core.block_events import BlockEvent
 from splitserve.engine.faults import FaultPlan
-from splitserve.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
+from splitserve.engine.llm_engine import LLMEngine, RequestOutput
+from splitserve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.sampler import sample
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sequence import Sequence
+from splitserve.engine.stats import EngineStats
 
 
 class InvalidPromptError(ValueError):
@@ -43,30 +44,6 @@ class RequestOutput:
     logprobs: list[TokenLogprobs]
     new_logprobs: list[TokenLogprobs]
     error: str | None = None  # set when the engine failed the request (finish_reason "abort")
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """What other threads may know of an engine: taken by the engine thread between
-    steps and read by anyone (load reports, /health, metrics)."""
-
-    steps: int
-    waiting: int  # queued, not yet scheduled
-    running: int  # in the running batch (prefilling or decoding)
-    prefilling: int  # running with prompt tokens still to compute
-    queued_prompt_tokens: int  # prompt tokens still to compute, waiting or prefilling
-    remote_prefills: int  # decode side: waiting for KV from a prefill worker
-    held_for_push: int  # prefill side: finished, blocks kept for a KV push
-    sequences: int
-    free_blocks: int
-    total_blocks: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    preemptions: int
-
-    @property
-    def kv_usage(self) -> float:
-        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
 
 
 class LLMEngine:

@@ -8,6 +8,8 @@ until the outcome, the lease table decides when they are given back. Invariants:
     (or that stream ended `quarantine_s` ago, or it overstayed a whole timeout);
   * a successful lease's blocks are never released here: they belong to the request.
 Release callbacks and future results run outside the table's lock.
+(Over 300 lines on purpose: these invariants hold only if every transition of a lease is
+in one place, under one lock; splitting the table would split the proof.)
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ import grpc
 
 from splitserve.core.sampling_params import InvalidSamplingParams
 from splitserve.engine.async_engine import EngineDeadError
-from splitserve.engine.llm_engine import EngineStats, InvalidPromptError, RequestOutput
+from splitserve.engine.llm_engine import InvalidPromptError, RequestOutput
+from splitserve.engine.stats import EngineStats
 from splitserve.kvtransfer import BACKENDS, KVTransferConfig, KVTransferError, create_sender
 from splitserve.metrics import Metrics
 from splitserve.proto.convert import logprob_to_proto, pb, sampling_from_proto

@@ -86,6 +86,12 @@ def server_error(request_id: str) -> APIError:
                     "log has the traceback under this id.", "server_error", None, None)
 
 
+def deadline_exceeded(rid: str, timeout: float | None) -> APIError:
+    return APIError(504, f"request {rid} did not finish within its deadline of {timeout}s (--request-timeout); "
+                    "it was aborted on every worker. Ask for fewer tokens or retry later.", "timeout_error",
+                    code="request_timeout")
+
+
 def _json_type(value: object) -> str:
     if value is None:
         return "null"

@@ -18,8 +18,9 @@ from splitserve.logs import configure_logging
 from splitserve.metrics import Metrics
 from splitserve.router.admission import AdmissionConfig
 from splitserve.router.dispatch import DispatchConfig, Dispatcher
+from splitserve.router.http_limits import HTTPLimits
 from splitserve.router.policy import PolicyConfig
-from splitserve.router.server import HTTPLimits, RouterServer, ServerConfig
+from splitserve.router.server import RouterServer, ServerConfig
 from splitserve.security.links import (
     LinkSecurity,
     add_security_args,

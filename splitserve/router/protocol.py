@@ -9,13 +9,12 @@ ignoring them would change the answer the client expects.
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
 from splitserve.core.sampling_params import InvalidSamplingParams, SamplingParams
 from splitserve.router import errors
+from splitserve.router import json_body as J
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_LOGPROBS = 20
@@ -64,26 +63,26 @@ class ChatRequest:
 
 def parse_completion_request(raw: bytes | str | dict,
                              served_models: Collection[str] | None = None) -> CompletionRequest:
-    body = _load(raw)
+    body = J.load(raw)
     model = _model(body, served_models)
     prompt, token_ids = _prompt(body)
     _reject_unsupported(body)
-    logprobs = _opt_int(body, "logprobs")
-    params = _sampling(body, max_tokens=_opt_int(body, "max_tokens", default=16),
+    logprobs = J.opt_int(body, "logprobs")
+    params = _sampling(body, max_tokens=J.opt_int(body, "max_tokens", default=16),
                        max_tokens_param="max_tokens", logprobs=logprobs)
     stream, include_usage = _stream(body)
     return CompletionRequest(model, prompt, token_ids, params, stream, include_usage,
-                             _opt_str(body, "user"))
+                             J.opt_str(body, "user"))
 
 
 def parse_chat_request(raw: bytes | str | dict,
                        served_models: Collection[str] | None = None) -> ChatRequest:
-    body = _load(raw)
+    body = J.load(raw)
     model = _model(body, served_models)
     messages = _messages(body)
     _reject_unsupported(body)
-    want_logprobs = _opt_bool(body, "logprobs", default=False)
-    top = _opt_int(body, "top_logprobs")
+    want_logprobs = J.opt_bool(body, "logprobs", default=False)
+    top = J.opt_int(body, "top_logprobs")
     if top is not None and not want_logprobs:
         raise errors.invalid_request("'top_logprobs' requires 'logprobs': true", "top_logprobs")
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
@@ -92,10 +91,10 @@ def parse_chat_request(raw: bytes | str | dict,
     # max_completion_tokens is the current name; max_tokens the deprecated one
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
-    params = _sampling(body, max_tokens=_opt_int(body, param), max_tokens_param=param,
+    params = _sampling(body, max_tokens=J.opt_int(body, param), max_tokens_param=param,
                        logprobs=(top or 0) if want_logprobs else None)
     stream, include_usage = _stream(body)
-    return ChatRequest(model, messages, params, stream, include_usage, _opt_str(body, "user"))
+    return ChatRequest(model, messages, params, stream, include_usage, J.opt_str(body, "user"))
 
 
 def check_prompt_length(n_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
@@ -128,57 +127,6 @@ def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
 
 
 # ---- pieces ------------------------------------------------------------------------------
-def _load(raw: bytes | str | dict) -> dict:
-    if isinstance(raw, dict):
-        body = raw
-    else:
-        try:
-            body = json.loads(raw, parse_constant=_no_constants)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise errors.invalid_request(
-                f"could not parse the JSON body of the request ({exc}); send a JSON object "
-                "with Content-Type: application/json", None, "invalid_json") from None
-        except RecursionError:
-            raise errors.invalid_request(
-                "the JSON body is nested too deeply to parse; no OpenAI request needs more than a "
-                "few levels", None, "invalid_json") from None
-    if not isinstance(body, dict):
-        raise errors.invalid_request("the request body must be a JSON object", None,
-                                     "invalid_json")
-    if isinstance(raw, dict) or b"\\u" in _as_bytes(raw):  # only \uXXXX escapes can carry a surrogate
-        _reject_lone_surrogates(body)
-    return body
-
-
-def _as_bytes(raw: bytes | str) -> bytes:
-    return raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
-
-
-def _reject_lone_surrogates(body: dict) -> None:
-    """JSON may spell an unpaired UTF-16 surrogate (\\ud800), which is not text: no
-    tokenizer, stop-string matcher or encoder can take it. Walked without recursion."""
-    stack: list[tuple[str, object]] = [("", body)]
-    while stack:
-        where, value = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise errors.invalid_request(
-                    f"'{where or 'body'}' contains an unpaired UTF-16 surrogate (\\ud800-\\udfff); send valid "
-                    "Unicode text", where or None, "invalid_value") from None
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                stack.append((f"{where}.{k}" if where else str(k), k))
-                stack.append((f"{where}.{k}" if where else str(k), v))
-        elif isinstance(value, list):
-            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
-
-
-def _no_constants(name: str) -> None:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def _model(body: dict, served: Collection[str] | None) -> str:
     model = body.get("model")
     if model is None:
@@ -287,18 +235,18 @@ def _sampling(body: dict, max_tokens: int | None, max_tokens_param: str,
         raise errors.wrong_type("stop_token_ids", "an array of token ids", stop_ids)
     try:
         return SamplingParams(
-            n=_opt_int(body, "n", default=1),
-            temperature=_opt_number(body, "temperature", default=1.0),
-            top_p=_opt_number(body, "top_p", default=1.0),
-            top_k=_opt_int(body, "top_k", default=-1),
-            min_p=_opt_number(body, "min_p", default=0.0),
-            seed=_opt_int(body, "seed"),
+            n=J.opt_int(body, "n", default=1),
+            temperature=J.opt_number(body, "temperature", default=1.0),
+            top_p=J.opt_number(body, "top_p", default=1.0),
+            top_k=J.opt_int(body, "top_k", default=-1),
+            min_p=J.opt_number(body, "min_p", default=0.0),
+            seed=J.opt_int(body, "seed"),
             max_tokens=max_tokens,
             stop=[stop] if isinstance(stop, str) else list(stop or []),
             stop_token_ids=list(stop_ids or []),
-            ignore_eos=_opt_bool(body, "ignore_eos", default=False),
+            ignore_eos=J.opt_bool(body, "ignore_eos", default=False),
             logprobs=logprobs,
-            skip_special_tokens=_opt_bool(body, "skip_special_tokens", default=True),
+            skip_special_tokens=J.opt_bool(body, "skip_special_tokens", default=True),
         )
     except InvalidSamplingParams as exc:
         param = max_tokens_param if exc.param == "max_tokens" else exc.param
@@ -307,7 +255,7 @@ def _sampling(body: dict, max_tokens: int | None, max_tokens_param: str,
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
-    stream = _opt_bool(body, "stream", default=False)
+    stream = J.opt_bool(body, "stream", default=False)
     options = body.get("stream_options")
     if options is None:
         return stream, False
@@ -320,43 +268,3 @@ def _stream(body: dict) -> tuple[bool, bool]:
     if not isinstance(include, bool):
         raise errors.wrong_type("stream_options.include_usage", "a boolean", include)
     return stream, include
-
-
-def _opt_int(body: dict, name: str, default: int | None = None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise errors.wrong_type(name, "an integer", value)
-    return value
-
-
-def _opt_number(body: dict, name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise errors.wrong_type(name, "a number", value)
-    try:
-        number = float(value)
-    except OverflowError:  # an integer with hundreds of digits
-        number = math.inf
-    if not math.isfinite(number):
-        raise errors.invalid_request(f"'{name}' must be a finite number", name, "invalid_value")
-    return number
-
-
-def _opt_bool(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise errors.wrong_type(name, "a boolean", value)
-    return value
-
-
-def _opt_str(body: dict, name: str) -> str | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, str):
-        raise errors.wrong_type(name, "a string", value)
-    return value

@@ -1,6 +1,6 @@
 """The router's radix index: which worker holds which KV block.
 
-Block hashes are chained (h[i] depends on h[i-1], see engine/hashing.py), so a hash
+Block hashes are chained (h[i] depends on h[i-1], see core/hashing.py), so a hash
 names a whole prefix and a node is found by hash directly: the tree is a dict
 hash -> holders plus parent links. The links matter only for pruning (evict leaves,
 never the middle of a prefix whose continuation is still cached) and for the LRU order.
@@ -19,6 +19,8 @@ Layout, chosen for the routing hot path and for a million-node index:
 Two kinds of entries: precise (from the worker's own KV events) and approximate (the
 router's own routing decisions, `record_routed`, which expire after a TTL). A precise
 entry wins over an approximate one for the same (block, worker).
+(Over 300 lines on purpose: the int-dict layout above is shared by lookup, apply and
+eviction, which must change together; one file keeps that layout in one view.)
 """
 
 from __future__ import annotations

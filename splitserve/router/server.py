@@ -14,7 +14,6 @@ import hashlib
 import hmac
 import json
 import logging
-import re
 import time
 from dataclasses import dataclass, field, replace
 
@@ -29,32 +28,15 @@ from splitserve.router.admission import Admission, AdmissionConfig, check_reques
 from splitserve.router.choice import ChoiceRun
 from splitserve.router.dispatch import Dispatcher, WorkerFailure
 from splitserve.router.errors import APIError
+from splitserve.router.http_limits import HTTPLimits, client_request_id
 from splitserve.router.openapi import openapi_document
 from splitserve.router.policy import NoHealthyWorker
 from splitserve.router.prompts import PromptTokenizer
+from splitserve.router.sse import stream_choices
 
 log = logging.getLogger(__name__)
 
 INLINE_BODY_BYTES = 256 << 10  # parsing a body this large takes a few milliseconds at most
-_CLIENT_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces: safe in logs and headers
-
-
-@dataclass(frozen=True)
-class HTTPLimits:
-    max_body_mb: float = 16.0  # larger bodies: 413
-    body_read_timeout_s: float = 30.0  # a body still arriving after this: 408
-    idle_timeout_s: float = 75.0  # keep-alive idle, or headers never completed: connection closed
-
-    def __post_init__(self) -> None:
-        for name in ("max_body_mb", "body_read_timeout_s", "idle_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name.replace('_', '-')} must be a positive number, got {getattr(self, name)}")
-
-    @property
-    def max_body_bytes(self) -> int:
-        return int(self.max_body_mb * (1 << 20))
-
-
 @dataclass
 class ServerConfig:
     model_dir: str
@@ -241,97 +223,27 @@ class RouterServer:
         timeout = self.admission.config.request_timeout_s
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         if req.stream:
-            return await self._stream(request, req, choices, chat, headers, deadline)
+            return await stream_choices(request, req, choices, chat, headers, deadline,
+                                        self.admission.config.request_timeout_s, self._count_error)
         try:
             async with asyncio.timeout_at(deadline):
                 await asyncio.gather(*(c.run_to_end() for c in choices))
         except WorkerFailure as exc:
             raise APIError(503, str(exc), "service_unavailable", code="worker_failure") from None
         except TimeoutError:
-            raise deadline_exceeded(rid, timeout) from None
+            raise errors.deadline_exceeded(rid, timeout) from None
         usage = R.Usage(len(prompt), sum(len(c.text.token_ids) for c in choices), choices[0].cached_tokens)
         body_choices = [R.Choice(c.index, c.text.text, c.finish_reason, c.logprobs_out(chat) if c.want_logprobs
                                  else None) for c in choices]
         build = R.chat_completion_response if chat else R.completion_response
         headers["X-Splitserve-Workers"] = "; ".join(f"{k}={v}" for k, v in choices[0].served_by.items())
-        return web.json_response(build(rid, req.model, now_s(), body_choices, usage), headers=headers)
+        return web.json_response(build(rid, req.model, R.now(), body_choices, usage), headers=headers)
+
+    def _count_error(self, err: APIError) -> None:
+        """An error after the 200 went out (an SSE error event), counted like any error answer."""
+        self.metrics.request_errors.labels(model=self.config.served_model_name, code=str(err.status)).inc()
 
     @staticmethod
     def _choice_params(params, index: int):
         seed = None if params.seed is None else params.seed + index
         return replace(params, n=1, seed=seed)
-
-    async def _stream(self, request, req, choices: list[ChoiceRun], chat: bool, headers,
-                      deadline: float | None) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        created = now_s()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(choice: ChoiceRun):
-            try:
-                async for payload in choice.chunks(req.model, created, chat):
-                    await queue.put(payload)
-            except WorkerFailure as exc:
-                await queue.put(APIError(503, str(exc), "service_unavailable", code="worker_failure"))
-            except APIError as exc:
-                await queue.put(exc)
-            finally:
-                await queue.put(None)
-
-        tasks = [asyncio.create_task(pump(c)) for c in choices]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        item = await queue.get()
-                except TimeoutError:  # the deadline passed: stop the workers, tell the client, end the stream
-                    for t in tasks:
-                        t.cancel()
-                    await self._sse_error(resp, deadline_exceeded(choices[0].rid,
-                                                                  self.admission.config.request_timeout_s))
-                    break
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, APIError):
-                    await self._sse_error(resp, item)
-                else:
-                    await resp.write(R.sse(item))
-            if req.include_usage and not remaining:
-                usage = R.Usage(len(choices[0].prompt), sum(len(c.text.token_ids) for c in choices),
-                                choices[0].cached_tokens)
-                await resp.write(R.sse(R.usage_chunk(choices[0].rid, req.model, created, usage, chat)))
-            await resp.write(R.SSE_DONE)
-        finally:  # client gone (ConnectionResetError) or done: stop every choice's worker stream
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        try:
-            await resp.write_eof()
-        except ConnectionResetError:  # the client closed after [DONE]: it has everything
-            pass
-        return resp
-
-
-    async def _sse_error(self, resp: web.StreamResponse, err: APIError) -> None:
-        """An error after the 200 went out: an SSE error event, counted like any error answer."""
-        self.metrics.request_errors.labels(model=self.config.served_model_name, code=str(err.status)).inc()
-        await resp.write(R.sse_error(err))
-
-
-def client_request_id(request: web.Request) -> str | None:
-    """The client's X-Request-Id, if it is safe to log and echo back."""
-    value = request.headers.get("X-Request-Id")
-    return value if value is not None and _CLIENT_ID.match(value) else None
-
-
-def deadline_exceeded(rid: str, timeout: float | None) -> APIError:
-    return APIError(504, f"request {rid} did not finish within its deadline of {timeout}s (--request-timeout); "
-                    "it was aborted on every worker. Ask for fewer tokens or retry later.", "timeout_error",
-                    code="request_timeout")
-
-
-def now_s() -> int:
-    return int(time.time())

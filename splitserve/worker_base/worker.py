@@ -21,7 +21,8 @@ from splitserve.cluster.messages import LoadReport, WorkerInfo
 from splitserve.cluster.presence import WorkerPresence
 from splitserve.cluster.remote_bus import open_bus
 from splitserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineStalledError
-from splitserve.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
+from splitserve.engine.llm_engine import LLMEngine, RequestOutput
+from splitserve.engine.stats import EngineStats
 from splitserve.metrics import Metrics
 from splitserve.proto.convert import pb
 from splitserve.worker_base.config import WorkerConfig, advertised_host

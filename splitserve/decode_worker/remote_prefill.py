@@ -1,0 +1,106 @@
+"""Remote prefill, as the decode worker runs it.
+
+Step by step: reserve the prompt's blocks (reusing this worker's prefix cache), lease the
+new ones to the KV receiver, ask the prefill worker to compute and push them, then admit
+the request with the first token it sampled. Any failure on that path (prefill worker
+down, transfer error, timeout) releases the lease and prefills locally instead: the
+client only sees a slower first token. Blocks under a lease are freed only once the
+receiver says no write can still land in them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from splitserve.engine.async_engine import EngineDeadError
+from splitserve.engine.llm_engine import RequestOutput
+from splitserve.proto.convert import logprob_from_proto, pb, sampling_to_proto
+from splitserve.proto.worker_pb2_grpc import PrefillWorkerStub
+from splitserve.worker_base.worker import RECONNECT_OPTIONS
+
+log = logging.getLogger(__name__)
+
+
+class RemotePrefill:
+    """DecodeWorker's remote prefill (it provides engine, receiver, config, metrics,
+    worker_id, kv_address, failed, _leased and _prefill_channels)."""
+
+    def _prefill_channel(self, address: str) -> grpc.aio.Channel:
+        # One channel per prefill worker: with mTLS a handshake per request would cost more than the RPC.
+        if address not in self._prefill_channels:
+            self._prefill_channels[address] = self.config.security.aio_channel(address, RECONNECT_OPTIONS)
+        return self._prefill_channels[address]
+
+    async def _remote_prefill(self, request: pb.GenerateRequest, prompt: list[int], params,
+                              draws_done: int) -> tuple[RequestOutput | None, str, int]:
+        """(first output, "", prefill worker's cached tokens) on success; (None, why, 0) when
+        the caller should prefill locally."""
+        rid, engine = request.request_id, self.engine.engine
+        seq = await self.engine.call(engine.reserve_remote_prefill, rid, prompt, params, draws_done)
+        if seq is None:
+            return None, "no free KV blocks for the whole prompt yet", 0
+        skip = seq.num_cached_tokens // self.config.engine.block_size
+        dest, hashes = await self.engine.call(engine.remote_prefill_blocks, seq, skip)
+        released = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        lease = self.receiver.expect(rid, dest, hashes, lambda _ids: loop.call_soon_threadsafe(released.set),
+                                     timeout=self.config.prefill_timeout_s) if dest else None
+        if lease is not None:
+            self._leased.add(rid)  # its blocks are freed by _release_reservation, never by _abort
+        try:
+            reply = await PrefillWorkerStub(self._prefill_channel(request.prefill_address)).Prefill(
+                pb.PrefillRequest(
+                    request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
+                    kv_receiver_address=self.kv_address, kv_backend=self.config.kv_backend, skip_blocks=skip,
+                    dest_block_ids=dest, timeout_s=self.config.prefill_timeout_s,
+                ), timeout=self.config.prefill_timeout_s, metadata=self.config.security.metadata)
+            if lease is not None:
+                outcome = await asyncio.wrap_future(lease)
+                if not outcome.ok:
+                    raise RuntimeError(f"KV transfer {outcome.reason}: {outcome.detail}")
+            lp = logprob_from_proto(reply.first_logprob) if reply.has_logprob else None
+            first = await self.engine.call(engine.complete_remote_prefill, rid, reply.first_token_id, lp)
+            self._leased.discard(rid)  # the blocks belong to the running request now
+            return first, "", reply.num_cached_tokens
+        except (grpc.aio.AioRpcError, RuntimeError) as exc:
+            if isinstance(exc, EngineDeadError):
+                raise
+            why = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            log.warning("request %s: remote prefill on %s (%s) failed (%s); prefilling locally on %s",
+                        rid, request.prefill_worker_id, request.prefill_address, why, self.worker_id)
+            self.metrics.local_prefill_fallbacks.labels(worker=self.worker_id, reason=_reason(exc)).inc()
+            # Shielded: a client that leaves now must not skip the wait for the lease.
+            await asyncio.shield(self._release_reservation(rid, lease, released, "remote prefill failed"))
+            return None, why, 0
+        except BaseException:  # cancelled (client gone): free in the background, then go
+            loop.create_task(self._release_reservation(rid, lease, released, "the request was cancelled"))
+            raise
+
+    async def _release_reservation(self, rid: str, lease, released: asyncio.Event, why: str) -> None:
+        """Free a remote prefill's reserved blocks, once the receiver says no write can still
+        land in them (one-sided writes cannot be recalled): after its lease succeeded, or
+        after it failed and released them."""
+        try:
+            if lease is not None and not (lease.done() and lease.result().ok):
+                self.receiver.abort(rid, why)
+                try:
+                    await asyncio.wait_for(released.wait(), timeout=self.config.prefill_timeout_s + 30)
+                except TimeoutError:
+                    log.error("request %s: the KV receiver of %s never released its lease; freeing the blocks "
+                              "anyway", rid, self.worker_id)
+        finally:
+            self._leased.discard(rid)
+            if not self.failed:
+                try:
+                    await self.engine.call(self.engine.engine.cancel_remote_prefill, rid)
+                except EngineDeadError:
+                    pass  # nothing left to free: the process is about to be replaced
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code().name.lower()
+    return "kv_transfer"

@@ -1,0 +1,30 @@
+"""An engine's state as other threads may see it: taken by the engine thread between steps
+(LLMEngine.stats), read by anyone (load reports, /health, metrics) without a lock."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What other threads may know of an engine: taken by the engine thread between
+    steps and read by anyone (load reports, /health, metrics)."""
+
+    steps: int
+    waiting: int  # queued, not yet scheduled
+    running: int  # in the running batch (prefilling or decoding)
+    prefilling: int  # running with prompt tokens still to compute
+    queued_prompt_tokens: int  # prompt tokens still to compute, waiting or prefilling
+    remote_prefills: int  # decode side: waiting for KV from a prefill worker
+    held_for_push: int  # prefill side: finished, blocks kept for a KV push
+    sequences: int
+    free_blocks: int
+    total_blocks: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    preemptions: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0

@@ -1,0 +1,75 @@
+"""A streaming answer: every choice's chunks as server-sent events, as they come."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from aiohttp import web
+
+from splitserve.router import errors
+from splitserve.router import responses as R
+from splitserve.router.choice import ChoiceRun
+from splitserve.router.dispatch import WorkerFailure
+from splitserve.router.errors import APIError
+
+
+async def stream_choices(request: web.Request, req, choices: list[ChoiceRun], chat: bool, headers: dict,
+                         deadline: float | None, timeout_s: float | None,
+                         count_error: Callable[[APIError], None]) -> web.StreamResponse:
+    """The choices' chunks as server-sent events as they come; an error after the 200 is an
+    error event (counted by `count_error`), then usage and [DONE]; a deadline ends it all."""
+    resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    created = R.now()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(choice: ChoiceRun):
+        try:
+            async for payload in choice.chunks(req.model, created, chat):
+                await queue.put(payload)
+        except WorkerFailure as exc:
+            await queue.put(APIError(503, str(exc), "service_unavailable", code="worker_failure"))
+        except APIError as exc:
+            await queue.put(exc)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    item = await queue.get()
+            except TimeoutError:  # the deadline passed: stop the workers, tell the client, end the stream
+                for t in tasks:
+                    t.cancel()
+                await _error_event(resp, errors.deadline_exceeded(choices[0].rid, timeout_s), count_error)
+                break
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, APIError):
+                await _error_event(resp, item, count_error)
+            else:
+                await resp.write(R.sse(item))
+        if req.include_usage and not remaining:
+            usage = R.Usage(len(choices[0].prompt), sum(len(c.text.token_ids) for c in choices),
+                            choices[0].cached_tokens)
+            await resp.write(R.sse(R.usage_chunk(choices[0].rid, req.model, created, usage, chat)))
+        await resp.write(R.SSE_DONE)
+    finally:  # client gone (ConnectionResetError) or done: stop every choice's worker stream
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    try:
+        await resp.write_eof()
+    except ConnectionResetError:  # the client closed after [DONE]: it has everything
+        pass
+    return resp
+
+
+async def _error_event(resp: web.StreamResponse, err: APIError, count_error: Callable[[APIError], None]) -> None:
+    count_error(err)
+    await resp.write(R.sse_error(err))
