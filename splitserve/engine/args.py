@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.core.model_dir import resolve_model as core_resolve_model
 from splitserve.engine.config import EngineConfig
 
@@ -15,7 +16,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                                                "(must be the same on router and workers; default: directory name)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     g.add_argument("--num-kv-blocks", type=int, help="KV blocks per worker (default: from --kv-cache-memory)")
     g.add_argument("--kv-cache-memory", type=float, default=0.5, help="GiB of KV cache per worker")
     g.add_argument("--max-num-seqs", type=int, default=64)

@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.core.logprobs import TokenLogprobs
 from splitserve.core.sampling_params import SamplingParams
 from splitserve.engine.config import EngineConfig
@@ -29,7 +30,7 @@ class GenerationOutput:
 
 
 class LLM:
-    def __init__(self, model: str, dtype: str = "float32", device: str = "cpu", block_size: int = 16,
+    def __init__(self, model: str, dtype: str = "float32", device: str = "cpu", block_size: int = DEFAULT_BLOCK_SIZE,
                  num_kv_blocks: int | None = None, **engine_kwargs):
         self.engine = LLMEngine(EngineConfig(model=str(model), dtype=dtype, device=device,
                                              block_size=block_size, num_kv_blocks=num_kv_blocks,

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
+
 GROUP = "splitserve.io"
 VERSION = "v1alpha1"
 PLURAL = "inferencedeployments"
@@ -90,7 +92,7 @@ class InferenceSpec:
     prefill: RoleSpec
     decode: RoleSpec
     autoscaling: AutoscalingSpec
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_backend: str = "grpc"
     rdma_device: str = ""
     redis_url: str = ""  # empty: the operator deploys an in-cluster Redis
@@ -242,7 +244,7 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
     network_policy = bool(_section(spec, "networkPolicy", problems).get("enabled", True))
     image_d = _section(spec, "image", problems)
     image = f"{image_d['repository']}:{image_d.get('tag', 'latest')}" if image_d.get("repository") else default_image
-    block_size = _int(spec, "blockSize", 16, "spec", problems, minimum=1)
+    block_size = _int(spec, "blockSize", DEFAULT_BLOCK_SIZE, "spec", problems, minimum=1)
     if block_size & (block_size - 1) or block_size > 256:
         problems.append(f"spec.blockSize must be a power of two <= 256, got {block_size}")
     if problems:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from splitserve.cluster.bus import ClusterBus
-from splitserve.core.hashing import block_hashes, hash_seed
+from splitserve.core.hashing import DEFAULT_BLOCK_SIZE, block_hashes, hash_seed
 from splitserve.core.logprobs import TokenLogprobs
 from splitserve.core.sampling_params import SamplingParams
 from splitserve.metrics import Metrics
@@ -39,7 +39,7 @@ _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
 @dataclass
 class DispatchConfig:
     model_id: str  # seeds the block-hash space; workers use the same
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     max_migrations: int = 2
     seed: int | None = None  # routing RNG (tie breaks); fixed in tests

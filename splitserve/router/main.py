@@ -14,6 +14,7 @@ import socket
 from aiohttp import web
 
 from splitserve.cluster.bus import ClusterBus
+from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.logs import configure_logging
 from splitserve.metrics import Metrics
 from splitserve.router.admission import AdmissionConfig
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--served-model-name")
     ap.add_argument("--redis-url", required=True, help="the cluster bus, e.g. redis://redis:6379/0")
     ap.add_argument("--cluster", default="local", help="bus namespace: <namespace>.<InferenceDeployment name>")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     ap.add_argument("--max-model-len", type=int)
     args = ap.parse_args(argv)
     configure_logging()

@@ -149,15 +149,14 @@ def choose_prefill(
     block_size: int,
     loads: Mapping[str, LoadReport],
     rng: random.Random,
-    pending_tokens: Mapping[str, int] | None = None,
 ) -> str:
-    """The prefill worker that would finish this prompt soonest, in queued tokens."""
-    pending_tokens = pending_tokens or {}
+    """The prefill worker that would finish this prompt soonest, in queued tokens (its last
+    load report's)."""
     workers = prefill_workers
 
     def queued(w: str) -> int:
         report = loads.get(w)
-        return (report.waiting_tokens if report is not None else 0) + pending_tokens.get(w, 0)
+        return report.waiting_tokens if report is not None else 0
 
     cost = {w: queued(w) + prompt_tokens - min(matched.get(w, 0) * block_size, prompt_tokens)
             for w in workers}
@@ -177,13 +176,12 @@ def route(
     rng: random.Random,
     config: PolicyConfig = PolicyConfig(),
     pending: Mapping[str, int] | None = None,
-    pending_prefill_tokens: Mapping[str, int] | None = None,
 ) -> RouteDecision:
     """Choose the decode worker, then whether (and where) to prefill remotely.
 
     `matched` is `RadixIndex.match(prompt_hashes)`; the worker lists hold only live
-    workers of each role. `pending`/`pending_prefill_tokens` are requests/tokens this
-    router sent since each worker's last load report (optional, keeps bursts spread)."""
+    workers of each role. `pending` counts the requests this router sent to each decode
+    worker since its last load report (optional, keeps bursts spread)."""
     prompt_blocks = prompt_tokens // block_size
     decode, reason, costs = choose_decode(decode_workers, matched, prompt_blocks, loads, rng,
                                           config, pending)
@@ -197,8 +195,7 @@ def route(
         prefill_reason = (f"local: uncached {uncached} tokens < "
                           f"{config.disagg_min_uncached_tokens}")
     else:
-        prefill = choose_prefill(prefill_workers, matched, prompt_tokens, block_size, loads, rng,
-                                 pending_prefill_tokens)
+        prefill = choose_prefill(prefill_workers, matched, prompt_tokens, block_size, loads, rng)
         prefill_cached = matched.get(prefill, 0)
         prefill_reason = (f"disaggregated: uncached {uncached} tokens >= "
                           f"{config.disagg_min_uncached_tokens}")

@@ -154,3 +154,4 @@ def test_decision_explains_itself():
 def test_bad_config_is_rejected(kw):
     with pytest.raises(ValueError):
         PolicyConfig(**kw)
+
