@@ -25,6 +25,7 @@ from splitserve.engine.args import add_engine_args, engine_config_from_args, res
 from splitserve.logs import configure_logging
 from splitserve.router.main import add_router_args, bind_http, start_router
 from splitserve.security.links import LinkSecurity, security_from_args
+from splitserve.worker_base.config import add_worker_health_args
 
 log = logging.getLogger("splitserve.serve")
 
@@ -37,8 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-workers", type=int, default=1)
     ap.add_argument("--redis-url", help="use Redis as the cluster bus (default: in-process)")
     ap.add_argument("--kv-backend", choices=["grpc", "mooncake"], default="grpc")
-    ap.add_argument("--engine-stall-timeout", type=float, default=120.0,
-                    help="seconds one engine step may run before its worker reports itself stalled")
+    add_worker_health_args(ap)
     add_engine_args(ap)
     ap.add_argument("--log-level", default="INFO")
     return ap

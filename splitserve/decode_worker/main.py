@@ -17,6 +17,7 @@ from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.logs import configure_logging
 from splitserve.security.links import add_security_args, security_from_args
+from splitserve.worker_base.config import add_worker_health_args
 from splitserve.worker_base.process import run_worker_process
 
 
@@ -37,9 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rdma-device", help="RDMA device for mooncake, e.g. mlx5_0")
     ap.add_argument("--drain-port", type=int, default=DRAIN_PORT, help="loopback-only port of /drain")
     ap.add_argument("--drain-timeout", type=float, default=600.0)
-    ap.add_argument("--engine-stall-timeout", type=float, default=120.0,
-                    help="seconds one engine step may run before the worker reports itself stalled (503, out of "
-                         "the registry)")
+    add_worker_health_args(ap)
     add_security_args(ap)
     args = ap.parse_args(argv)
     configure_logging()

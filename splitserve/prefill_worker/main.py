@@ -20,6 +20,7 @@ from splitserve.engine.args import add_engine_args, engine_config_from_args, res
 from splitserve.logs import configure_logging
 from splitserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from splitserve.security.links import add_security_args, security_from_args
+from splitserve.worker_base.config import add_worker_health_args
 from splitserve.worker_base.process import run_worker_process
 
 
@@ -34,8 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--worker-id", default=os.environ.get("POD_NAME") or f"prefill-{socket.gethostname()}")
     ap.add_argument("--redis-url", required=True)
     ap.add_argument("--cluster", default="local")
-    ap.add_argument("--engine-stall-timeout", type=float, default=120.0,
-                    help="seconds one engine step may run before the worker reports itself stalled")
+    add_worker_health_args(ap)
     add_security_args(ap)
     return ap
 

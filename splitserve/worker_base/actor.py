@@ -18,9 +18,10 @@ import threading
 
 import ray
 
+from splitserve.worker_base.process import FATAL_EXIT_CODE
+
 log = logging.getLogger(__name__)
 
-FATAL_EXIT_CODE = 3  # the worker's engine died; Ray restarts the actor
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0)

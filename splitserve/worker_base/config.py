@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import socket
 import uuid
 from dataclasses import dataclass, field
@@ -52,3 +53,11 @@ def advertised_host(host: str, advertise: str | None) -> str:
     except ImportError:
         pass
     return socket.gethostbyname(socket.gethostname())
+
+
+def add_worker_health_args(ap: argparse.ArgumentParser) -> None:
+    """Flags of a worker's health checks, the same for every command that starts workers."""
+    ap.add_argument("--engine-stall-timeout", type=float, default=WorkerConfig.engine_stall_timeout_s,
+                    help="seconds one engine step may run before its worker reports itself stalled (503 on "
+                         "/health and /livez, out of the registry); twice that and it exits to be restarted "
+                         "(default: %(default)s)")

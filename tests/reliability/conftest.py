@@ -20,10 +20,10 @@ import requests
 from splitserve.core.tokenizer import Tokenizer
 from splitserve.engine import LLM, SamplingParams
 from tests.reliability.cluster import SERVED, Cluster
+from tests.reliability.faulty_prefill import FAULT_SEEDS
 from tests.security.certs import make_pki
 
-FAULTY_PREFILL = "tests.reliability.faulty_prefill"
-FAULT_SEEDS = {"corrupt_once": 900001, "corrupt_always": 900002, "drop": 900003, "slow": 900004}
+FAULTY_PREFILL = "tests.reliability.faulty_prefill"  # FAULT_SEEDS choose its faults per request
 
 
 @pytest.fixture(scope="session")
