@@ -147,7 +147,8 @@ def test_a_5mb_prompt_keeps_health_fast_the_registry_whole_and_memory_flat(serve
     print(f"{len(data) / 2**20:.1f} MiB {shape} body: refused in {r.elapsed.total_seconds():.2f}s; "
           f"/health answered {len(probe.latencies)} times, slowest {slowest * 1000:.0f} ms; router RSS "
           f"{rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB")
-    assert slowest < 0.1, f"/health took {slowest * 1000:.0f} ms while the prompt was processed"
+    # inline tokenizing stalled /health 3-5 s; 0.5 s leaves room for a slow CI machine
+    assert slowest < 0.5, f"/health took {slowest * 1000:.0f} ms while the prompt was processed"
     assert probe.worker_sets == {(("decode-0", "decode-1"), ("prefill-0",))}, probe.worker_sets
     assert rss_after <= rss_before * 1.10, (rss_before, rss_after)
 
