@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -48,6 +48,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    def resumed(self, num_produced: int) -> SamplingParams | None:
+        """The budget left after `num_produced` tokens were generated elsewhere (a request
+        migrated mid-stream): max_tokens counts only what is still to come. None when
+        nothing is left. The one place the migration budget is computed (router and
+        decode worker both ask here)."""
+        if self.max_tokens is None or num_produced == 0:
+            return self
+        if num_produced >= self.max_tokens:
+            return None
+        return replace(self, max_tokens=self.max_tokens - num_produced)
 
     def validate(self) -> None:
         def bad(param: str, msg: str) -> None:

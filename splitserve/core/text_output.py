@@ -1,8 +1,11 @@
-"""Token ids -> client text, at the router: incremental detokenization, stop strings
-(excluded from the text), and holding back text that could still start a stop string.
+"""Token ids -> text: incremental detokenization, stop strings (excluded from the text),
+and holding back text that could still become the start of a stop string.
 
-The router keeps every token of a choice, so the text stays seamless when a request
-migrates to another decode worker mid-stream.
+The one implementation of both, used where text is needed: the router builds the text
+the client sees (it keeps every token of a choice, so the text stays seamless when a
+request migrates to another decode worker mid-stream); the engine runs it to end a
+sequence at a stop string (the offline `LLM` also returns its text). A worker serving
+the router asks for no text, so its engine detokenizes only requests with stop strings.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from splitserve.core.tokenizer import IncrementalDetokenizer, Tokenizer
 class TextDelta:
     text: str
     token_ids: list[int]
-    stopped: bool  # a stop string matched: the choice is finished with reason "stop"
+    stopped: bool  # a stop string matched: the sequence is finished with reason "stop"
 
 
 @dataclass
@@ -34,10 +37,23 @@ class TextAssembler:
 
     @property
     def text(self) -> str:
+        """All text so far, cut at a matched stop string (some of it may be held back)."""
         full = self.detok.text
         return full if self.cut is None else full[: self.cut]
 
+    @property
+    def visible_text(self) -> str:
+        """The text handed out so far."""
+        return self.text[: self.emitted]
+
+    @property
+    def stopped(self) -> bool:
+        return self.cut is not None
+
     def add(self, token_ids: list[int], final: bool = False) -> TextDelta:
+        """Append tokens; `final` when the sequence ended (for another reason, or this one)."""
+        if self.stopped:  # nothing after a stop string is text
+            return TextDelta("", token_ids, True)
         for t in token_ids:
             self.token_ids.append(t)
             self.detok.add(t)

@@ -38,12 +38,11 @@ class RemotePrefill:
                               draws_done: int) -> tuple[RequestOutput | None, str, int]:
         """(first output, "", prefill worker's cached tokens) on success; (None, why, 0) when
         the caller should prefill locally."""
-        rid, engine = request.request_id, self.engine.engine
-        seq = await self.engine.call(engine.reserve_remote_prefill, rid, prompt, params, draws_done)
-        if seq is None:
+        rid = request.request_id
+        slot = await self.engine.reserve_remote_prefill(rid, prompt, params, draws_done)
+        if slot is None:
             return None, "no free KV blocks for the whole prompt yet", 0
-        skip = seq.num_cached_tokens // self.config.engine.block_size
-        dest, hashes = await self.engine.call(engine.remote_prefill_blocks, seq, skip)
+        skip, dest, hashes = slot.skip_blocks, slot.block_ids, slot.block_hashes
         released = asyncio.Event()
         loop = asyncio.get_running_loop()
         lease = self.receiver.expect(rid, dest, hashes, lambda _ids: loop.call_soon_threadsafe(released.set),
@@ -62,7 +61,7 @@ class RemotePrefill:
                 if not outcome.ok:
                     raise RuntimeError(f"KV transfer {outcome.reason}: {outcome.detail}")
             lp = logprob_from_proto(reply.first_logprob) if reply.has_logprob else None
-            first = await self.engine.call(engine.complete_remote_prefill, rid, reply.first_token_id, lp)
+            first = await self.engine.complete_remote_prefill(rid, reply.first_token_id, lp)
             self._leased.discard(rid)  # the blocks belong to the running request now
             return first, "", reply.num_cached_tokens
         except (grpc.aio.AioRpcError, RuntimeError) as exc:
@@ -95,7 +94,7 @@ class RemotePrefill:
             self._leased.discard(rid)
             if not self.failed:
                 try:
-                    await self.engine.call(self.engine.engine.cancel_remote_prefill, rid)
+                    await self.engine.cancel_remote_prefill(rid)
                 except EngineDeadError:
                     pass  # nothing left to free: the process is about to be replaced
 

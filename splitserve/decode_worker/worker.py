@@ -77,7 +77,7 @@ class DecodeWorker(RemotePrefill, WorkerBase, DecodeWorkerServicer):
             self._drain, self.drain_port = await start_admin(drain_app(self, cfg.drain_timeout_s), "127.0.0.1",
                                                              cfg.drain_port)
         engine = await self._start_engine()
-        self.receiver = KVReceiver(engine.runner.kv_pool, KVTransferConfig(
+        self.receiver = KVReceiver(engine.kv_pool, KVTransferConfig(
             backend=cfg.kv_backend, host=cfg.host, mooncake_protocol=cfg.kv_protocol,
             mooncake_device=cfg.rdma_device or "", security=cfg.security), metrics=self.metrics,
             worker_id=self.worker_id)
@@ -146,8 +146,10 @@ class DecodeWorker(RemotePrefill, WorkerBase, DecodeWorkerServicer):
         except InvalidSamplingParams as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {exc}")
         resume = list(request.resume_token_ids)
-        if resume and params.max_tokens is not None:
-            params.max_tokens = max(1, params.max_tokens - len(resume))
+        params = params.resumed(len(resume))
+        if params is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {len(resume)} tokens to resume "
+                                f"leave nothing of max_tokens {request.sampling.max_tokens}")
         prompt = list(request.prompt_token_ids) + resume
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = queue
@@ -155,7 +157,6 @@ class DecodeWorker(RemotePrefill, WorkerBase, DecodeWorkerServicer):
         fallback = ""
         prefill_cached = 0
         prefill_worker = self.worker_id
-        engine = self.engine.engine
         try:
             first: RequestOutput | None = None
             if request.prefill_address and resume and params.seed is not None and not params.greedy:
@@ -165,7 +166,7 @@ class DecodeWorker(RemotePrefill, WorkerBase, DecodeWorkerServicer):
                 if first is not None:
                     prefill_worker = request.prefill_worker_id
             if first is None:
-                await self.engine.call(engine.add_request, rid, prompt, params, False, len(resume))
+                await self.engine.add_request(rid, prompt, params, num_draws_done=len(resume))
             header = True
             while True:
                 out = first if first is not None else await queue.get()
@@ -209,11 +210,9 @@ class DecodeWorker(RemotePrefill, WorkerBase, DecodeWorkerServicer):
         self.receiver.abort(rid)
         if self.failed:  # a dead or stalled engine cannot free anything; the process is replaced
             return False
-        engine = self.engine.engine
         leased = rid in self._leased  # a remote prefill's blocks wait for its lease to be released
         try:
-            return bool(await self.engine.call(lambda: engine.abort(rid) or (rid in engine.remote and (
-                leased or engine.cancel_remote_prefill(rid) or True))))
+            return await self.engine.abort(rid, free_reservation=not leased)
         except EngineDeadError:
             return False  # nothing left to free: the process is about to be replaced
 

@@ -31,8 +31,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from splitserve.core.block_events import BlockEvent
+from splitserve.core.logprobs import TokenLogprobs
+from splitserve.core.sampling_params import SamplingParams
 from splitserve.engine.faults import FaultPlan
-from splitserve.engine.llm_engine import LLMEngine, RequestOutput
+from splitserve.engine.llm_engine import LLMEngine, RequestOutput, Reservation
 from splitserve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -112,6 +114,41 @@ class AsyncEngine:
             self._commands.put((fn, args, kwargs, fut))
         return await asyncio.wrap_future(fut, loop=self.loop)
 
+    # ---- the calls workers make (each runs on the engine thread) -----------------------------
+    async def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
+                          hold_kv: bool = False, num_draws_done: int = 0) -> None:
+        """Queue a request; its outputs reach `on_outputs`. No text: the router builds it."""
+        await self.call(self.engine.add_request, request_id, prompt, params, hold_kv, num_draws_done, False)
+
+    async def abort(self, request_id: str, free_reservation: bool = True) -> bool:
+        return await self.call(self.engine.abort, request_id, free_reservation)
+
+    async def reserve_remote_prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
+                                     num_draws_done: int = 0) -> Reservation | None:
+        return await self.call(self.engine.reserve_remote_prefill, request_id, prompt, params, num_draws_done,
+                               False)
+
+    async def complete_remote_prefill(self, request_id: str, first_token: int,
+                                      logprob: TokenLogprobs | None) -> RequestOutput:
+        return await self.call(self.engine.complete_remote_prefill, request_id, first_token, logprob)
+
+    async def cancel_remote_prefill(self, request_id: str) -> None:
+        await self.call(self.engine.cancel_remote_prefill, request_id)
+
+    async def held_blocks(self, request_id: str, skip_blocks: int) -> tuple[list[int], list[int]]:
+        return await self.call(self.engine.held_blocks, request_id, skip_blocks)
+
+    async def release_held(self, request_id: str) -> None:
+        await self.call(self.engine.release_held, request_id)
+
+    async def cached_block_hashes(self) -> list[int]:
+        return await self.call(self.engine.cached_block_hashes)
+
+    @property
+    def kv_pool(self):
+        """KV tensors, read off-thread only for blocks the engine holds for a push."""
+        return self.engine.kv_pool
+
     # ---- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
         failures_in_a_row = 0
@@ -185,7 +222,7 @@ class AsyncEngine:
     def _flush_events(self) -> None:
         if self.on_events is None:
             return
-        events = self.engine.block_manager.drain_events()
+        events = self.engine.drain_block_events()
         if events:
             self.loop.call_soon_threadsafe(self.on_events, events)
 

@@ -16,7 +16,8 @@ from splitserve.core.hashing import hash_seed
 from splitserve.core.logprobs import TokenLogprobs
 from splitserve.core.model_config import ModelConfig
 from splitserve.core.sampling_params import SamplingParams
-from splitserve.core.tokenizer import IncrementalDetokenizer, Tokenizer
+from splitserve.core.text_output import TextAssembler
+from splitserve.core.tokenizer import Tokenizer
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.model_runner import ModelRunner
@@ -46,6 +47,16 @@ class RequestOutput:
     error: str | None = None  # set when the engine failed the request (finish_reason "abort")
 
 
+@dataclass
+class Reservation:
+    """Decode side of a remote prefill: where the prefill worker writes the prompt's KV."""
+
+    num_cached_tokens: int  # prompt tokens this worker's prefix cache already holds
+    skip_blocks: int  # leading blocks not to send (cached here)
+    block_ids: list[int]  # destination blocks, from `skip_blocks` on
+    block_hashes: list[int]  # chained hashes of the full ones
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -54,9 +65,9 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or math.inf, self.model_config.max_model_len)
         self.runner = ModelRunner(self.model_config, config, int(self.max_model_len))
         self.model_id = config.model_id or Path(config.model).resolve().name
-        self.block_manager = BlockManager(self.runner.kv_pool.num_blocks, config.block_size,
-                                          hash_seed(self.model_id), config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        blocks = BlockManager(self.runner.kv_pool.num_blocks, config.block_size, hash_seed(self.model_id),
+                              config.enable_prefix_caching)
+        self.scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.sequences: dict[str, Sequence] = {}
@@ -65,18 +76,20 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    hold_kv: bool = False, num_draws_done: int = 0) -> Sequence:
+                    hold_kv: bool = False, num_draws_done: int = 0, detokenize: bool = True) -> Sequence:
         """Queue a request. `hold_kv` keeps its blocks after it finishes (prefill workers
         push them, then call release_held). `num_draws_done`: sampled tokens this
-        request already produced elsewhere (migration), so a seeded stream continues."""
-        seq = self._new_sequence(request_id, prompt, params, num_draws_done)
+        request already produced elsewhere (migration), so a seeded stream continues.
+        `detokenize=False`: no output text (workers: the router builds it), so only a
+        request with stop strings is detokenized, to find them."""
+        seq = self._new_sequence(request_id, prompt, params, num_draws_done, detokenize)
         seq.hold_kv = hold_kv
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return seq
 
     def _new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                      num_draws_done: int = 0) -> Sequence:
+                      num_draws_done: int = 0, detokenize: bool = True) -> Sequence:
         if request_id in self.sequences or request_id in self.held or request_id in self.remote:
             raise ValueError(f"request id {request_id!r} is already in use on this worker")
         tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -87,7 +100,8 @@ class LLMEngine:
         seq = Sequence(
             request_id=request_id, token_ids=tokens, num_prompt_tokens=len(tokens), params=params,
             max_total_tokens=self.max_total_tokens,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            text=(TextAssembler(self.tokenizer, list(params.stop), params.skip_special_tokens)
+                  if detokenize or params.stop else None),
             generator=generator)
         for _ in range(num_draws_done):
             self._skip_draw(seq)
@@ -103,7 +117,7 @@ class LLMEngine:
     @property
     def max_total_tokens(self) -> int:
         """Longest sequence: the context length, and never more than the whole KV pool."""
-        return int(min(self.max_model_len, self.block_manager.num_blocks * self.config.block_size))
+        return int(min(self.max_model_len, self.scheduler.num_blocks * self.config.block_size))
 
     def validate_prompt(self, tokens: list[int]) -> None:
         if not tokens:
@@ -117,20 +131,18 @@ class LLMEngine:
                 f"the prompt has {len(tokens)} tokens; this model serves at most {self.max_total_tokens - 1} "
                 "prompt tokens (context length, leaving room for one output token)")
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, free_reservation: bool = True) -> bool:
+        """End a request wherever it is. A remote prefill's reserved blocks are freed too,
+        unless the caller frees them later (a KV write may still land in them)."""
         seq = self.sequences.pop(request_id, None)
-        if seq is None:
-            return False
-        self.scheduler.abort(request_id)
-        return True
-
-    def remote_prefill_blocks(self, seq: Sequence, skip_blocks: int) -> tuple[list[int], list[int]]:
-        """(block ids, chained hashes of the full ones) of the prompt from `skip_blocks` on."""
-        bs = self.config.block_size
-        n_blocks = -(-seq.num_prompt_tokens // bs)
-        full = seq.num_prompt_tokens // bs
-        self.block_manager.ensure_hashes(seq, full)
-        return seq.block_table[skip_blocks:n_blocks], seq.block_hashes[skip_blocks:full]
+        if seq is not None:
+            self.scheduler.abort(request_id)
+            return True
+        if request_id in self.remote:
+            if free_reservation:
+                self.cancel_remote_prefill(request_id)
+            return True
+        return False
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -152,8 +164,8 @@ class LLMEngine:
         queued = sum(q.num_tokens - q.num_computed_tokens for q in s.waiting)
         queued += sum(q.num_tokens - q.num_computed_tokens for q in prefilling)
         return EngineStats(steps, len(s.waiting), len(s.running), len(prefilling), queued, len(self.remote),
-                           len(self.held), len(self.sequences), self.block_manager.num_free_blocks,
-                           self.block_manager.num_blocks, s.prefix_query_tokens, s.prefix_hit_tokens,
+                           len(self.held), len(self.sequences), s.num_free_blocks,
+                           s.num_blocks, s.prefix_query_tokens, s.prefix_hit_tokens,
                            s.num_preemptions)
 
     # ---- the loop ---------------------------------------------------------------------
@@ -162,25 +174,27 @@ class LLMEngine:
         if not batch:
             return []
         logits, sampled = self.runner.run(batch)
-        for seq, n in batch.entries:
-            seq.num_computed_tokens += n
-            self.block_manager.publish_full_blocks(seq)
+        self.scheduler.computed(batch)
         tokens, logprobs = sample(logits, sampled, self.generator)
-        outputs = []
-        for seq, token, lp in zip(sampled, tokens, logprobs, strict=True):
-            seq.token_ids.append(token)
-            if lp is not None:
-                seq.logprobs.append(lp)
-            seq.detokenizer.add(token)
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self._finish(seq, reason)
-            outputs.append(self._output(seq, [token], [lp] if lp is not None else []))
-        return outputs
+        return [self._append(seq, token, lp) for seq, token, lp in zip(sampled, tokens, logprobs, strict=True)]
+
+    def _append(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> RequestOutput:
+        """A sampled token joins `seq`, which may finish with it."""
+        seq.token_ids.append(token)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        delta = seq.text.add([token]) if seq.text is not None else None
+        new_text = delta.text if delta is not None else ""
+        reason = self._stop_reason(seq, token, stop_string=delta is not None and delta.stopped)
+        if reason is not None:
+            if seq.text is not None and not seq.text.stopped:
+                final = seq.text.add([], final=True)  # the rest, an incomplete character too
+                new_text += final.text
+                reason = "stop" if final.stopped else reason
+            self._finish(seq, reason)
+        return self._output(seq, [token], [lp] if lp is not None else [], new_text)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        if seq.stop_text_len is None:
-            seq.detokenizer.flush()
         self.scheduler.finish(seq, reason, free_blocks=not seq.hold_kv)
         self.sequences.pop(seq.request_id, None)
         if seq.hold_kv:
@@ -191,89 +205,80 @@ class LLMEngine:
         """Prefill side: the KV was pushed (or the push failed); the blocks may go."""
         seq = self.held.pop(request_id, None)
         if seq is not None:
-            self.block_manager.free_sequence(seq)
+            self.scheduler.free(seq)
+
+    def held_blocks(self, request_id: str, skip_blocks: int) -> tuple[list[int], list[int]]:
+        """Prefill side: (block ids, hashes of the full ones) of a finished request's
+        prompt from `skip_blocks` on, to push."""
+        return self.scheduler.prompt_blocks(self.held[request_id], skip_blocks)
 
     def reserve_remote_prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                               num_draws_done: int = 0) -> Sequence | None:
+                               num_draws_done: int = 0, detokenize: bool = True) -> Reservation | None:
         """Decode side: allocate the prompt's blocks (reusing this worker's prefix cache)
         for a prefill worker to fill. None when the pool cannot hold the prompt now."""
-        seq = self._new_sequence(request_id, prompt, params, num_draws_done)
-        cached = self.block_manager.match_prefix(seq)
-        new_tokens = seq.num_tokens - len(cached) * self.config.block_size
-        if not self.block_manager.can_admit(seq, cached, new_tokens):
+        seq = self._new_sequence(request_id, prompt, params, num_draws_done, detokenize)
+        if not self.scheduler.reserve(seq):
             return None
-        self.block_manager.admit(seq, cached)
-        self.block_manager.grow(seq, new_tokens)
-        seq.num_cached_tokens = seq.num_computed_tokens
-        self.scheduler.prefix_query_tokens += seq.num_tokens
-        self.scheduler.prefix_hit_tokens += seq.num_computed_tokens
         self.remote[request_id] = seq
-        return seq
+        skip = seq.num_cached_tokens // self.config.block_size
+        block_ids, hashes = self.scheduler.prompt_blocks(seq, skip)
+        return Reservation(seq.num_cached_tokens, skip, block_ids, hashes)
 
     def complete_remote_prefill(self, request_id: str, first_token: int,
                                 logprob: TokenLogprobs | None) -> RequestOutput:
         """Decode side: the prompt's KV arrived and the prefill worker sampled the first
         token; the request joins the running batch."""
         seq = self.remote.pop(request_id)
-        seq.num_computed_tokens = seq.num_tokens
-        self.block_manager.publish_full_blocks(seq)
+        self.scheduler.join_computed(seq)
         self._skip_draw(seq)  # the first token was drawn on the prefill worker
-        seq.token_ids.append(first_token)
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-        seq.detokenizer.add(first_token)
         self.sequences[request_id] = seq
-        self.scheduler.add_running(seq)
-        reason = self._stop_reason(seq, first_token)
-        if reason is not None:
-            self._finish(seq, reason)
-        return self._output(seq, [first_token], [logprob] if logprob is not None else [])
+        return self._append(seq, first_token, logprob)
 
     def cancel_remote_prefill(self, request_id: str) -> None:
         """Decode side: the remote prefill failed or the client left; free the blocks."""
         seq = self.remote.pop(request_id, None)
         if seq is not None:
-            self.block_manager.free_sequence(seq)
+            self.scheduler.free(seq)
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+    def _stop_reason(self, seq: Sequence, token: int, stop_string: bool) -> str | None:
         p = seq.params
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids or stop_string:
             return "stop"
-        if p.stop:
-            text = seq.detokenizer.text
-            window = max(len(s) for s in p.stop) + 16  # new text of this token plus overlap
-            hits = [i for s in p.stop if (i := text.find(s, max(0, len(text) - window))) >= 0]
-            if hits:
-                seq.stop_text_len = min(hits)
-                return "stop"
         if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
             return "length"
         if seq.num_tokens >= seq.max_total_tokens:
             return "length"
         return None
 
-    def _output(self, seq: Sequence, new_tokens: list[int], new_lps: list[TokenLogprobs]) -> RequestOutput:
-        text = seq.output_text
-        visible = text
-        if not seq.is_finished and seq.params.stop:
-            # Hold back what could still become the start of a stop string.
-            visible = text[: max(seq.num_emitted_chars, len(text) - max(len(s) for s in seq.params.stop) + 1)]
-        new_text = visible[seq.num_emitted_chars :]
-        seq.num_emitted_chars = len(visible)
+    def _output(self, seq: Sequence, new_tokens: list[int], new_lps: list[TokenLogprobs],
+                new_text: str = "") -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            token_ids=seq.output_token_ids, new_token_ids=new_tokens, text=visible, new_text=new_text,
+            token_ids=seq.output_token_ids, new_token_ids=new_tokens,
+            text=seq.text.visible_text if seq.text is not None else "", new_text=new_text,
             finished=seq.is_finished, finish_reason=seq.finish_reason,
             num_cached_tokens=max(seq.num_cached_tokens, 0), logprobs=list(seq.logprobs), new_logprobs=new_lps)
 
     # ---- introspection (tests, metrics, load reports) ---------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return self.block_manager.num_free_blocks
+        return self.scheduler.num_free_blocks
 
     @property
     def num_total_blocks(self) -> int:
-        return self.block_manager.num_blocks
+        return self.scheduler.num_blocks
+
+    def cached_block_hashes(self) -> list[int]:
+        return self.scheduler.cached_block_hashes()
+
+    def drain_block_events(self):
+        """Prefix-cache changes since the last call (stored/removed/cleared), for the router."""
+        return self.scheduler.drain_block_events()
+
+    @property
+    def kv_pool(self):
+        """The KV cache tensors (a prefill worker's sender reads its held blocks from them)."""
+        return self.runner.kv_pool
 
     def params_for_choice(self, params: SamplingParams, index: int) -> SamplingParams:
         """Choice `index` of an n>1 request: its own sub-request, seed offset by the index."""

@@ -5,6 +5,10 @@ chunk for a prompt still being prefilled), then admits waiting sequences with
 whatever budget is left, so prefill chunks and decode steps share one forward
 pass. When blocks run out, the most recently admitted sequence is preempted: its
 blocks are released and it is recomputed later (its prefix may still be cached).
+
+The scheduler owns the block manager: every allocation, publication to the prefix
+cache and release goes through it, including the disaggregated paths (a prompt
+reserved for a prefill worker to fill, the held blocks of a prompt pushed elsewhere).
 """
 
 from __future__ import annotations
@@ -83,17 +87,27 @@ class Scheduler:
             if not self.bm.can_admit(seq, cached, n):
                 break
             self.waiting.popleft()
-            self.bm.admit(seq, cached)
-            if seq.num_cached_tokens < 0:  # first admission (not a recompute)
-                seq.num_cached_tokens = seq.num_computed_tokens
-                self.prefix_query_tokens += seq.num_tokens
-                self.prefix_hit_tokens += seq.num_computed_tokens
-            self.bm.grow(seq, n)
+            self._admit(seq, cached, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add_to_batch(batch, seq, n)
             budget -= n
         return batch
+
+    def _admit(self, seq: Sequence, cached: list[int], n: int) -> None:
+        """Give `seq` its cached prefix blocks and room for `n` more tokens."""
+        self.bm.admit(seq, cached)
+        if seq.num_cached_tokens < 0:  # first admission (not a recompute)
+            seq.num_cached_tokens = seq.num_computed_tokens
+            self.prefix_query_tokens += seq.num_tokens
+            self.prefix_hit_tokens += seq.num_computed_tokens
+        self.bm.grow(seq, n)
+
+    def computed(self, batch: ScheduledBatch) -> None:
+        """The batch's forward pass ran: its KV is in the pool, full blocks join the cache."""
+        for seq, n in batch.entries:
+            seq.num_computed_tokens += n
+            self.bm.publish_full_blocks(seq)
 
     @staticmethod
     def _add_to_batch(batch: ScheduledBatch, seq: Sequence, n: int) -> None:
@@ -118,10 +132,50 @@ class Scheduler:
         if free_blocks:
             self.bm.free_sequence(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A sequence whose prompt KV arrived from elsewhere joins the batch directly."""
+    # ---- disaggregation ---------------------------------------------------------------
+    def reserve(self, seq: Sequence) -> bool:
+        """Blocks for all of `seq`'s prompt (its cached prefix reused), to be filled by a
+        prefill worker; the sequence is not scheduled until `join_computed`. False when
+        the pool cannot hold the prompt now."""
+        cached = self.bm.match_prefix(seq)
+        n = seq.num_tokens - len(cached) * self.bm.block_size
+        if not self.bm.can_admit(seq, cached, n):
+            return False
+        self._admit(seq, cached, n)
+        return True
+
+    def join_computed(self, seq: Sequence) -> None:
+        """A reserved sequence whose prompt KV arrived joins the running batch."""
+        seq.num_computed_tokens = seq.num_tokens
+        self.bm.publish_full_blocks(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+
+    def prompt_blocks(self, seq: Sequence, skip_blocks: int) -> tuple[list[int], list[int]]:
+        """(block ids, chained hashes of the full ones) of the prompt from `skip_blocks` on."""
+        bs = self.bm.block_size
+        full = seq.num_prompt_tokens // bs
+        self.bm.ensure_hashes(seq, full)
+        return seq.block_table[skip_blocks : -(-seq.num_prompt_tokens // bs)], seq.block_hashes[skip_blocks:full]
+
+    def free(self, seq: Sequence) -> None:
+        """Release the blocks of a sequence outside the batch (held or reserved)."""
+        self.bm.free_sequence(seq)
+
+    # ---- block state (the engine thread only) -----------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.bm.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.bm.num_blocks
+
+    def cached_block_hashes(self) -> list[int]:
+        return list(self.bm.hash_to_block)
+
+    def drain_block_events(self):
+        return self.bm.drain_events()
 
     def abort(self, request_id: str) -> Sequence | None:
         for seq in list(self.running) + list(self.waiting):

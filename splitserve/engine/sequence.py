@@ -10,7 +10,7 @@ import torch
 
 from splitserve.core.logprobs import TokenLogprobs
 from splitserve.core.sampling_params import SamplingParams
-from splitserve.core.tokenizer import IncrementalDetokenizer
+from splitserve.core.text_output import TextAssembler
 
 
 class SequenceStatus(enum.Enum):
@@ -26,7 +26,7 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     max_total_tokens: int  # prompt + output may not exceed this (context length)
-    detokenizer: IncrementalDetokenizer | None = None
+    text: TextAssembler | None = None  # only when text is wanted or stop strings are set
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
     arrival_time: float = field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -37,8 +37,6 @@ class Sequence:
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
     num_preemptions: int = 0
     finish_reason: str | None = None
-    stop_text_len: int | None = None  # text is cut here when a stop string matched
-    num_emitted_chars: int = 0  # text already handed out in streaming deltas
     hold_kv: bool = False  # prefill worker: keep the blocks after finishing, until pushed
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
@@ -57,10 +55,3 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    @property
-    def output_text(self) -> str:
-        if self.detokenizer is None:
-            return ""
-        text = self.detokenizer.text
-        return text if self.stop_text_len is None else text[: self.stop_text_len]

@@ -107,7 +107,7 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
 
     # ---- gRPC -------------------------------------------------------------------------
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillReply:  # noqa: N802
-        rid, engine = request.request_id, self.engine.engine
+        rid = request.request_id
         if self.failed:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.worker_id}: {self.failed}")
         if not rid or rid in self.waiters:  # never touch another caller's request
@@ -126,7 +126,7 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
         self.waiters[rid] = fut
         try:
             try:
-                await self.engine.call(engine.add_request, rid, list(request.prompt_token_ids), params, True)
+                await self.engine.add_request(rid, list(request.prompt_token_ids), params, hold_kv=True)
             except (InvalidPromptError, ValueError) as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {exc}")
             first = await fut
@@ -135,7 +135,7 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
                                     f"request {rid}: prefill worker {self.worker_id}: {first.error}")
             if first.finish_reason == "abort":
                 await context.abort(grpc.StatusCode.ABORTED, f"request {rid}: aborted on {self.worker_id}")
-            src, hashes = await self.engine.call(self._held_blocks, rid, request.skip_blocks)
+            src, hashes = await self.engine.held_blocks(rid, request.skip_blocks)
             if len(src) != len(request.dest_block_ids):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"request {rid}: {len(request.dest_block_ids)} destination blocks for "
@@ -144,7 +144,7 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
             if src:
                 result = await asyncio.to_thread(
                     self._sender(request.kv_backend).push, rid, request.kv_receiver_address,
-                    engine.runner.kv_pool, src, list(request.dest_block_ids), hashes,
+                    self.engine.kv_pool, src, list(request.dest_block_ids), hashes,
                     timeout=request.timeout_s or None)
         except KVTransferError as exc:
             log.warning("prefill worker %s: %s", self.worker_id, exc)
@@ -164,17 +164,11 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
             reply.kv_bytes, reply.kv_seconds = result.nbytes, result.seconds
         return reply
 
-    def _held_blocks(self, rid: str, skip_blocks: int) -> tuple[list[int], list[int]]:
-        """On the engine thread: the finished request's blocks from `skip_blocks` on."""
-        engine = self.engine.engine
-        return engine.remote_prefill_blocks(engine.held[rid], skip_blocks)
-
     async def _release(self, rid: str, abort: bool) -> None:
-        engine = self.engine.engine
         try:
             if abort:  # the caller went away before the prefill finished
-                await self.engine.call(engine.abort, rid)
-            await self.engine.call(engine.release_held, rid)
+                await self.engine.abort(rid)
+            await self.engine.release_held(rid)
         except EngineDeadError:
             pass  # nothing left to free: the process is about to be replaced
 

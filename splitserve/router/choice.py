@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
+from splitserve.core.text_output import TextAssembler
 from splitserve.router import responses as R
-from splitserve.router.text_output import TextAssembler
 
 
 class ChoiceRun:

@@ -157,7 +157,7 @@ class Dispatcher:
         attempt = 0
         while True:
             call = None
-            if produced and params.max_tokens is not None and len(produced) >= params.max_tokens:
+            if params.resumed(len(produced)) is None:
                 # the worker died between its last token and the finish: nothing is left to generate
                 yield StreamEvent([], [], "length")
                 return

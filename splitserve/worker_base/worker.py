@@ -175,8 +175,7 @@ class WorkerBase(abc.ABC):
         """This role's gRPC stub on `channel` (each has a Health method)."""
 
     async def _cached_blocks(self) -> list[int]:
-        bm = self.engine.engine.block_manager
-        return await self.engine.call(lambda: list(bm.hash_to_block))
+        return await self.engine.cached_block_hashes()
 
     def _on_block_events(self, events) -> None:
         if self.presence is not None:

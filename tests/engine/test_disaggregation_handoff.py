@@ -21,21 +21,20 @@ def drain(engine):
 
 def handoff(prefill, decode, rid, prompt, params):
     """What the workers do over the network, done in-process."""
-    seq = decode.reserve_remote_prefill(rid, prompt, params)
-    assert seq is not None
-    skip = seq.num_cached_tokens // decode.config.block_size
-    dest, hashes = decode.remote_prefill_blocks(seq, skip)
+    slot = decode.reserve_remote_prefill(rid, prompt, params)
+    assert slot is not None
+    skip, dest, hashes = slot.skip_blocks, slot.block_ids, slot.block_hashes
+    assert skip == slot.num_cached_tokens // decode.config.block_size
     prefill.add_request(rid, prompt, SamplingParams(**{**params.__dict__, "max_tokens": 1}), hold_kv=True)
     first = drain(prefill)[rid]
-    src_seq = prefill.held[rid]
-    src, src_hashes = prefill.remote_prefill_blocks(src_seq, skip)
+    src, src_hashes = prefill.held_blocks(rid, skip)
     assert src_hashes == hashes  # one hash space on both workers
     buf = reference.pack_blocks(prefill.runner.kv_pool.data, torch.tensor(src))
     reference.unpack_blocks(buf, decode.runner.kv_pool.data, torch.tensor(dest))
     prefill.release_held(rid)
     lp = first.logprobs[0] if first.logprobs else None
     decode.complete_remote_prefill(rid, first.token_ids[0], lp)
-    return seq
+    return slot
 
 
 @pytest.mark.parametrize("params", [
@@ -53,13 +52,13 @@ def test_prefill_here_decode_there_equals_one_engine(make_ckpt, params):
     expected = single.generate(prompts, params)
 
     for i, prompt in enumerate(prompts):
-        seq = handoff(prefill, decode, f"r{i}", prompt, params)
+        slot = handoff(prefill, decode, f"r{i}", prompt, params)
         out = drain(decode)[f"r{i}"]
         assert out.token_ids == expected[i].token_ids
         if params.logprobs is not None:
             assert [lp.token_id for lp in out.logprobs] == out.token_ids
         if i == 1:  # the second prompt shares 2 full blocks with the first on the decode side
-            assert seq.num_cached_tokens == 32
+            assert slot.num_cached_tokens == 32 and slot.skip_blocks == 2
     assert decode.num_free_blocks == decode.num_total_blocks
     assert prefill.num_free_blocks == prefill.num_total_blocks
     assert not prefill.held and not decode.remote
@@ -67,8 +66,8 @@ def test_prefill_here_decode_there_equals_one_engine(make_ckpt, params):
 
 def test_cancelled_remote_prefill_frees_its_blocks(make_ckpt):
     decode = LLM(str(make_ckpt("llama")), num_kv_blocks=16).engine
-    seq = decode.reserve_remote_prefill("x", list(range(5, 60)), SamplingParams(max_tokens=4))
-    assert len(seq.block_table) == 4 and decode.num_free_blocks == 12
+    slot = decode.reserve_remote_prefill("x", list(range(5, 60)), SamplingParams(max_tokens=4))
+    assert len(slot.block_ids) == 4 and len(slot.block_hashes) == 3 and decode.num_free_blocks == 12
     decode.cancel_remote_prefill("x")
     assert decode.num_free_blocks == 16
     # Does not fit while another reservation holds 10 blocks: None (the worker then queues it locally).

@@ -97,6 +97,30 @@ def test_streamed_text_deltas_hold_back_stop_prefixes(llm_and_path):
     assert all(stop not in d for d in deltas)
 
 
+def test_without_text_the_engine_still_stops_where_the_router_would(llm_and_path):
+    """Workers ask for no text (the router builds it with the same TextAssembler): a request
+    without stop strings is not detokenized at all, one with them stops at the same token."""
+    from splitserve.core.text_output import TextAssembler
+
+    llm, _ = llm_and_path
+    engine = llm.engine
+    pr = prompt(12, 8)
+    free = llm.generate([pr], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 3]
+    for rid, params in (("plain", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)),
+                        ("stop", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))):
+        seq = engine.add_request(rid, pr, params, detokenize=False)
+        assert (seq.text is None) == (rid == "plain")
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outs["plain"].token_ids == free.token_ids and outs["plain"].text == ""
+    router_side = TextAssembler(llm.tokenizer, [stop])
+    n = next(i for i in range(1, 25) if router_side.add([free.token_ids[i - 1]]).stopped)
+    assert outs["stop"].token_ids == free.token_ids[:n] and outs["stop"].finish_reason == "stop"
+    assert router_side.text == free.text[: free.text.index(stop)]
+
+
 def test_logprobs_match_transformers_log_softmax(llm_and_path):
     llm, path = llm_and_path
     pr = prompt(21, 9)
@@ -187,3 +211,12 @@ def test_bool_prompt_token_is_rejected(llm_and_path):
     llm, _ = llm_and_path
     with pytest.raises(InvalidPromptError, match="outside the vocabulary"):
         llm.engine.add_request("b", [5, True], SamplingParams())
+
+
+def test_the_migration_budget_is_what_is_left_of_max_tokens():
+    p = SamplingParams(max_tokens=20, seed=3)
+    assert p.resumed(0) is p
+    assert p.resumed(7).max_tokens == 13 and p.resumed(7).seed == 3 and p.max_tokens == 20
+    assert p.resumed(20) is None and p.resumed(25) is None  # nothing left: the choice ends "length"
+    unbounded = SamplingParams(max_tokens=None)
+    assert unbounded.resumed(10_000) is unbounded  # bounded by the context length instead
