@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prefill-worker": ("splitserve.prefill_worker.main", "run one prefill worker without Ray"),
     "drain": ("splitserve.decode_worker.admin", "drain the decode worker in this pod (its preStop hook)"),
     "operator": ("splitserve.operator.main", "run the Kubernetes operator"),
+    "fetch-model": ("splitserve.core.model_uri", "download hf://ORG/NAME[@REVISION] into a directory (init container)"),
     "generate": ("splitserve.engine.cli", "generate text offline with the engine"),
     "demo-model": ("splitserve.engine.demo", "create the random-weight demo checkpoint and print its path"),
     "bench": ("splitserve.benchmark.serving", "load-test an OpenAI-compatible server"),

@@ -20,7 +20,7 @@ from .apply import sync_children
 from .autoscaler import ScalingPolicy, Windows, decide
 from .config import OperatorConfig
 from .kube import KubeClient
-from .loadreports import LoadReportsUnavailable, read_load_reports
+from .loadreports import LoadReportsUnavailable, read_load_reports, redis_url
 from .render import Replicas, key, render_all, unwanted_children
 from .spec import GROUP, PLURAL, VERSION, InferenceSpec, SpecError, parse_spec
 from .status import conditions, observe_deployment, observe_raycluster, status_patch
@@ -79,7 +79,7 @@ async def autoscale(spec: InferenceSpec, replicas: Replicas, memo: kopf.Memo, pa
                     logger: logging.Logger) -> tuple[Replicas, dict[str, int | None]]:
     windows: dict[str, Windows] = memo.setdefault("windows", {})
     try:
-        reports = await read_load_reports(spec.effective_redis_url, spec.cluster)
+        reports = await read_load_reports(await redis_url(_client, spec), spec.cluster)
         unavailable = None
     except LoadReportsUnavailable as exc:
         reports, unavailable = [], str(exc)

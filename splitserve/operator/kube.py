@@ -13,12 +13,13 @@ import aiohttp
 
 FIELD_MANAGER = "splitserve-operator"
 
-# kind -> plural, for every kind the operator reads or writes.
+# kind -> plural, for every kind the operator reads or writes (Secrets: read only, and
+# only with the chart's rbac.readSecrets).
 PLURALS = {
     "Deployment": "deployments", "Service": "services", "RayCluster": "rayclusters",
     "PodDisruptionBudget": "poddisruptionbudgets", "NetworkPolicy": "networkpolicies",
     "ServiceMonitor": "servicemonitors", "PodMonitor": "podmonitors",
-    "InferenceDeployment": "inferencedeployments",
+    "InferenceDeployment": "inferencedeployments", "Secret": "secrets",
 }
 
 

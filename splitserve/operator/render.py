@@ -20,7 +20,7 @@ class Replicas:
 
 def render_all(spec: InferenceSpec, replicas: Replicas, ray_version: str) -> list[dict]:
     out: list[dict] = []
-    if not spec.redis_url:
+    if not spec.external_redis:
         out += render_redis(spec)
     out += render_router(spec)
     out += render_prefill(spec, replicas.prefill, ray_version)
@@ -35,7 +35,8 @@ def unwanted_children(spec: InferenceSpec, ray_version: str) -> list[tuple[str, 
     """(apiVersion, kind, name) of optional children this spec does not want: those
     a spec with every option on would render, minus those this spec renders. The
     operator deletes them if they exist and it owns them."""
-    everything = replace(spec, redis_url="", service_monitor=True, pod_monitor=True, network_policy=True)
+    everything = replace(spec, redis_url="", redis_url_secret=None, service_monitor=True, pod_monitor=True,
+                         network_policy=True)
     wanted = {key(m) for m in render_all(spec, Replicas(1, 1), ray_version)}
     return sorted({key(m) for m in render_all(everything, Replicas(1, 1), ray_version)} - wanted)
 

@@ -1,5 +1,6 @@
 """Pieces every rendered child shares: names, labels, owner reference, pod hardening,
-the model volume. Pure functions of the parsed spec."""
+the model volume. Pure functions of the parsed spec. A role's pod template is put
+together in render_pod.py."""
 
 from __future__ import annotations
 
@@ -86,6 +87,8 @@ def volumes(spec: InferenceSpec, shm: bool) -> list[dict]:
         vols.append({"name": "model", "persistentVolumeClaim": {"claimName": m.claim_name, "readOnly": True}})
     elif m.source_type == "hostPath":
         vols.append({"name": "model", "hostPath": {"path": m.host_path, "type": "Directory"}})
+    elif m.source_type == "uri":  # filled by the pod's fetch-model init container (render_pod.py)
+        vols.append({"name": "model", "emptyDir": {}})
     return vols
 
 
@@ -99,25 +102,27 @@ def volume_mounts(spec: InferenceSpec, shm: bool) -> list[dict]:
 
 
 def env(spec: InferenceSpec) -> list[dict]:
-    """Pod identity (workers register POD_IP on the bus) and offline model loading:
-    downloading from a model hub is out of scope, the model must be on the volume."""
+    """Pod identity (workers register POD_IP on the bus) and offline model loading: the
+    model is on the volume (put there by an init container for source.type uri). The
+    Redis URL comes from the Secret when the spec names one, so it never sits in a
+    pod spec in plain text. spec_pod.OPERATOR_ENV lists these names."""
     field = lambda path: {"valueFrom": {"fieldRef": {"fieldPath": path}}}  # noqa: E731
+    secret = spec.redis_url_secret
+    redis = ({"valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}} if secret
+             else {"value": spec.effective_redis_url})
     return [
         {"name": "POD_NAME", **field("metadata.name")},
         {"name": "POD_NAMESPACE", **field("metadata.namespace")},
         {"name": "POD_IP", **field("status.podIP")},
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
-        {"name": "SPLITSERVE_REDIS_URL", "value": spec.effective_redis_url},
+        {"name": "SPLITSERVE_REDIS_URL", **redis},
     ]
 
 
-def pod_spec_extras(spec: InferenceSpec, node_selector: dict, tolerations: list) -> dict:
+def pod_spec_extras(spec: InferenceSpec) -> dict:
+    """Hardening and the deployment-wide image pull secrets, for every pod."""
     extras: dict = {"securityContext": pod_security_context(), "automountServiceAccountToken": False}
-    if node_selector:
-        extras["nodeSelector"] = dict(node_selector)
-    if tolerations:
-        extras["tolerations"] = list(tolerations)
     if spec.image_pull_secrets:
         extras["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
     return extras

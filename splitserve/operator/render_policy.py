@@ -73,7 +73,7 @@ def render_network_policies(spec: InferenceSpec) -> list[dict]:
         _netpol(spec, "prefill", [{"from": [same_deployment]},
                                   {"ports": [_port(c.ADMIN_PORT), _port(WORKER_METRICS_PORT)]}]),
     ]
-    if not spec.redis_url:
+    if not spec.external_redis:
         operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR_POD_LABELS}}
         out.append(_netpol(spec, "redis", [{"from": [same_deployment, operator], "ports": [_port(c.REDIS_PORT)]}]))
     return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 from splitserve.core.ports import PREFILL_ADMIN_PORT
 
 from . import render_common as c
+from .render_pod import pod_template
 from .render_workloads import kv_args
 from .spec import InferenceSpec
 
@@ -27,12 +28,11 @@ def _container(spec: InferenceSpec, name: str, resources: dict) -> dict:
     }
 
 
-def _pod_template(spec: InferenceSpec, node: str, container: dict, node_selector: dict,
-                  tolerations: list) -> dict:
-    labels = {**c.labels(spec, "prefill"), "splitserve.io/ray-node": node}
-    return {"metadata": {"labels": labels},
-            "spec": {"containers": [container], "volumes": c.volumes(spec, shm=True),
-                     **c.pod_spec_extras(spec, node_selector, tolerations)}}
+def _pod_template(spec: InferenceSpec, node: str, container: dict) -> dict:
+    # The head runs the driver and the GCS: no GPU, no weights, no placement of the workers.
+    head = node == "head"
+    return pod_template(spec, "prefill", spec.prefill.pod, [container], shm=True, placement=not head,
+                        weights=not head, node_labels={"splitserve.io/ray-node": node})
 
 
 def head_command(spec: InferenceSpec) -> str:
@@ -79,13 +79,13 @@ def render_prefill(spec: InferenceSpec, replicas: int, ray_version: str) -> list
             "headGroupSpec": {
                 # No prefill actor on the head: it only runs the driver and the GCS.
                 "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "0.0.0.0"},
-                "template": _pod_template(spec, "head", head, {}, []),
+                "template": _pod_template(spec, "head", head),
             },
             "workerGroupSpecs": [{
                 "groupName": PREFILL_GROUP, "replicas": replicas,
                 "minReplicas": p.min_replicas, "maxReplicas": p.max_replicas,
                 "rayStartParams": {},
-                "template": _pod_template(spec, "worker", worker, p.node_selector, p.tolerations),
+                "template": _pod_template(spec, "worker", worker),
             }],
         },
     }]

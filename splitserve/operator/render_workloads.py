@@ -7,6 +7,7 @@ Commands and ports here are the component contracts (`splitserve router`,
 from __future__ import annotations
 
 from . import render_common as c
+from .render_pod import pod_template
 from .spec import InferenceSpec
 
 
@@ -15,7 +16,7 @@ def _probe(path: str, port: int, period: int, failures: int) -> dict:
             "timeoutSeconds": 5}
 
 
-def _deployment(spec: InferenceSpec, role: str, replicas: int, pod_spec: dict,
+def _deployment(spec: InferenceSpec, role: str, replicas: int, template: dict,
                 max_surge: int | str = 1) -> dict:
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": c.metadata(spec, role),
@@ -24,7 +25,7 @@ def _deployment(spec: InferenceSpec, role: str, replicas: int, pod_spec: dict,
             "selector": {"matchLabels": c.selector_labels(spec, role)},
             # Never take a serving replica away before its replacement is ready.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": max_surge, "maxUnavailable": 0}},
-            "template": {"metadata": {"labels": c.labels(spec, role)}, "spec": pod_spec},
+            "template": template,
         },
     }
 
@@ -49,7 +50,8 @@ def render_router(spec: InferenceSpec) -> list[dict]:
         "resources": spec.router.resources, "securityContext": c.container_security_context(),
         "volumeMounts": c.volume_mounts(spec, shm=False),
     }
-    pod = {"containers": [container], "volumes": c.volumes(spec, shm=False), **c.pod_spec_extras(spec, {}, [])}
+    # The router reads config and tokenizer only: a downloaded model comes without weights.
+    pod = pod_template(spec, "router", spec.router.pod, [container], shm=False, weights=False)
     service = {
         "apiVersion": "v1", "kind": "Service", "metadata": c.metadata(spec, "router"),
         "spec": {"type": spec.router.service_type, "selector": c.selector_labels(spec, "router"),
@@ -92,9 +94,8 @@ def render_decode(spec: InferenceSpec, replicas: int) -> list[dict]:
         "resources": d.resources, "securityContext": c.container_security_context(),
         "volumeMounts": c.volume_mounts(spec, shm=True),
     }
-    pod = {"containers": [container], "volumes": c.volumes(spec, shm=True),
-           "terminationGracePeriodSeconds": spec.drain_timeout_seconds + 30,
-           **c.pod_spec_extras(spec, d.node_selector, d.tolerations)}
+    pod = pod_template(spec, "decode", d.pod, [container], shm=True)
+    pod["spec"]["terminationGracePeriodSeconds"] = spec.drain_timeout_seconds + 30
     # maxSurge 0 for GPU pods: a surge pod would wait for a GPU the old pod holds.
     deployment = _deployment(spec, "decode", replicas, pod, max_surge=0)
     deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] = 1
@@ -115,8 +116,9 @@ def render_redis(spec: InferenceSpec) -> list[dict]:
         "securityContext": c.container_security_context(),
         "volumeMounts": [{"name": "data", "mountPath": "/data"}],
     }
-    pod = {"containers": [container], "volumes": [{"name": "data", "emptyDir": {}}],
-           **c.pod_spec_extras(spec, {}, [])}
+    pod = {"metadata": {"labels": c.labels(spec, "redis")},
+           "spec": {"containers": [container], "volumes": [{"name": "data", "emptyDir": {}}],
+                    **c.pod_spec_extras(spec)}}
     deployment = _deployment(spec, "redis", 1, pod, max_surge=0)
     deployment["spec"]["strategy"] = {"type": "Recreate"}
     service = {

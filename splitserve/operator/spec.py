@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
+from splitserve.core.model_uri import parse_model_uri
+
+from .spec_pod import PodSettings, parse_pod_settings
 
 GROUP = "splitserve.io"
 VERSION = "v1alpha1"
@@ -30,12 +33,21 @@ class SpecError(ValueError):
 
 
 @dataclass(frozen=True)
+class SecretRef:
+    """One key of a Secret in the InferenceDeployment's namespace."""
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     served_name: str
-    source_type: str  # pvc | hostPath | image
-    path: str  # relative to the volume root (pvc, hostPath) or absolute inside the image
+    source_type: str  # pvc | hostPath | image | uri
+    path: str  # relative to the volume root (pvc, hostPath, uri) or absolute inside the image
     claim_name: str = ""
     host_path: str = ""
+    uri: str = ""  # source.type uri: hf://ORG/NAME[@REVISION], downloaded by an init container
+    token_secret: SecretRef | None = None  # source.type uri: HF_TOKEN of the download
     tokenizer: str = ""  # same convention as `path`; empty = the model directory
     dtype: str = "bfloat16"
     max_model_len: int | None = None  # None: the checkpoint's own context length
@@ -49,8 +61,7 @@ class RoleSpec:
     resources: dict = field(default_factory=dict)
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
-    node_selector: dict = field(default_factory=dict)
-    tolerations: list = field(default_factory=list)
+    pod: PodSettings = field(default_factory=PodSettings)
     kv_cache_memory_gib: float | None = None  # None: the engine's default
 
     @property
@@ -68,6 +79,7 @@ class RouterSpec:
     replicas: int = 2
     resources: dict = field(default_factory=dict)
     service_type: str = "ClusterIP"
+    pod: PodSettings = field(default_factory=PodSettings)
 
 
 @dataclass(frozen=True)
@@ -95,7 +107,8 @@ class InferenceSpec:
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_backend: str = "grpc"
     rdma_device: str = ""
-    redis_url: str = ""  # empty: the operator deploys an in-cluster Redis
+    redis_url: str = ""  # empty and no redis_url_secret: the operator deploys an in-cluster Redis
+    redis_url_secret: SecretRef | None = None  # the external Redis URL, from a Secret
     redis_image: str = "redis:7.4-alpine"
     service_monitor: bool = False
     pod_monitor: bool = False
@@ -110,7 +123,12 @@ class InferenceSpec:
         return f"{self.namespace}.{self.name}"
 
     @property
+    def external_redis(self) -> bool:
+        return bool(self.redis_url or self.redis_url_secret)
+
+    @property
     def effective_redis_url(self) -> str:
+        """The URL as the spec says it; with redis_url_secret, only the Secret knows it."""
         return self.redis_url or f"redis://{self.name}-redis.{self.namespace}.svc:6379/0"
 
 
@@ -148,8 +166,7 @@ def _role(d: dict, where: str, problems: list[str], replicas: int, maximum: int)
         resources=d.get("resources", {}) or {},
         max_num_batched_tokens=_int(d, "maxNumBatchedTokens", 8192, where, problems, minimum=1),
         max_num_seqs=_int(d, "maxNumSeqs", 256, where, problems, minimum=1),
-        node_selector=d.get("nodeSelector", {}) or {},
-        tolerations=list(d.get("tolerations", []) or []),
+        pod=parse_pod_settings(d, where, problems),
         kv_cache_memory_gib=_float(d, "kvCacheMemoryGiB", 0.0, where, problems) or None,
     )
     if role.kv_cache_memory_gib is not None and role.kv_cache_memory_gib <= 0:
@@ -168,20 +185,42 @@ def _role(d: dict, where: str, problems: list[str], replicas: int, maximum: int)
     return role
 
 
+def _secret_ref(d: dict, key: str, where: str, problems: list[str]) -> SecretRef | None:
+    ref = d.get(key)
+    if ref is None:
+        return None
+    if not isinstance(ref, dict) or not ref.get("name") or not ref.get("key"):
+        problems.append(f"{where}.{key} needs name and key (a key of a Secret in this namespace)")
+        return None
+    return SecretRef(str(ref["name"]), str(ref["key"]))
+
+
 def _model(d: dict, problems: list[str]) -> ModelSpec:
     source = d.get("source", {}) or {}
     model = ModelSpec(
         served_name=str(d.get("servedName", "")), source_type=str(source.get("type", "pvc")),
         path=str(d.get("path", "")), claim_name=str(source.get("claimName", "")),
-        host_path=str(source.get("hostPath", "")), tokenizer=str(d.get("tokenizer", "")),
-        dtype=str(d.get("dtype", "bfloat16")),
+        host_path=str(source.get("hostPath", "")), uri=str(source.get("uri", "")),
+        token_secret=_secret_ref(source, "tokenSecretRef", "spec.model.source", problems),
+        tokenizer=str(d.get("tokenizer", "")), dtype=str(d.get("dtype", "bfloat16")),
         max_model_len=_int(d, "maxModelLen", 0, "spec.model", problems) or None)
     if model.dtype not in ("bfloat16", "float16", "float32"):
         problems.append(f"spec.model.dtype must be bfloat16, float16 or float32, got {model.dtype!r}")
     if not model.served_name:
         problems.append("spec.model.servedName is required (the name clients pass as `model`)")
-    if model.source_type not in ("pvc", "hostPath", "image"):
-        problems.append(f"spec.model.source.type must be pvc, hostPath or image, got {model.source_type!r}")
+    if model.source_type not in ("pvc", "hostPath", "image", "uri"):
+        problems.append(f"spec.model.source.type must be pvc, hostPath, image or uri, got {model.source_type!r}")
+    if model.source_type == "uri":
+        try:
+            parse_model_uri(model.uri)
+        except ValueError as exc:
+            problems.append(f"spec.model.{exc}")
+        if model.tokenizer and model.tokenizer.rstrip("/") != model.path.rstrip("/") \
+                and not model.tokenizer.startswith(model.path.rstrip("/") + "/"):
+            problems.append("spec.model.tokenizer must lie inside model.path when source.type is uri "
+                            "(only that snapshot is downloaded)")
+    elif "uri" in source or "tokenSecretRef" in source:
+        problems.append("spec.model.source.uri and source.tokenSecretRef are only used by source.type uri")
     if model.source_type == "pvc" and not model.claim_name:
         problems.append("spec.model.source.claimName is required when source.type is pvc")
     if model.source_type == "hostPath" and not model.host_path.startswith("/"):
@@ -207,7 +246,8 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
     router_d = _section(spec, "router", problems)
     router = RouterSpec(replicas=_int(router_d, "replicas", 2, "spec.router", problems, minimum=1),
                         resources=router_d.get("resources", {}) or {},
-                        service_type=str(router_d.get("serviceType", "ClusterIP")))
+                        service_type=str(router_d.get("serviceType", "ClusterIP")),
+                        pod=parse_pod_settings(router_d, "spec.router", problems))
     if router.service_type not in ("ClusterIP", "NodePort", "LoadBalancer"):
         problems.append(f"spec.router.serviceType must be ClusterIP, NodePort or LoadBalancer, got {router.service_type!r}")
     prefill = _role(_section(spec, "prefill", problems), "spec.prefill", problems, 1, 4)
@@ -238,8 +278,12 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
         problems.append("spec.kvTransfer.rdmaDevice is only used by the mooncake backend; set backend: mooncake")
     redis = _section(spec, "redis", problems)
     redis_url = str(redis.get("url", ""))
+    redis_url_secret = _secret_ref(redis, "urlSecretRef", "spec.redis", problems)
     if redis_url and not redis_url.startswith(("redis://", "rediss://")):
         problems.append(f"spec.redis.url must start with redis:// or rediss://, got {redis_url!r}")
+    if redis_url and redis_url_secret:
+        problems.append("spec.redis.url and redis.urlSecretRef are mutually exclusive: keep the URL in the "
+                        "Secret and leave url unset")
     monitoring = _section(spec, "monitoring", problems)
     network_policy = bool(_section(spec, "networkPolicy", problems).get("enabled", True))
     image_d = _section(spec, "image", problems)
@@ -253,7 +297,7 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
         name=name, namespace=namespace, image=image,
         image_pull_policy=str(image_d.get("pullPolicy", "IfNotPresent")), model=model, router=router,
         prefill=prefill, decode=decode, autoscaling=autoscaling, block_size=block_size,
-        kv_backend=kv_backend, rdma_device=rdma_device, redis_url=redis_url,
+        kv_backend=kv_backend, rdma_device=rdma_device, redis_url=redis_url, redis_url_secret=redis_url_secret,
         redis_image=str(redis.get("image", "redis:7.4-alpine")),
         service_monitor=bool(monitoring.get("serviceMonitor", False)),
         pod_monitor=bool(monitoring.get("podMonitor", False)),

@@ -137,12 +137,21 @@ def test_rbac_is_least_privilege():
         assert not {"update", "deletecollection", "escalate", "bind", "impersonate"} & set(rule["verbs"])
     granted = {r: set(rule["verbs"]) for rule in main for r in rule["resources"]}
     # Every kind the operator writes (kube.PLURALS) can be read, applied and deleted.
-    for plural in set(PLURALS.values()) - {"inferencedeployments"}:
+    for plural in set(PLURALS.values()) - {"inferencedeployments", "secrets"}:
         assert granted[plural] == {"get", "create", "patch", "delete"}, plural
     assert granted["inferencedeployments"] == {"get", "list", "watch", "patch"}
     assert granted["inferencedeployments/status"] == {"get", "patch"}
     assert granted["events"] == {"create"}
     assert ("ClusterRoleBinding", "ss-splitserve") in rbac
+
+
+def test_secrets_are_readable_only_when_asked_for():
+    """rbac.readSecrets grants `get` on Secrets (spec.redis.urlSecretRef), never list or watch."""
+    assert "secrets" not in {r for rule in _rbac(objects({}))[("ClusterRole", "ss-splitserve")]["rules"]
+                             for r in rule["resources"]}
+    rules = _rbac(objects({"rbac": {"readSecrets": True}}))[("ClusterRole", "ss-splitserve")]["rules"]
+    assert [rule for rule in rules if "secrets" in rule["resources"]] == [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
 
 
 def test_watch_namespaces_binds_per_namespace_only():

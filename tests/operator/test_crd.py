@@ -121,7 +121,7 @@ INVALID_BY_SCHEMA = [
     ("zero replicas", {"decode": {"replicas": 0}}, "0 is less than the minimum of 1", "spec.decode.replicas must be >= 1"),
     ("block size not a power of two", {"blockSize": 12}, "12 is not one of", "power of two"),
     ("redis url scheme", {"redis": {"url": "http://redis:6379"}}, "does not match", "must start with redis://"),
-    ("source type", {"model": {"source": {"type": "s3"}}}, "'s3' is not one of", "pvc, hostPath or image"),
+    ("source type", {"model": {"source": {"type": "s3"}}}, "'s3' is not one of", "pvc, hostPath, image or uri"),
     ("replicas as string", {"router": {"replicas": "two"}}, "'two' is not of type 'integer'", "must be an integer"),
     ("negative kv cache", {"decode": {"kvCacheMemoryGiB": -1}}, "-1 is less than the minimum of 0", "kvCacheMemoryGiB must be > 0"),
     ("unknown dtype", {"model": {"dtype": "int4"}}, "'int4' is not one of", "dtype must be bfloat16, float16 or float32"),
