@@ -74,3 +74,14 @@ def rms_norm(x, weight, eps):
 def apply_rotary(q, k, cos, sin):
     impl = _triton() if backend_for(q) == "triton" else reference
     return impl.apply_rotary(q, k, cos, sin)
+
+
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids):
+    """Mixture-of-experts SwiGLU MLPs; see splitserve/kernels/moe_reference.py for the contract."""
+    if backend_for(hidden) == "triton":
+        from splitserve.kernels import triton_moe  # lazily, like _triton()
+
+        return triton_moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+    from splitserve.kernels import moe_reference
+
+    return moe_reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
