@@ -1,13 +1,22 @@
 """A FAKE Kubernetes API server (aiohttp on 127.0.0.1) for running the operator's
-kopf handlers in tests. No real API server can run on the test machines.
+kopf handlers in tests. No real API server can run on the test machines, so this one
+is as strict as kube-apiserver where the operator's correctness depends on it.
 
-It implements only what kopf and the operator call: discovery (/api, /apis, group
+It implements what kopf and the operator call: discovery (/api, /apis, group
 versions), list + watch (JSON-lines events, resourceVersion), get, create,
-merge-patch, a simplified server-side apply (create-or-deep-merge; unlike the real
-one it does not remove fields the manager stopped sending), the status
-subresource, delete with finalizers and deletionTimestamp, and owner-reference
-garbage collection. No admission, no CEL, no defaulting, no controllers: tests set
-children's status themselves (e.g. readyReplicas) to play the controllers' part.
+merge-patch, JSON patch, a simplified server-side apply (create-or-deep-merge; unlike
+the real one it does not remove fields the manager stopped sending), the status
+subresource, and delete. Beyond that, as the real server:
+- CustomResourceDefinitions: a created CRD is checked as kube-apiserver checks it
+  (crd_rules.py: structural schema, defaults against the schema and CEL rules) and
+  rejected with its message; an accepted one serves its kind, whose objects are
+  pruned, defaulted and validated (OpenAPI and CEL) on every write (crd_values.py);
+- deletion with finalizers, propagation policies, garbage collection, Terminating
+  namespaces and CRD cleanup (fake_lifecycle.py);
+- RBAC, when given the identity's rules, with OwnerReferencesPermissionEnforcement
+  (fake_rbac.py).
+No controllers besides those: tests set children's status themselves (e.g.
+readyReplicas) to play the controllers' part.
 """
 
 from __future__ import annotations
@@ -17,9 +26,13 @@ import copy
 import json
 import re
 import uuid
-from datetime import UTC, datetime
 
 from aiohttp import web
+
+from .crd_rules import crd_errors, rejection
+from .crd_values import admit
+from .fake_lifecycle import CRDS, NAMESPACES, Lifecycle, now
+from .fake_rbac import allowed, attributes, denial, owner_reference_denial
 
 PATH = re.compile(r"^/(?P<gv>api/v1|apis/[^/]+/[^/]+)(?:/namespaces/(?P<ns>[^/]+))?/(?P<plural>[^/]+)"
                   r"(?:/(?P<name>[^/]+))?(?:/(?P<sub>status))?$")
@@ -31,8 +44,8 @@ def merge(target: dict, patch: dict) -> dict:
     for k, v in patch.items():
         if v is None:
             out.pop(k, None)
-        elif isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = merge(out[k], v)
+        elif isinstance(v, dict):  # into a missing or non-object target too: nulls never stored
+            out[k] = merge(out[k] if isinstance(out.get(k), dict) else {}, v)
         else:
             out[k] = copy.deepcopy(v)
     return out
@@ -66,12 +79,25 @@ def json_patch(target: dict, ops: list[dict]) -> dict:
     return out
 
 
-class FakeKube:
-    def __init__(self, kinds: dict[tuple[str, str], str]):
-        """kinds: (apiVersion like 'apps/v1' or 'v1', plural) -> Kind. Only these are served;
-        objects are keyed by (apiVersion, plural, namespace, name)."""
+class ApiError(Exception):
+    """A refused request: HTTP status, Status reason, message (as kube-apiserver's)."""
+
+    def __init__(self, code: int, reason: str, message: str):
+        super().__init__(message)
+        self.code, self.reason, self.message = code, reason, message
+
+
+class FakeKube(Lifecycle):
+    def __init__(self, kinds: dict[tuple[str, str], str], rbac_rules: list[dict] | None = None):
+        """kinds: (apiVersion like 'apps/v1' or 'v1', plural) -> Kind, served without a
+        schema; CRDs created later add theirs. rbac_rules: the PolicyRules every request
+        is authorized against (None: no authorization)."""
         self.kinds = kinds
-        self.objects: dict[tuple[str, str, str, str], dict] = {}  # (gv, plural, ns, name)
+        self.schemas: dict[tuple[str, str], dict] = {}  # (gv, plural) -> openAPIV3Schema, from CRDs
+        self.cluster_scoped = {NAMESPACES, CRDS}
+        self.rbac_rules = rbac_rules
+        self.denied: list[str] = []  # messages of refused requests (RBAC, admission)
+        self.objects: dict[tuple[str, str, str | None, str], dict] = {}  # (gv, plural, ns, name)
         self.events: list[tuple[int, str, str, str, dict]] = []  # (rv, gv, plural, type, obj)
         self.rv = 1
         self.changed = asyncio.Condition()
@@ -79,7 +105,9 @@ class FakeKube:
         self.url = ""
         self._runner: web.AppRunner | None = None
         self.closing = False
-        self.kinds[("v1", "namespaces")] = "Namespace"  # kopf lists/watches namespaces
+        self.kinds[NAMESPACES] = "Namespace"  # kopf lists/watches namespaces
+        self.kinds[CRDS] = "CustomResourceDefinition"
+        self._settle_lock = asyncio.Lock()
 
     # -- server ----------------------------------------------------------------
     async def start(self) -> str:
@@ -101,18 +129,18 @@ class FakeKube:
             await self._runner.cleanup()
 
     # -- helpers for tests -----------------------------------------------------
-    def get(self, gv: str, plural: str, ns: str, name: str) -> dict | None:
+    def get(self, gv: str, plural: str, ns: str | None, name: str) -> dict | None:
         obj = self.objects.get((gv, plural, ns, name))
         return copy.deepcopy(obj) if obj else None
 
-    def list(self, gv: str, plural: str, ns: str) -> list[dict]:
+    def list(self, gv: str, plural: str, ns: str | None) -> list[dict]:
         return [copy.deepcopy(o) for (g, p, n, _), o in self.objects.items() if (g, p, n) == (gv, plural, ns)]
 
     async def create_namespace(self, name: str) -> dict:
         return await self._create("v1", "namespaces", None, {"metadata": {"name": name}})
 
-    async def create(self, gv: str, plural: str, ns: str, body: dict) -> dict:
-        """Create as a user would (kubectl create)."""
+    async def create(self, gv: str, plural: str, ns: str | None, body: dict) -> dict:
+        """Create as a user would (kubectl create); raises ApiError if refused."""
         return await self._create(gv, plural, ns, body)
 
     async def patch_spec(self, gv: str, plural: str, ns: str, name: str, patch: dict) -> dict:
@@ -125,9 +153,57 @@ class FakeKube:
         obj = self.objects[(gv, plural, ns, name)]
         await self._store(gv, plural, ns, name, {**obj, "status": status}, "MODIFIED")
 
-    async def remove(self, gv: str, plural: str, ns: str, name: str) -> None:
-        """Delete as a user would (kubectl delete), with garbage collection."""
-        await self._delete(gv, plural, ns, name)
+    async def remove(self, gv: str, plural: str, ns: str | None, name: str, propagation: str = "Background") -> dict:
+        """Delete as a user would (kubectl delete [--cascade=foreground|orphan])."""
+        return await self._delete(gv, plural, ns, name, propagation)
+
+    # -- CRDs ------------------------------------------------------------------
+    def crd_resources(self, crd: dict) -> set[tuple[str, str]]:
+        spec = crd["spec"]
+        return {(f"{spec['group']}/{v['name']}", spec["names"]["plural"]) for v in spec["versions"] if v.get("served")}
+
+    def _register_crd(self, crd: dict) -> None:
+        spec = crd["spec"]
+        for v in spec["versions"]:
+            if v.get("served"):
+                resource = (f"{spec['group']}/{v['name']}", spec["names"]["plural"])
+                self.kinds[resource] = spec["names"]["kind"]
+                self.schemas[resource] = v["schema"]["openAPIV3Schema"]
+                if spec.get("scope") == "Cluster":
+                    self.cluster_scoped.add(resource)
+
+    def unregister_crd(self, crd: dict) -> None:
+        for resource in self.crd_resources(crd):
+            self.kinds.pop(resource, None)
+            self.schemas.pop(resource, None)
+
+    def _admit(self, gv: str, plural: str, obj: dict) -> dict:
+        """A custom resource as the API server stores it: pruned, defaulted, valid."""
+        if (gv, plural) == CRDS:
+            errors = crd_errors(obj)
+            if errors:
+                raise ApiError(422, "Invalid", rejection(obj, errors))
+            return obj
+        schema = self.schemas.get((gv, plural))
+        if schema is None:
+            return obj
+        obj, errors = admit(schema, obj)
+        if errors:
+            group = gv.split("/")[0]
+            shown = errors[0] if len(errors) == 1 else "[" + ", ".join(errors) + "]"
+            raise ApiError(422, "Invalid", f'{self.kinds[(gv, plural)]}.{group} "{obj["metadata"]["name"]}" '
+                                           f"is invalid: {shown}")
+        return obj
+
+    def _check_owner_refs(self, gv, plural, ns, old: dict | None, new: dict) -> None:
+        if self.rbac_rules is None:
+            return
+        plurals = {(g, kind): p for (g, p), kind in self.kinds.items()}
+        a = attributes("PATCH" if old else "POST", gv, plural, None, ns, new["metadata"].get("name"), False)
+        message = owner_reference_denial(self.rbac_rules, plurals, a, old, new)
+        if message:
+            self.denied.append(message)
+            raise ApiError(403, "Forbidden", message)
 
     # -- storage ---------------------------------------------------------------
     async def _store(self, gv, plural, ns, name, obj, event_type) -> dict:
@@ -145,32 +221,42 @@ class FakeKube:
     async def _create(self, gv, plural, ns, body) -> dict:
         obj = copy.deepcopy(body)
         meta = obj.setdefault("metadata", {})
+        if (gv, plural, ns, meta.get("name")) in self.objects:
+            raise ApiError(409, "AlreadyExists", f'{plural} "{meta.get("name")}" already exists')
+        namespace = self.objects.get(("v1", "namespaces", None, ns)) if ns else None
+        if namespace and namespace["metadata"].get("deletionTimestamp"):
+            raise ApiError(403, "Forbidden", f'{plural} "{meta.get("name")}" is forbidden: unable to create new '
+                                             f"content in namespace {ns} because it is being terminated")
         if ns:
             meta["namespace"] = ns
-        meta.update(uid=str(uuid.uuid4()), generation=1,
-                    creationTimestamp=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
         obj.setdefault("apiVersion", gv)
         obj.setdefault("kind", self.kinds[(gv, plural)])
-        return await self._store(gv, plural, ns, meta["name"], obj, "ADDED")
+        obj = self._admit(gv, plural, obj)
+        self._check_owner_refs(gv, plural, ns, None, obj)
+        meta = obj["metadata"]
+        meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=now())
+        created = await self._store(gv, plural, ns, meta["name"], obj, "ADDED")
+        if (gv, plural) == CRDS:
+            self._register_crd(obj)
+        await self._settle()  # an object whose owners are gone is collected at once
+        return created
 
     async def _update(self, gv, plural, ns, name, new) -> dict:
         old = self.objects[(gv, plural, ns, name)]
+        if old["metadata"].get("deletionTimestamp"):
+            added = sorted(set(new["metadata"].get("finalizers") or []) - set(old["metadata"].get("finalizers") or []))
+            if added:
+                raise ApiError(422, "Invalid", f'{plural} "{name}" is invalid: metadata.finalizers: Forbidden: no new '
+                                               f"finalizers can be added if the object is being deleted, found new "
+                                               f"finalizers {added}")
+        new = self._admit(gv, plural, new)
+        self._check_owner_refs(gv, plural, ns, old, new)
         if new.get("spec") != old.get("spec"):
             new["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
-        if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
-            return await self._delete(gv, plural, ns, name, new)
-        return await self._store(gv, plural, ns, name, new, "MODIFIED")
-
-    async def _delete(self, gv, plural, ns, name, obj=None) -> dict:
-        obj = copy.deepcopy(obj or self.objects[(gv, plural, ns, name)])
-        if obj["metadata"].get("finalizers"):
-            obj["metadata"].setdefault("deletionTimestamp", datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
-            return await self._store(gv, plural, ns, name, obj, "MODIFIED")
-        result = await self._store(gv, plural, ns, name, obj, "DELETED")
-        uid = obj["metadata"]["uid"]  # garbage collection of dependents
-        for (g, p, n, nm), child in list(self.objects.items()):
-            if any(r.get("uid") == uid for r in child["metadata"].get("ownerReferences") or []):
-                await self._delete(g, p, n, nm)
+        gone = new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers") \
+            and (gv, plural) != NAMESPACES
+        result = await self._store(gv, plural, ns, name, new, "DELETED" if gone else "MODIFIED")
+        await self._settle()
         return result
 
     # -- HTTP ------------------------------------------------------------------
@@ -193,18 +279,19 @@ class FakeKube:
         for (g, plural), kind in self.kinds.items():
             if g == gv:
                 verbs = ["get", "list", "watch", "create", "patch", "update", "delete"]
-                resources.append({"name": plural, "singularName": kind.lower(), "namespaced": kind != "Namespace",
+                namespaced = (g, plural) not in self.cluster_scoped
+                resources.append({"name": plural, "singularName": kind.lower(), "namespaced": namespaced,
                                   "kind": kind, "verbs": verbs})
-                resources.append({"name": f"{plural}/status", "singularName": "", "namespaced": True,
+                resources.append({"name": f"{plural}/status", "singularName": "", "namespaced": namespaced,
                                   "kind": kind, "verbs": ["get", "patch", "update"]})
         if not resources:
             return None
         return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv, "resources": resources}
 
     @staticmethod
-    def _error(status: int, message: str) -> web.Response:
-        return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                                  "message": message, "code": status}, status=status)
+    def _error(status: int, message: str, reason: str = "") -> web.Response:
+        return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
+                                  "reason": reason, "code": status}, status=status)
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         path = request.path
@@ -212,11 +299,22 @@ class FakeKube:
         m = PATH.match(path)
         if m is None:
             found = self._discovery(path) if request.method == "GET" else None
-            return web.json_response(found) if found else self._error(404, f"{path} not found")
+            return web.json_response(found) if found else self._error(404, f"{path} not found", "NotFound")
         gv, ns, plural, name, sub = self._gv(m["gv"]), m["ns"], m["plural"], m["name"], m["sub"]
         if (gv, plural) not in self.kinds:
-            return self._error(404, f"the server could not find the requested resource ({path})")
-        key = (gv, plural, ns, name)
+            return self._error(404, f"the server could not find the requested resource ({path})", "NotFound")
+        if self.rbac_rules is not None:
+            a = attributes(request.method, gv, plural, sub, ns, name, request.query.get("watch") in ("true", "1"))
+            if not allowed(self.rbac_rules, a):
+                self.denied.append(denial(a))
+                return self._error(403, denial(a), "Forbidden")
+        try:
+            return await self._serve(request, (gv, plural, ns, name), sub)
+        except ApiError as exc:
+            return self._error(exc.code, exc.message, exc.reason)
+
+    async def _serve(self, request: web.Request, key, sub) -> web.StreamResponse:
+        gv, plural, ns, name = key
         if request.method == "GET" and name is None:
             if request.query.get("watch") in ("true", "1"):
                 return await self._watch(request, gv, plural, ns)
@@ -224,16 +322,15 @@ class FakeKube:
             return web.json_response({"kind": self.kinds[(gv, plural)] + "List", "apiVersion": "v1",
                                       "metadata": {"resourceVersion": str(self.rv)}, "items": items})
         if request.method == "POST" and name is None:
-            body = await request.json()
-            if (gv, plural, ns, body["metadata"]["name"]) in self.objects:
-                return self._error(409, f"{plural} {body['metadata']['name']} already exists")
-            return web.json_response(await self._create(gv, plural, ns, body), status=201)
+            return web.json_response(await self._create(gv, plural, ns, await request.json()), status=201)
+        if key not in self.objects and not (request.method == "PATCH" and sub is None):
+            return self._error(404, f'{plural} "{name}" not found', "NotFound")
         if request.method == "GET":
-            return web.json_response(self.objects[key]) if key in self.objects else self._error(404, f"{name} not found")
+            return web.json_response(self.objects[key])
         if request.method == "DELETE":
-            if key not in self.objects:
-                return self._error(404, f"{name} not found")
-            return web.json_response(await self._delete(gv, plural, ns, name))
+            options = json.loads(await request.text() or "{}")
+            policy = request.query.get("propagationPolicy") or options.get("propagationPolicy") or "Background"
+            return web.json_response(await self._delete(gv, plural, ns, name, policy))
         if request.method == "PATCH":
             return await self._patch(request, key, sub)
         return self._error(405, f"{request.method} not supported by the fake")
@@ -244,7 +341,7 @@ class FakeKube:
         body = json.loads(await request.text())
         if ctype.startswith("application/json-patch+json"):
             if key not in self.objects:
-                return self._error(404, f"{name} not found")
+                return self._error(404, f'{plural} "{name}" not found', "NotFound")
             try:
                 new = json_patch(self.objects[key], body)
             except (PatchConflict, KeyError, IndexError, ValueError) as exc:
@@ -261,7 +358,7 @@ class FakeKube:
         elif not ctype.startswith("application/merge-patch+json"):
             return self._error(415, f"the fake supports json-, merge- and apply-patch only, got {ctype}")
         if key not in self.objects:
-            return self._error(404, f"{name} not found")
+            return self._error(404, f'{plural} "{name}" not found', "NotFound")
         old = self.objects[key]
         if sub == "status":
             new = merge(old, {"status": body.get("status")})
