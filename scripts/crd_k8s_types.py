@@ -41,7 +41,7 @@ OBJECT_META = "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
 BOUNDS = {  # type -> property -> extra schema keys
     "EnvVar": {"name": {"maxLength": 256}},
     "Volume": {"name": {"maxLength": 63}},  # a DNS label, as Kubernetes requires
-    "VolumeMount": {"name": {"maxLength": 63}, "mountPath": {"maxLength": 4096}},
+    "VolumeMount": {"name": {"maxLength": 63}, "mountPath": {"maxLength": 1024}},
 }
 KEEP = ("format", "enum", "x-kubernetes-list-type", "x-kubernetes-list-map-keys", "x-kubernetes-map-type")
 MARKER = re.compile(r"^(?P<indent> *)# BEGIN generated (?P<type>\w+) \(scripts/crd_k8s_types.py\)$")
