@@ -45,12 +45,14 @@ class PodSettings:
     image_pull_secrets: tuple[str, ...] = ()
 
 
-def _typed(d: dict, key: str, kind: type, where: str, problems: list[str]):
+def _typed(d: dict, key: str, kind: type, where: str, problems: list[str], items: type = dict):
+    """d[key] if it is a `kind` (a list: of `items`), else a problem and an empty one."""
     value = d.get(key)
     if value is None:
         return kind()
-    if not isinstance(value, kind) or (kind is list and not all(isinstance(x, dict | str) for x in value)):
-        problems.append(f"{where}.{key} must be {'a list' if kind is list else 'an object'}")
+    if not isinstance(value, kind) or (kind is list and not all(isinstance(x, items) for x in value)):
+        what = f"a list of {'strings' if items is str else 'objects'}" if kind is list else "an object"
+        problems.append(f"{where}.{key} must be {what}")
         return kind()
     return value
 
@@ -73,7 +75,7 @@ def parse_pod_settings(d: dict, where: str, problems: list[str]) -> PodSettings:
         volume_mounts=_typed(d, "volumeMounts", list, where, problems),
         annotations=_typed(d, "podAnnotations", dict, where, problems),
         labels=_typed(d, "podLabels", dict, where, problems),
-        image_pull_secrets=tuple(str(s) for s in _typed(d, "imagePullSecrets", list, where, problems)))
+        image_pull_secrets=tuple(_typed(d, "imagePullSecrets", list, where, problems, items=str)))
     # The CRD's CEL rules, repeated (see module docstring); same words as their messages.
     if any(n in OPERATOR_ENV for n in _names(pod.env, "name")):
         problems.append(f"{where}.env must not set {', '.join(OPERATOR_ENV)}: the operator sets them "

@@ -156,6 +156,13 @@ def test_every_reserved_name_is_refused_everywhere(schema, minimal_spec):
     assert errors_of(schema, fine) == [] and problems_of(fine) == []
 
 
+def test_parse_spec_never_crashes_on_garbage_pod_settings(minimal_spec):
+    for fields, problem in (({"topologySpreadConstraints": ["zone"]}, "topologySpreadConstraints must be a list of objects"),
+                            ({"imagePullSecrets": [{"name": "x"}]}, "imagePullSecrets must be a list of strings"),
+                            ({"podLabels": ["team"]}, "podLabels must be an object")):
+        assert problems_of(with_role(minimal_spec, "decode", **fields)) == [f"spec.decode.{problem}"]
+
+
 def test_redis_url_and_secret_are_mutually_exclusive(schema, minimal_spec):
     spec = {**minimal_spec, "redis": {"url": "redis://r:6379/0", "urlSecretRef": {"name": "redis", "key": "url"}}}
     message = "redis.url and redis.urlSecretRef are mutually exclusive: keep the URL in the Secret and leave url unset"
