@@ -41,14 +41,18 @@ def _triton():
     return triton_ops
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None, window=0,
+                           softcap=0.0):
     impl = _triton() if backend_for(q) == "triton" else reference
-    return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
+    return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, window,
+                                       softcap)
 
 
-def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale):
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, window=0,
+                            softcap=0.0):
     impl = _triton() if backend_for(q) == "triton" else reference
-    return impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    return impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                        window, softcap)
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping):

@@ -4,6 +4,10 @@ Shapes (see splitserve/engine/kv_cache.py for the pool layout):
   k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim] (strided views are fine)
   block_tables     : [batch, max_blocks] int32, padded with any valid id
   seq_lens         : [batch] int32, tokens in the cache per sequence (including new ones)
+
+Attention options (both attention kernels): `window` > 0 is sliding-window attention, a
+query at position p sees keys p - window + 1 .. p (transformers' `kv_idx > q_idx - window`);
+`softcap` > 0 caps the scaled scores at softcap * tanh(score / softcap) (Gemma 2).
 """
 
 from __future__ import annotations
@@ -44,6 +48,19 @@ def _gather_kv(cache: torch.Tensor, block_row: torch.Tensor, length: int, purpos
     return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length]
 
 
+def _attend(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """softmax(scores) @ v with q [b, heads, n, d], k/v [b, kv_heads, T, d], mask [b|1, 1, n, T]."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -52,6 +69,8 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One new query token per sequence attending to its whole paged context.
 
@@ -60,20 +79,20 @@ def paged_decode_attention(
     """
     batch = q.shape[0]
     if batch <= DECODE_GROUP:
-        return _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
     # Sequences padded to the longest context waste reads; attend in groups of similar length.
     order = torch.argsort(seq_lens.to(torch.int64))
     out = torch.empty_like(q)
     for start in range(0, batch, DECODE_GROUP):
         idx = order[start : start + DECODE_GROUP].to(q.device)
-        out[idx] = _decode_group(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale)
+        out[idx] = _decode_group(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale, window, softcap)
     return out
 
 
 DECODE_GROUP = 16
 
 
-def _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+def _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     block_size = k_cache.shape[1]
@@ -83,16 +102,12 @@ def _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.T
     k = _gather_blocks(k_cache, bt, "k").reshape(batch, n_blocks * block_size, num_kv_heads, head_dim)
     v = _gather_blocks(v_cache, bt, "v").reshape(batch, n_blocks * block_size, num_kv_heads, head_dim)
     positions = torch.arange(n_blocks * block_size, device=q.device)
-    mask = positions[None, :] < seq_lens.to(q.device).long()[:, None]  # [batch, T]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # [batch, heads, 1, dim]
-        k.transpose(1, 2),  # [batch, kv_heads, T, dim]
-        v.transpose(1, 2),
-        attn_mask=mask[:, None, None, :],
-        scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    )
-    return out.squeeze(2)
+    lens = seq_lens.to(q.device).long()[:, None]
+    mask = positions[None, :] < lens  # [batch, T]
+    if window:
+        mask &= positions[None, :] >= lens - window
+    out = _attend(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale, softcap)
+    return out.squeeze(2)  # [batch, heads, 1, dim] -> [batch, heads, dim]
 
 
 def paged_prefill_attention(
@@ -103,6 +118,8 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """New tokens of several sequences attending to a paged cached prefix plus themselves.
 
@@ -111,8 +128,6 @@ def paged_prefill_attention(
     cache (store_kv first). Query i of a sequence with n new tokens and seq_len L
     sits at position L-n+i: it sees the whole prefix and is causal over the new tokens.
     """
-    num_heads = q.shape[1]
-    num_kv_heads = k_cache.shape[2]
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
@@ -124,15 +139,12 @@ def paged_prefill_attention(
         k = _gather_kv(k_cache, block_tables[b], length, "k")
         v = _gather_kv(v_cache, block_tables[b], length, "v")
         q_pos = torch.arange(length - n, length, device=q.device)
-        mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
-        o = F.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1).unsqueeze(0),  # [1, heads, n, dim]
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask[None, None],
-            scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
-        )
+        keys = torch.arange(length, device=q.device)[None, :]
+        mask = keys <= q_pos[:, None]  # [n, L]
+        if window:
+            mask &= keys > q_pos[:, None] - window
+        o = _attend(q[s:e].transpose(0, 1).unsqueeze(0),  # [1, heads, n, dim]
+                    k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), mask[None, None], scale, softcap)
         out[s:e] = o[0].transpose(0, 1)
     return out
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 try:
     from triton.runtime.interpreter import InterpretedFunction
@@ -53,6 +54,15 @@ class Kernel:
 def kernel(fn) -> Kernel:
     """Decorator used instead of @triton.jit for the kernels of this package."""
     return Kernel(fn)
+
+
+@triton.jit
+def softcap_tanh(scores, cap):
+    """cap * tanh(scores / cap) (attention logit soft-capping), written with exp because
+    not every Triton build (the interpreter included) has tanh in its language."""
+    e = tl.exp(-2.0 * tl.abs(scores / cap))
+    t = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(scores < 0, -t, t)
 
 
 def pow2(n: int, minimum: int = 1) -> int:

@@ -24,6 +24,7 @@ from splitserve.kernels.triton_common import (
     dot_precision,
     kernel,
     pow2,
+    softcap_tanh,
     upcast_dot,
 )
 
@@ -46,14 +47,14 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, num_sms: i
 @kernel
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2e, tokens_per_split, num_splits,
+    scale_log2e, tokens_per_split, num_splits, window, softcap_log2e,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_btb, stride_ob, stride_oh, stride_od,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DIRECT: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -62,6 +63,8 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
+    if window > 0:  # sliding window: only the last `window` tokens are visible
+        start = tl.maximum(start, seq_len - window)
 
     rows = tl.arange(0, GROUP_PAD)  # query heads of this KV head (padded for tl.dot)
     heads = kv_head * GROUP + rows
@@ -89,6 +92,8 @@ def _decode_split_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [GROUP_PAD, TILE]
+        if SOFTCAP:
+            scores = softcap_tanh(scores, softcap_log2e)
         scores = tl.where(tok_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -148,6 +153,8 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Same contract as reference.paged_decode_attention. Block ids and lengths are
     trusted (checking them would sync the GPU): every sequence must fit in its row of
@@ -177,12 +184,12 @@ def paged_decode_attention(
         part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     launch[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * LOG2E, tokens_per_split, num_splits,
+        scale * LOG2E, tokens_per_split, num_splits, int(window or 0), float(softcap or 0.0) * LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0), *out.stride(),
         GROUP=group, GROUP_PAD=pow2(group, 16), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE=TILE_N, DIRECT=direct,
-        PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype, q.device),
+        PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype, q.device), SOFTCAP=bool(softcap),
         num_warps=4,
     )
     if not direct:

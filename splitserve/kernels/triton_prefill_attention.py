@@ -23,6 +23,7 @@ from splitserve.kernels.triton_common import (
     dot_precision,
     kernel,
     pow2,
+    softcap_tanh,
     upcast_dot,
 )
 
@@ -37,14 +38,14 @@ LOG2E = 1.4426950408889634
 @kernel
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, cu_seqlens_ptr, seq_lens_ptr,
-    scale_log2e, num_seqs,
+    scale_log2e, num_seqs, window, softcap_log2e,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_btb, stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, SEQS_PAD: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     slot = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -77,11 +78,14 @@ def _prefill_kernel(
     # keys up to what the tile's last query may see; none for an unused slot
     kv_end = tl.minimum(seq_len, prefix_len + (tok0 - q_start) + BLOCK_Q)
     kv_end = tl.where(tok0 < q_end, kv_end, 0)
+    kv_start = 0
+    if window > 0:  # sliding window: nothing before what the tile's first query may see
+        kv_start = tl.maximum(prefix_len + (tok0 - q_start) - window + 1, 0)
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_btb
-    for key0 in range(0, kv_end, TILE):
+    for key0 in range(kv_start, kv_end, TILE):
         keys = key0 + tl.arange(0, TILE)
         key_ok = keys < kv_end
         block_ids = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
@@ -92,12 +96,17 @@ def _prefill_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+        if SOFTCAP:
+            scores = softcap_tanh(scores, softcap_log2e)
         visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+        if window > 0:
+            visible = visible & (keys[None, :] > q_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
-        # every row sees key 0 in the first tile, so m_new is finite from then on
+        # a row may see nothing in a tile yet (causal or window): keep its max finite
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(scores - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_rows = block_ids * stride_vb + in_block * stride_vt + kv_head * stride_vh
         v = tl.load(v_ptr + v_rows[:, None] + dims[None, :] * stride_vd, mask=kv_mask, other=0.0)
@@ -120,6 +129,8 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Same contract as reference.paged_prefill_attention. Lengths and block ids are
     trusted, not read on the host: cu_seqlens_q[-1] <= total tokens, n_new <= seq_len, and
@@ -146,12 +157,12 @@ def paged_prefill_attention(
     grid = (total_tokens // block_q + batch, num_kv_heads)
     launch[grid](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens,
-        scale * LOG2E, batch,
+        scale * LOG2E, batch, int(window or 0), float(softcap or 0.0) * LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0), *out.stride(),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim, 16),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, TILE=TILE_N, SEQS_PAD=pow2(batch),
-        PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype, q.device),
+        PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype, q.device), SOFTCAP=bool(softcap),
         num_warps=8,
     )
     return out
