@@ -21,6 +21,7 @@ import signal
 import sys
 import time
 
+from splitserve.core.model_dir import checkpoint_problem
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.logs import configure_logging
 from splitserve.router.main import add_router_args, bind_http, start_router
@@ -159,10 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill_workers < 0 or args.decode_workers < 1:
         print("splitserve serve: need --decode-workers >= 1 and --prefill-workers >= 0", file=sys.stderr)
         return 2
-    if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
-        print(f"splitserve serve: {args.model}/config.json not found: --model must be a Hugging Face "
-              "checkpoint directory", file=sys.stderr)
-        return 2
+    if args.model is not None:  # checked before Ray or any process starts: one line, exit 2
+        problem = checkpoint_problem(args.model)
+        if problem:
+            print(f"splitserve serve: {problem}", file=sys.stderr)
+            return 2
     if args.redis_url and not args.redis_url.startswith(("redis://", "rediss://", "unix://")):
         print(f"splitserve serve: --redis-url {args.redis_url!r} must start with redis://", file=sys.stderr)
         return 2

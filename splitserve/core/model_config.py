@@ -1,29 +1,35 @@
 """A checkpoint's model configuration, read from its config.json without torch (the router
-and the CLIs check a model before any process starts; workers build the model from it)."""
+and the CLIs check a model before any process starts; workers build the model from it).
+
+One reader for every family in `core/architectures.py`: the families differ in which
+config fields they use (Gemma's soft-capping and query scalar, Qwen3's q/k norms,
+per-layer sliding windows, per-layer-type rope), and the defaults transformers applies
+when a field is absent are applied here the same way.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from splitserve.core.architectures import ARCHITECTURES, architecture_for, unsupported
+from splitserve.core.rope_config import RopeSpec, read_rope
 
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, malformed or unsupported; the message names file and field."""
 
 
-# architecture -> (family, q/k/v projections have a bias)
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": ("llama", None),  # None: read `attention_bias` from the config
-    "MistralForCausalLM": ("mistral", False),
-    "Qwen2ForCausalLM": ("qwen2", True),
-}
-_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = ARCHITECTURES  # the one table; kept under its old name
+FULL, SLIDING = "full_attention", "sliding_attention"
+_ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
+    family: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -32,15 +38,24 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
+    rope: RopeSpec  # full-attention layers
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    o_bias: bool
     mlp_bias: bool
     sliding_window: int | None
+    layer_types: tuple[str, ...]  # FULL or SLIDING, one per layer
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    hidden_act: str = "silu"
+    qk_norm: bool = False  # RMSNorm of q and k per head before rope (Qwen3, Gemma 3)
+    gemma_norms: bool = False  # (1 + w) RMSNorms in float32, sandwich norms, scaled embeddings
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    attn_scale: float = 0.0  # 0: head_dim ** -0.5
+    local_rope: RopeSpec | None = None  # sliding-window layers, when they differ (Gemma 3)
+    raw: dict = field(default_factory=dict, repr=False, compare=False)  # config.json, for family extras
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -55,66 +70,94 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> ModelConfig:
-        archs = raw.get("architectures") or [_MODEL_TYPE_TO_ARCH.get(raw.get("model_type", ""), "")]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise CheckpointError(
-                f"{source}: field 'architectures' is {archs!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{source}: expected a JSON object")
+        arch = architecture_for(raw)
+        if arch not in ARCHITECTURES:
+            raise CheckpointError(unsupported(arch, source))
+        family = ARCHITECTURES[arch].family
 
         def need(name: str):
             if name not in raw or raw[name] is None:
                 raise CheckpointError(f"{source}: required field '{name}' is missing")
             return raw[name]
 
+        gemma = family in ("gemma2", "gemma3")
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise CheckpointError(f"{source}: field 'hidden_act' is {act!r}; only 'silu' is supported")
-        # transformers >= 5 writes `rope_parameters`; older checkpoints `rope_theta` + `rope_scaling`.
-        rope = dict(raw.get("rope_parameters") or {})
-        theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-        scaling = rope or raw.get("rope_scaling") or None
-        if scaling is not None:
-            scaling = dict(scaling)
-            kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind not in ("default", "linear", "llama3"):
-                raise CheckpointError(
-                    f"{source}: rope type {kind!r} is not supported (supported: default, linear, llama3)")
-            scaling["rope_type"] = kind
-            if kind == "default":
-                scaling = None
-        family, qkv_bias = SUPPORTED_ARCHITECTURES[arch]
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        layers = int(need("num_hidden_layers"))
+        act = raw.get("hidden_activation") or raw.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+        if act not in _ACTIVATIONS:
+            raise CheckpointError(f"{source}: activation {act!r} is not supported (supported: {sorted(_ACTIVATIONS)})")
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        try:
+            rope, local_rope = read_rope(raw, family, head_dim)
+        except ValueError as exc:
+            raise CheckpointError(f"{source}: {exc}") from exc
         window = raw.get("sliding_window")
-        if family == "qwen2" and not raw.get("use_sliding_window", False):
+        if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
             window = None
+        window = int(window) if window else None
+        eos = raw.get("eos_token_id")
+        attention_bias = bool(raw.get("attention_bias", False))
         return cls(
             architecture=arch,
+            family=family,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
+            rope=rope,
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=bool(raw.get("attention_bias", False)) if qkv_bias is None else qkv_bias,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
+            # Qwen2 biases q/k/v always; Llama/Qwen3/Gemma follow attention_bias (o_proj too)
+            qkv_bias=True if family == "qwen2" else attention_bias,
+            o_bias=attention_bias and family in ("llama", "qwen3", "gemma2", "gemma3"),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            sliding_window=int(window) if window else None,
-            eos_token_ids=eos_ids,
+            sliding_window=window,
+            layer_types=_layer_types(raw, family, layers, window, source),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
             bos_token_id=raw.get("bos_token_id"),
+            hidden_act=act,
+            qk_norm=family in ("qwen3", "gemma3"),
+            gemma_norms=gemma,
+            attn_softcap=float(raw.get("attn_logit_softcapping") or 0.0),
+            final_softcap=float(raw.get("final_logit_softcapping") or 0.0),
+            attn_scale=float(raw["query_pre_attn_scalar"]) ** -0.5 if gemma and raw.get("query_pre_attn_scalar")
+            else 0.0,
+            local_rope=local_rope,
+            raw=raw,
         )
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of `layer` (0: full attention)."""
+        return self.sliding_window or 0 if self.layer_types[layer] == SLIDING else 0
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence served. Sliding-window attention is not implemented, so a
-        windowed model (Mistral) is capped at its window, where full attention is exact."""
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
+
+
+def _layer_types(raw: dict, family: str, layers: int, window: int | None, source: str) -> tuple[str, ...]:
+    """Which layers attend through the sliding window, as transformers decides."""
+    types = raw.get("layer_types")
+    if types is not None:
+        if len(types) != layers or set(types) - {FULL, SLIDING}:
+            raise CheckpointError(f"{source}: field 'layer_types' must list {FULL!r} or {SLIDING!r} for each of "
+                                  f"the {layers} layers")
+        return tuple(types) if window else (FULL,) * layers
+    if not window:
+        return (FULL,) * layers
+    if family == "gemma2":
+        return tuple(SLIDING if (i + 1) % 2 else FULL for i in range(layers))
+    if family == "gemma3":
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(layers))
+    if family == "qwen2" or family == "qwen3":  # layers from max_window_layers on use the window
+        first = int(raw.get("max_window_layers", layers))
+        return tuple(SLIDING if i >= first else FULL for i in range(layers))
+    return (SLIDING,) * layers  # Mistral, Phi-3: every layer

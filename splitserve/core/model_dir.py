@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 DEMO_NAME = "splitserve-demo-llama-random-v1"
@@ -32,4 +33,23 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
                              "demo-model` (or `splitserve serve`, which builds it), or pass --model")
     elif not os.path.isfile(os.path.join(model, "config.json")):
         raise SystemExit(f"{model}/config.json not found: --model must be a Hugging Face checkpoint directory")
+    else:
+        problem = checkpoint_problem(model)
+        if problem:  # an architecture or config this build cannot serve: say so before starting anything
+            print(problem, file=sys.stderr)
+            raise SystemExit(2)
     return model, args.served_model_name or os.path.basename(os.path.normpath(model))
+
+
+def checkpoint_problem(model_dir: str) -> str | None:
+    """One line saying why `model_dir` cannot be served (missing or unsupported config),
+    or None. Reads config.json only: no torch, no weights."""
+    from splitserve.core.model_config import CheckpointError, ModelConfig
+
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        return f"{model_dir}/config.json not found: --model must be a Hugging Face checkpoint directory"
+    try:
+        ModelConfig.from_dir(model_dir)
+    except CheckpointError as exc:
+        return str(exc)
+    return None

@@ -142,7 +142,8 @@ class BlockManager:
             return
         parent = seq.block_hashes[-1] if have else None
         seq.block_hashes.extend(block_hashes(seq.token_ids[: n_blocks * self.block_size], self.block_size,
-                                             seed=self.hash_seed, start_parent=parent, start_block=have))
+                                             seed=self.hash_seed ^ seq.hash_salt, start_parent=parent,
+                                             start_block=have))
 
     def drain_events(self) -> list[BlockEvent]:
         events, self.events = self.events, []

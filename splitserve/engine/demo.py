@@ -27,6 +27,10 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
 
@@ -49,9 +53,11 @@ def build_tokenizer(vocab_size: int = 1024):
 
 
 def write_checkpoint(out_dir: str | Path, family: str = "llama", seed: int = 0, dtype: str = "float32",
-                     shard_size: str | None = None, **config_overrides) -> Path:
+                     shard_size: str | None = None, perturb_norms: bool = False, **config_overrides) -> Path:
     """Save a random-weight checkpoint exactly as transformers would (safetensors, tokenizer
-    files, generation_config.json). `config_overrides` go to the transformers config."""
+    files, generation_config.json). `config_overrides` go to the transformers config.
+    `perturb_norms`: norm weights get noise (transformers initialises them to 1, or 0 for
+    Gemma's 1 + w), so a test notices a norm weight loaded into the wrong place."""
     import torch
     import transformers
 
@@ -72,6 +78,11 @@ def write_checkpoint(out_dir: str | Path, family: str = "llama", seed: int = 0, 
     config = config_cls(**fields)
     torch.manual_seed(seed)
     model = model_cls(config).to(getattr(torch, dtype))
+    if perturb_norms:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.add_(0.2 * torch.randn_like(param))
     model.generation_config.eos_token_id = [eot, eot2]
     model.generation_config.bos_token_id = bos
     kwargs = {"max_shard_size": shard_size} if shard_size else {}

@@ -70,6 +70,7 @@ class LLMEngine:
         self.scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        self.long_rope_after = self.model_config.rope.long_after  # longrope: see engine/models/rope.py
         self.sequences: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # finished, blocks kept for a KV push
         self.remote: dict[str, Sequence] = {}  # waiting for KV from a prefill worker
@@ -103,6 +104,7 @@ class LLMEngine:
             text=(TextAssembler(self.tokenizer, list(params.stop), params.skip_special_tokens)
                   if detokenize or params.stop else None),
             generator=generator)
+        seq.long_rope = self.long_rope_after is not None and len(tokens) > self.long_rope_after
         for _ in range(num_draws_done):
             self._skip_draw(seq)
         return seq
@@ -192,6 +194,8 @@ class LLMEngine:
                 new_text += final.text
                 reason = "stop" if final.stopped else reason
             self._finish(seq, reason)
+        elif self.long_rope_after is not None and not seq.long_rope and seq.num_tokens > self.long_rope_after:
+            self.scheduler.recompute_with_long_rope(seq)
         return self._output(seq, [token], [lp] if lp is not None else [], new_text)
 
     def _finish(self, seq: Sequence, reason: str) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.core.model_config import ModelConfig
+from splitserve.core.model_config import FULL, SLIDING, ModelConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache import KVCachePool, KVCacheSpec, num_blocks_for_memory
-from splitserve.engine.models.llama import AttentionMetadata
+from splitserve.engine.models.layers import AttentionMetadata
 from splitserve.engine.models.loader import load_model
-from splitserve.engine.models.rope import rope_tables
+from splitserve.engine.models.rope import RopeTable, rope_table
 from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.engine.sequence import Sequence
 
@@ -21,8 +21,10 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.block_size = cfg.block_size
         self.model = load_model(cfg.model, model_cfg, cfg.torch_dtype, self.device)
-        self.cos, self.sin = rope_tables(model_cfg.head_dim, model_cfg.rope_theta, model_cfg.rope_scaling,
-                                         max_model_len, cfg.torch_dtype, self.device)
+        full = rope_table(model_cfg.rope, model_cfg.head_dim, max_model_len, cfg.torch_dtype, self.device)
+        local = full if model_cfg.local_rope is None else rope_table(
+            model_cfg.local_rope, model_cfg.head_dim, max_model_len, cfg.torch_dtype, self.device)
+        self.ropes: dict[str, RopeTable] = {FULL: full, SLIDING: local}
         spec = KVCacheSpec(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
                            cfg.block_size, cfg.torch_dtype)
         num_blocks = cfg.num_kv_blocks or num_blocks_for_memory(spec, cfg.kv_cache_memory_bytes)
@@ -45,10 +47,12 @@ class ModelRunner:
         slots: list[int] = []
         logits_rows: list[int] = []
         sampled: list[Sequence] = []
+        long_rope: list[bool] = []  # per token: its sequence uses longrope's long factors
         for seq, n in batch.entries:
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
+            long_rope.extend([seq.long_rope] * n)
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if start + n == seq.num_tokens:
@@ -69,8 +73,17 @@ class ModelRunner:
             if batch.decodes else None,
         )
         pos = self._tensor(positions)
-        logits = self.model(self._tensor(input_ids), self.cos[pos], self.sin[pos], self.kv_pool, meta,
-                            self._tensor(logits_rows))
+        ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for kind, table in self.ropes.items():
+            same = next((k for k, t in self.ropes.items() if t is table and k in ropes), None)
+            if same is not None:
+                ropes[kind] = ropes[same]
+                continue
+            rows = pos
+            if table.long_after is not None:  # longrope: long-factor rows for sequences past the switch
+                rows = pos + self._tensor([table.long_offset if long else 0 for long in long_rope])
+            ropes[kind] = (table.cos[rows], table.sin[rows])
+        logits = self.model(self._tensor(input_ids), ropes, self.kv_pool, meta, self._tensor(logits_rows))
         return logits, sampled
 
 

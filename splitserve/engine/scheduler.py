@@ -124,6 +124,18 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
+    def recompute_with_long_rope(self, seq: Sequence) -> None:
+        """A longrope sequence just passed its original length: transformers recomputes all
+        of its KV with the long factors, so it goes back to the queue's front to be
+        prefilled again (its short-factor blocks stay cached for short sequences)."""
+        self.bm.free_sequence(seq)
+        seq.long_rope = True
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
     def finish(self, seq: Sequence, reason: str, free_blocks: bool = True) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -12,6 +12,8 @@ from splitserve.core.logprobs import TokenLogprobs
 from splitserve.core.sampling_params import SamplingParams
 from splitserve.core.text_output import TextAssembler
 
+LONG_ROPE_SALT = 0x10A6_20BE
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -38,7 +40,14 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None
     hold_kv: bool = False  # prefill worker: keep the blocks after finishing, until pushed
+    long_rope: bool = False  # longrope model past its original length: long factors (engine/models/rope.py)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def hash_salt(self) -> int:
+        """KV computed with longrope's long factors is another cache entry than the same
+        tokens computed with the short ones."""
+        return LONG_ROPE_SALT if self.long_rope else 0
 
     @property
     def num_tokens(self) -> int:

@@ -54,7 +54,8 @@ def edit_config(path, **changes):
 def test_unsupported_architecture_names_file_and_field(make_ckpt, tmp_path):
     path = copy_ckpt(make_ckpt("llama"), tmp_path / "m")
     edit_config(path, architectures=["GPT2LMHeadModel"])
-    with pytest.raises(CheckpointError, match=r"config\.json: field 'architectures' is \['GPT2LMHeadModel'\]"):
+    with pytest.raises(CheckpointError, match=r"config\.json: architecture 'GPT2LMHeadModel' is not supported; "
+                                              r"supported: Gemma2ForCausalLM, .*LlamaForCausalLM"):
         LLM(str(path))
 
 
@@ -84,7 +85,7 @@ def test_shape_mismatch_and_missing_tensor_are_named(make_ckpt, tmp_path):
     tensors = load_file(str(weights))
     del tensors["model.norm.weight"]
     save_file(tensors, str(weights), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"lacks tensors \['norm\.weight'\]"):
+    with pytest.raises(CheckpointError, match=r"lacks tensors for \['norm\.weight'\]"):
         LLM(str(path2))
 
 
@@ -102,8 +103,11 @@ def test_missing_tokenizer_and_weights(make_ckpt, tmp_path):
 
 def test_unsupported_rope_type_is_rejected(make_ckpt, tmp_path):
     path = copy_ckpt(make_ckpt("llama"), tmp_path / "m")
-    edit_config(path, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
-    with pytest.raises(CheckpointError, match="rope type 'yarn' is not supported"):
+    edit_config(path, rope_parameters={"rope_type": "mrope", "rope_theta": 10000.0, "factor": 4.0})
+    with pytest.raises(CheckpointError, match="rope type 'mrope' is not supported"):
+        LLM(str(path))
+    edit_config(path, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0})
+    with pytest.raises(CheckpointError, match="'longrope' needs 'short_factor' and 'long_factor'"):
         LLM(str(path))
 
 

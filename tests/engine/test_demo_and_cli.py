@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from splitserve.core.model_dir import DEMO_NAME
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.demo import ensure_demo_checkpoint
@@ -36,3 +38,22 @@ def test_generate_cli_prints_json_and_rejects_bad_input(make_ckpt):
     missing = subprocess.run([sys.executable, "-m", "splitserve.cli", "generate", "--model", "/nonexistent",
                               "x"], capture_output=True, text=True)
     assert missing.returncode == 2 and "/nonexistent/config.json: not found" in missing.stderr
+
+
+@pytest.mark.parametrize("command", [["serve"], ["router", "--redis-url", "redis://127.0.0.1:1/0"],
+                                     ["decode-worker", "--redis-url", "redis://127.0.0.1:1/0"]])
+def test_an_unsupported_architecture_is_one_line_and_exit_2_before_anything_starts(tmp_path, command):
+    import time
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"],
+                                                      "model_type": "deepseek_v3", "hidden_size": 64}))
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "splitserve.cli", *command, "--model", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - started
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and "architecture 'DeepseekV3ForCausalLM' is not supported; supported: " in lines[0]
+    assert "Qwen3ForCausalLM" in lines[0] and "Traceback" not in proc.stderr
+    assert "ray" not in proc.stdout.lower()
+    print(f"{command[0]}: refused in {took:.1f}s")

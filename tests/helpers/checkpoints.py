@@ -1,8 +1,14 @@
 """Small random-weight checkpoints, saved by transformers exactly as real ones are.
 
-The three families deliberately differ in shape so one test covers more ground:
+The families deliberately differ in shape so one test covers more ground:
 llama: GQA 2, head_dim 32, Llama-3 rope scaling; mistral: GQA 4, head_dim 16;
-qwen2: GQA 4 (q/k/v bias), tied embeddings.
+qwen2: GQA 4 (q/k/v bias), tied embeddings; qwen3: q/k norms, GQA 2; phi3: longrope
+switching at 64 positions, partial rotary (24 of 32 dims), GQA 4 over 8 heads (fused
+projections in the checkpoint); gemma2: soft-capping that bites (caps 5 and 8),
+query_pre_attn_scalar != head_dim, sliding/global layers with a 32-token window; gemma3:
+q/k norms, a 32-token window on 2 of 3 layers, local and global rope bases, linear
+scaling on the global one. The new families' norm weights are perturbed (see
+write_checkpoint). `WINDOW` is the sliding window the windowed checkpoints use.
 """
 
 from __future__ import annotations
@@ -20,7 +26,25 @@ FAMILY_CONFIGS = {
                     sliding_window=4096),
     "qwen2": dict(seed=13, hidden_size=128, num_attention_heads=4, num_key_value_heads=1,
                   tie_word_embeddings=True),
+    "qwen3": dict(seed=14, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  perturb_norms=True),
+    "phi3": dict(seed=15, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, pad_token_id=0,
+                 original_max_position_embeddings=64, perturb_norms=True,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                  "short_factor": [1.0 + 0.05 * i for i in range(12)],
+                                  "long_factor": [1.0 + 0.4 * i for i in range(12)]}),
+    "gemma2": dict(seed=16, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   query_pre_attn_scalar=24, sliding_window=32, attn_logit_softcapping=5.0,
+                   final_logit_softcapping=8.0, tie_word_embeddings=True, perturb_norms=True),
+    "gemma3": dict(seed=17, hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                   num_hidden_layers=3, query_pre_attn_scalar=32, sliding_window=32,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                       "rope_theta": 1000000.0}},
+                   tie_word_embeddings=True, perturb_norms=True),
 }
+WINDOW = 32
 
 
 def make_checkpoint(root: Path, family: str, **overrides) -> Path:

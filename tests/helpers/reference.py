@@ -34,3 +34,20 @@ def hf_logprobs(model_dir, token_ids: list[int], dtype: str = "float32") -> torc
     with torch.no_grad():
         logits = model(torch.tensor([token_ids])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
+
+
+def hf_generate_logprobs(model_dir, prompt_ids: list[int], max_new_tokens: int,
+                         dtype: str = "float32") -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and the log-softmax of the raw logits at every generated step
+    ([max_new_tokens, vocab]) from transformers' generate itself: for longrope models
+    generate recomputes the cache when a sequence passes the original length, which a
+    single forward pass over the whole sequence does not show."""
+    model = hf_model(str(model_dir), dtype)
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=model.generation_config.eos_token_id[0], output_logits=True,
+                             return_dict_in_generate=True)
+    logprobs = torch.log_softmax(torch.stack([lg[0].float() for lg in out.logits]), dim=-1)
+    return out.sequences[0, len(prompt_ids):].tolist(), logprobs

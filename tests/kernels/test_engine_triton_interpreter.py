@@ -43,7 +43,7 @@ def _generate(path, backend: str, prompts, max_tokens):
     return [out.token_ids for out in llm.generate(prompts, [params] * len(prompts))]
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2", "phi3"])  # gemma2: window 32, softcaps
 def test_greedy_tokens_unchanged_with_triton_kernels(make_ckpt, triton_call_counts, family):
     path = make_ckpt(family)
     rng = random.Random(3)

@@ -1,109 +1,43 @@
-"""Decoder for the Llama family: Llama (incl. Llama-3 rope scaling), Mistral, Qwen2.
+"""The Llama-shaped decoder: Llama (incl. Llama-3 rope scaling), Mistral (sliding window),
+Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), Phi-3/Phi-4 (fused projections in the checkpoint,
+longrope, partial rotary).
 
-The three differ only in configuration (q/k/v bias, head_dim, tied embeddings),
-which ModelConfig captures. Tokens of all sequences in a step are flattened
-into one [num_tokens, hidden] batch; attention reads and writes the paged pool.
+They differ only in what ModelConfig says, and in how the checkpoint names tensors:
+`weight_target` maps a Hugging Face name to our (fused) parameter and the rows it fills.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from splitserve.core.model_config import ModelConfig
-from splitserve.kernels import ops
+from splitserve.engine.models.layers import Attention, AttentionMetadata, GatedMLP, RMSNorm
 
-
-@dataclass
-class AttentionMetadata:
-    """Where each token of the step lives in the KV pool and which sequence it belongs to.
-
-    The first `num_prefill_tokens` tokens belong to sequences computing several
-    tokens this step (prefill chunks); the rest are single-token (decode) sequences.
-    """
-
-    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
-    num_prefill_tokens: int
-    prefill_block_tables: torch.Tensor | None
-    prefill_cu_seqlens_q: torch.Tensor | None
-    prefill_seq_lens: torch.Tensor | None
-    decode_block_tables: torch.Tensor | None
-    decode_seq_lens: torch.Tensor | None
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, o_bias: bool):
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
-        # q, k and v as one matmul; the loader fills the three row ranges.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
-
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = ops.apply_rotary(q, k, cos, sin)
-        ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        p = meta.num_prefill_tokens
-        if p == n:
-            out = ops.paged_prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
-                                              meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, self.scale)
-        elif p == 0:
-            out = ops.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                             meta.decode_seq_lens, self.scale)
-        else:
-            out = torch.cat([
-                ops.paged_prefill_attention(q[:p], k_cache, v_cache, meta.prefill_block_tables,
-                                            meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, self.scale),
-                ops.paged_decode_attention(q[p:], k_cache, v_cache, meta.decode_block_tables,
-                                           meta.decode_seq_lens, self.scale),
-            ])
-        return self.o_proj(out.reshape(n, self.q_size))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# separate projections in the checkpoint -> (our fused parameter, which part of it)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int, mlp: nn.Module):
         super().__init__()
-        # Llama's o_proj follows attention_bias; Qwen2 biases only q/k/v.
-        o_bias = cfg.qkv_bias and cfg.architecture == "LlamaForCausalLM"
-        self.self_attn = Attention(cfg, o_bias=o_bias)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
+    def forward(self, x, ropes, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), ropes, k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -112,17 +46,47 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids, cos, sin, kv_pool, meta: AttentionMetadata, logits_indices) -> torch.Tensor:
+    def make_layer(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        """One decoder layer (MoE families give it their sparse MLP)."""
+        return DecoderLayer(cfg, layer, GatedMLP(cfg))
+
+    def forward(self, input_ids, ropes, kv_pool, meta: AttentionMetadata, logits_indices) -> torch.Tensor:
         """Logits (float32) of the tokens at `logits_indices` only: sampling needs no more."""
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_pool.layer(i)
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
+            x = layer(x, ropes, k_cache, v_cache, meta)
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()
+
+    # ---- checkpoint names -------------------------------------------------------------
+    def weight_target(self, name: str) -> tuple[str, slice | tuple | None] | None:
+        """(our parameter, the index of the part it fills or None for all of it) for a
+        checkpoint tensor; None to skip the tensor."""
+        if IGNORED.search(name):
+            return None
+        if name == "lm_head.weight":
+            return None if self.cfg.tie_word_embeddings else ("lm_head.weight", None)
+        m = _LAYER.match(name)
+        if not m:
+            return name.removeprefix("model."), None
+        layer, rest = m.group(1), m.group(2)
+        module, _, kind = rest.rpartition(".")
+        if module in _FUSED:
+            fused, part = _FUSED[module]
+            return f"layers.{layer}.{fused}.{kind}", slice(*self.part_rows(fused)[part])
+        return f"layers.{layer}.{rest}", None
+
+    def part_rows(self, fused: str) -> list[tuple[int, int]]:
+        cfg = self.cfg
+        if fused.endswith("qkv_proj"):
+            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
+        i = cfg.intermediate_size
+        return [(0, i), (i, 2 * i)]

@@ -1,0 +1,56 @@
+"""The model architectures splitserve serves, in one place: `serve`, the CLIs and the
+router check a checkpoint against this table before any process or Ray starts, the
+README's table is generated from it (`python -m splitserve.core.architectures`), and
+each entry names the engine module that builds it and what it was checked against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Architecture:
+    family: str  # the engine's model module: splitserve/engine/models/<module>.py
+    module: str
+    model_types: tuple[str, ...]  # config.json `model_type` values naming it
+    covers: str  # checkpoints people run with it
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture("llama", "llama", ("llama",), "Llama 2, Llama 3 / 3.1 / 3.2 / 3.3 (llama3 rope)"),
+    "MistralForCausalLM": Architecture("mistral", "llama", ("mistral",), "Mistral 7B (sliding window)"),
+    "Qwen2ForCausalLM": Architecture("qwen2", "llama", ("qwen2",), "Qwen2, Qwen2.5 (yarn for long context)"),
+    "Qwen3ForCausalLM": Architecture("qwen3", "llama", ("qwen3",), "Qwen3 dense (q/k RMSNorm)"),
+    "Phi3ForCausalLM": Architecture("phi3", "llama", ("phi3",), "Phi-3, Phi-3.5, Phi-4, Phi-4-mini (longrope)"),
+    "Gemma2ForCausalLM": Architecture("gemma2", "gemma", ("gemma2",), "Gemma 2 (soft-capping, alternating windows)"),
+    "Gemma3ForCausalLM": Architecture("gemma3", "gemma", ("gemma3_text",), "Gemma 3 text models (1B; 5:1 windows)"),
+}
+
+CHECKED_AGAINST = ("transformers' generate on tiny random checkpoints (float32, CPU): greedy tokens identical, "
+                   "top-5 logprobs within 1e-4, through the engine, prefix-cache hits and `splitserve serve` "
+                   "disaggregated")
+
+
+def architecture_for(config: dict) -> str | None:
+    """The architecture a config.json names (`architectures`, else its `model_type`)."""
+    archs = config.get("architectures")
+    if archs:
+        return archs[0]
+    model_type = config.get("model_type", "")
+    return next((name for name, a in ARCHITECTURES.items() if model_type in a.model_types), None)
+
+
+def unsupported(name: str | None, source: str) -> str:
+    """The one line said when a checkpoint's architecture is not served."""
+    return (f"{source}: architecture {name!r} is not supported; supported: "
+            f"{', '.join(sorted(ARCHITECTURES))}")
+
+
+def markdown_table() -> str:
+    rows = ["| architecture | covers | engine module |", "|---|---|---|"]
+    rows += [f"| `{name}` | {a.covers} | `engine/models/{a.module}.py` |" for name, a in ARCHITECTURES.items()]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

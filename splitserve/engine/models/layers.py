@@ -1,0 +1,113 @@
+"""Layers the model families share: RMSNorm (Llama and Gemma forms), attention over the
+paged KV pool (GQA, q/k norms, sliding windows, soft-capping, partial rotary), the gated
+MLP. Tokens of all sequences in a step are one flattened [num_tokens, hidden] batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.core.model_config import ModelConfig
+from splitserve.kernels import ops
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of the step lives in the KV pool and which sequence it belongs to.
+
+    The first `num_prefill_tokens` tokens belong to sequences computing several
+    tokens this step (prefill chunks); the rest are single-token (decode) sequences.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
+    num_prefill_tokens: int
+    prefill_block_tables: torch.Tensor | None
+    prefill_cu_seqlens_q: torch.Tensor | None
+    prefill_seq_lens: torch.Tensor | None
+    decode_block_tables: torch.Tensor | None
+    decode_seq_lens: torch.Tensor | None
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm (statistics in float32, scaled in the input dtype); with `gemma`,
+    Gemma's: x * (1 + w), all in float32, then cast."""
+
+    def __init__(self, size: int, eps: float, gemma: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.gemma = gemma
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemma:
+            return ops.rms_norm(x.float(), self.weight.float() + 1.0, self.eps).to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.attn_scale or cfg.head_dim**-0.5
+        self.window = cfg.layer_window(layer)
+        self.softcap = cfg.attn_softcap
+        self.rope_kind = cfg.layer_types[layer]  # which rope table this layer reads
+        # q, k and v as one matmul; the loader fills the three row ranges.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma_norms)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma_norms)
+
+    def forward(self, x, ropes, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, k, *ropes[self.rope_kind])
+        ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        p = meta.num_prefill_tokens
+        opts = dict(window=self.window, softcap=self.softcap)
+        if p:
+            prefill = ops.paged_prefill_attention(q[:p], k_cache, v_cache, meta.prefill_block_tables,
+                                                  meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, self.scale,
+                                                  **opts)
+        if p < n:
+            decode = ops.paged_decode_attention(q[p:], k_cache, v_cache, meta.decode_block_tables,
+                                                meta.decode_seq_lens, self.scale, **opts)
+        out = prefill if p == n else decode if p == 0 else torch.cat([prefill, decode])
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Neox rotary embedding on the leading cos.shape[-1] dims of each head (all of them
+    unless the model rotates only part: Phi-4-mini's partial_rotary_factor)."""
+    rot = cos.shape[-1]
+    if rot == q.shape[-1]:
+        return ops.apply_rotary(q, k, cos, sin)
+    q_rot, k_rot = ops.apply_rotary(q[..., :rot].contiguous(), k[..., :rot].contiguous(), cos, sin)
+    return torch.cat([q_rot, q[..., rot:]], dim=-1), torch.cat([k_rot, k[..., rot:]], dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up as one matmul (SwiGLU; GeGLU for Gemma)."""
+
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
+        super().__init__()
+        self.intermediate = intermediate_size or cfg.intermediate_size
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)

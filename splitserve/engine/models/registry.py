@@ -1,0 +1,27 @@
+"""Architecture -> model class. The table of what is served is core/architectures.py; this
+maps each entry's family to the class that builds it."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from splitserve.core.model_config import CheckpointError, ModelConfig
+from splitserve.engine.models.gemma import GemmaForCausalLM
+from splitserve.engine.models.llama import LlamaForCausalLM
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM,  # the checkpoint's fused qkv_proj / gate_up_proj are our names
+    "gemma2": GemmaForCausalLM,
+    "gemma3": GemmaForCausalLM,
+}
+
+
+def model_class(cfg: ModelConfig) -> type[nn.Module]:
+    try:
+        return MODEL_CLASSES[cfg.family]
+    except KeyError:
+        raise CheckpointError(f"{cfg.architecture}: no engine model for family {cfg.family!r}") from None
