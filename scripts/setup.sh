@@ -27,6 +27,21 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/pip" install -q --upgrade pip
 fi
 
+# promtool, for the alert unit tests (tests/chart/test_alerts.py), from Debian's
+# prometheus package: unpacked into the venv, not installed, since installing it adds
+# a system user and enables and starts a Prometheus server (or fails to, without systemd).
+if ! command -v promtool >/dev/null 2>&1 && [ ! -x "$VENV/bin/promtool" ]; then
+  echo "setup: unpacking promtool from Debian's prometheus package"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  tmp=$(mktemp -d)
+  chmod 755 "$tmp"  # apt's _apt user downloads into it
+  (cd "$tmp" && { apt-get download -qq prometheus 2>/dev/null \
+                  || { $SUDO apt-get update -qq && apt-get download -qq prometheus; }; })
+  dpkg-deb -x "$tmp"/prometheus_*.deb "$tmp/pkg"
+  install -m 0755 "$tmp/pkg/usr/bin/promtool" "$VENV/bin/promtool"
+  rm -rf "$tmp"
+fi
+
 # torch first and pinned: on a machine without a GPU this takes the CPU build,
 # and every later requirement (>=2.4) is already satisfied by it, so nothing
 # pulls a multi-GB CUDA build.

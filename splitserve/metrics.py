@@ -3,7 +3,11 @@
 Names carry the `splitserve_` prefix; where a metric overlaps with vLLM's it keeps
 vLLM's meaning and buckets, so existing dashboards translate. Dashboards and alerts
 in the Helm chart may only query names listed here (a test enforces it).
-Labels: `role` is router | prefill | decode | operator; `worker` the worker id.
+Labels: `role` is router | prefill | decode | operator; `worker` the worker id. No
+metric has a label Prometheus sets on scraped series (namespace, pod, service,
+container, endpoint, job, instance): the scrape would rename it exported_<name>. So
+the operator's series name the InferenceDeployment by `deployment_namespace` and
+`deployment`; their `namespace` is the operator's own, from the scrape.
 """
 
 from __future__ import annotations
@@ -114,17 +118,17 @@ class Metrics:
         # Operator.
         self.operator_replicas = Gauge(
             "splitserve_operator_replicas", "Replicas per role: desired (decided) and ready (observed).",
-            ["namespace", "deployment", "role", "state"], registry=r)
+            ["deployment_namespace", "deployment", "role", "state"], registry=r)
         self.operator_queue_depth = Gauge(
             "splitserve_operator_queue_depth", "Waiting requests per role, as the autoscaler observed.",
-            ["namespace", "deployment", "role"], registry=r)
+            ["deployment_namespace", "deployment", "role"], registry=r)
         self.operator_scale_events = Counter(
             "splitserve_operator_scale_events_total", "Scaling decisions applied, by direction.",
-            ["namespace", "deployment", "role", "direction"], registry=r)
+            ["deployment_namespace", "deployment", "role", "direction"], registry=r)
         self._engine_totals: dict[tuple, float] = {}
         self.operator_reconcile_errors = Counter(
             "splitserve_operator_reconcile_errors_total", "Reconciliations that failed.",
-            ["namespace", "deployment"], registry=r)
+            ["deployment_namespace", "deployment"], registry=r)
 
 
     def sync_engine_counters(self, role: str, worker: str, prefix_queries: int, prefix_hits: int,

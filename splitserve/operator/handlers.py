@@ -1,7 +1,13 @@
 """kopf handlers for InferenceDeployment. Every path runs the same reconcile:
 parse/validate the spec, render the children, sync them, observe, write status.
-The timer adds autoscaling and is also what corrects drift (a deleted or edited
-child comes back within one resync interval).
+The resync loop (resync.py) adds autoscaling and is also what corrects drift (a
+deleted or edited child comes back within one resync interval).
+
+No finalizer, ever: kopf adds one for timers, daemons and mandatory delete handlers
+and removes it only while running, so an uninstalled operator would leave objects
+Terminating. Nothing needs one: children carry owner references and are
+garbage-collected, and a deleted object's metric series go when its DELETED event
+arrives (if the operator is down then, its series went with the process).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from .config import OperatorConfig
 from .kube import KubeClient
 from .loadreports import LoadReportsUnavailable, read_load_reports, redis_url
 from .render import Replicas, key, render_all, unwanted_children
+from .resync import Tracked, resync_forever, track
 from .spec import GROUP, PLURAL, VERSION, InferenceSpec, SpecError, parse_spec
 from .status import conditions, observe_deployment, observe_raycluster, status_patch
 
@@ -35,16 +42,33 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+@kopf.index(GROUP, VERSION, PLURAL)
+def inference_deployments(namespace, name, body, memo, **_) -> dict[tuple[str, str], Tracked]:
+    """What the resync loop walks: every watched object, kept current by kopf's watch."""
+    return {(namespace, name): track(body, memo)}
+
+
 @kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, **_):
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, inference_deployments: kopf.Index, **_):
     # Keep kopf's bookkeeping in our own annotations (the status schema is strict).
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration")
+    # The finalizer earlier versions had kopf add (for their timer): kopf removes
+    # it from every object it sees, since no handler here requires one.
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.posting.enabled = CONFIG.post_events
     if CONFIG.metrics_port:
         start_http_server(CONFIG.metrics_port, registry=METRICS.registry)
+    memo["resync"] = asyncio.create_task(resync_forever(
+        inference_deployments, CONFIG.resync_seconds,
+        lambda body, patch, obj_memo, logger: reconcile(body, patch, obj_memo, logger, scale=True), write_status))
+
+
+async def write_status(body: dict, status: dict) -> None:
+    meta = body["metadata"]
+    if _client is not None:
+        await _client.patch_status(body["apiVersion"], body["kind"], meta["namespace"], meta["name"], status)
 
 
 @kopf.on.login()
@@ -59,7 +83,9 @@ def login(**kwargs):
 
 
 @kopf.on.cleanup()
-async def close_client(**_):
+async def close_client(memo: kopf.Memo, **_):
+    if "resync" in memo:
+        memo["resync"].cancel()
     if _client is not None:
         await _client.close()
 
@@ -172,15 +198,12 @@ async def on_resume(body, patch, memo, logger, **_):
     await reconcile(body, patch, memo, logger, scale=False)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=CONFIG.resync_seconds)
-async def tick(body, patch, memo, logger, **_):
-    await reconcile(body, patch, memo, logger, scale=True)
-
-
-@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
-async def on_delete(name, namespace, logger, **_):
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def forget_deleted(type, name, namespace, logger, **_):  # noqa: A002 - kopf's argument name
     """Children go with the owner (garbage collection via owner references); only
-    this process's metric series need forgetting. optional=True: no finalizer."""
+    this process's metric series need forgetting."""
+    if type != "DELETED":
+        return
     for metric in (METRICS.operator_replicas, METRICS.operator_queue_depth, METRICS.operator_scale_events,
                    METRICS.operator_reconcile_errors):
         for labels in [ls for ls in list(metric._metrics) if ls[:2] == (namespace, name)]:  # noqa: SLF001

@@ -63,7 +63,7 @@ async def test_operator_process_reconciles_and_serves_metrics(tmp_path, minimal_
                     return None, ""
             for _ in range(100):
                 status, text = await scrape(f"http://127.0.0.1:{metrics_port}/metrics")
-                if 'splitserve_operator_replicas{deployment="llama",namespace="demo",role="decode",state="desired"} 1.0' in text:
+                if 'splitserve_operator_replicas{deployment="llama",deployment_namespace="demo",role="decode",state="desired"} 1.0' in text:
                     break
                 await asyncio.sleep(0.1)
             else:
