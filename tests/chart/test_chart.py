@@ -134,13 +134,16 @@ def test_rbac_is_least_privilege():
     for rule in main + rbac[("ClusterRole", "ss-splitserve-discovery")]["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
         assert not {"secrets", "pods", "configmaps"} & set(rule["resources"])
-        assert not {"update", "deletecollection", "escalate", "bind", "impersonate"} & set(rule["verbs"])
+        assert not {"deletecollection", "escalate", "bind", "impersonate"} & set(rule["verbs"])
+        # update only where OwnerReferencesPermissionEnforcement needs it (blockOwnerDeletion)
+        assert "update" not in rule["verbs"] or rule["resources"] == ["inferencedeployments/finalizers"]
     granted = {r: set(rule["verbs"]) for rule in main for r in rule["resources"]}
     # Every kind the operator writes (kube.PLURALS) can be read, applied and deleted.
     for plural in set(PLURALS.values()) - {"inferencedeployments", "secrets"}:
         assert granted[plural] == {"get", "create", "patch", "delete"}, plural
     assert granted["inferencedeployments"] == {"get", "list", "watch", "patch"}
     assert granted["inferencedeployments/status"] == {"get", "patch"}
+    assert granted["inferencedeployments/finalizers"] == {"update"}
     assert granted["events"] == {"create"}
     assert ("ClusterRoleBinding", "ss-splitserve") in rbac
 
