@@ -9,11 +9,15 @@ VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 
-# System packages the tests start for real: redis-server (cluster bus) and
-# libibverbs1 (the Mooncake Transfer Engine links against it even in tcp mode).
+# System packages the tests start for real: redis-server (cluster bus),
+# libibverbs1 (the Mooncake Transfer Engine links against it even in tcp mode), and
+# podman, buildah and mmdebstrap (tests/image builds the image and serves from it).
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1' || need+=(libibverbs1)
+for tool in podman buildah mmdebstrap; do
+  command -v "$tool" >/dev/null 2>&1 || need+=("$tool")
+done
 if [ ${#need[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   echo "setup: installing system packages: ${need[*]}"

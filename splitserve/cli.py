@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from splitserve import __version__
+
 # subcommand -> (module, help). Each module exposes `main(argv: list[str]) -> int | None`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("splitserve.serve", "run router, prefill and decode workers on this machine"),
@@ -34,7 +36,7 @@ BENCH_TARGETS: dict[str, str] = {
 
 
 def _usage() -> str:
-    lines = ["usage: splitserve COMMAND [ARGS]", "", "commands:"]
+    lines = ["usage: splitserve COMMAND [ARGS]  (or --version)", "", "commands:"]
     lines += [f"  {name:<14} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "  bench " + "|".join(BENCH_TARGETS) + "  component micro-benchmarks"]
     return "\n".join(lines)
@@ -44,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):  # the chart's appVersion (tests/image/test_version.py)
+        print(f"splitserve {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
