@@ -51,13 +51,18 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         request_ids: list[list[str]] = []
-        for prompt, p in zip(prompts, params, strict=True):
-            ids = []
-            for choice in range(p.n):
-                rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, self.engine.params_for_choice(p, choice))
-                ids.append(rid)
-            request_ids.append(ids)
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids = []
+                request_ids.append(ids)
+                for choice in range(p.n):
+                    rid = f"offline-{next(self._ids)}"
+                    self.engine.add_request(rid, prompt, self.engine.params_for_choice(p, choice))
+                    ids.append(rid)
+        except ValueError:  # one bad prompt: none of this call's requests stay queued
+            for rid in (r for ids in request_ids for r in ids):
+                self.engine.abort(rid)
+            raise
         finished: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from splitserve.core.context import ContextLengthError, completion_budget
 from splitserve.core.hashing import hash_seed
 from splitserve.core.logprobs import TokenLogprobs
 from splitserve.core.model_config import ModelConfig
@@ -95,6 +96,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use on this worker")
         tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(tokens)
+        self.check_fits(tokens, params)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
@@ -132,6 +134,15 @@ class LLMEngine:
             raise InvalidPromptError(
                 f"the prompt has {len(tokens)} tokens; this model serves at most {self.max_total_tokens - 1} "
                 "prompt tokens (context length, leaving room for one output token)")
+
+    def check_fits(self, tokens: list[int], params: SamplingParams) -> None:
+        """Prompt plus max_tokens within the context (and the KV pool): never a silent cut."""
+        try:
+            completion_budget(len(tokens), params.max_tokens, self.max_total_tokens, what=(
+                "This model's maximum context length" if self.max_total_tokens == self.max_model_len
+                else "This engine's KV cache (--num-kv-blocks x --block-size)"))
+        except ContextLengthError as exc:
+            raise InvalidPromptError(str(exc)) from None
 
     def abort(self, request_id: str, free_reservation: bool = True) -> bool:
         """End a request wherever it is. A remote prefill's reserved blocks are freed too,

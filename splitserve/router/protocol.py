@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from splitserve.core.context import ContextLengthError, completion_budget
 from splitserve.core.sampling_params import InvalidSamplingParams, SamplingParams
 from splitserve.router import errors
 from splitserve.router import json_body as J
@@ -99,22 +100,12 @@ def parse_chat_request(raw: bytes | str | dict,
 
 def check_prompt_length(n_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
                         param: str = "prompt") -> int:
-    """Reject prompts that do not fit the context; returns the effective max_tokens
-    (the rest of the context when the client gave none)."""
-    if n_prompt_tokens >= max_model_len:
-        raise errors.context_length_exceeded(
-            f"This model's maximum context length is {max_model_len} tokens, but the prompt "
-            f"has {n_prompt_tokens} tokens (at least one token must be left to generate). "
-            f"Shorten the prompt.", param)
-    if max_tokens is None:
-        return max_model_len - n_prompt_tokens
-    if n_prompt_tokens + max_tokens > max_model_len:
-        raise errors.context_length_exceeded(
-            f"This model's maximum context length is {max_model_len} tokens, but you "
-            f"requested {n_prompt_tokens + max_tokens} tokens ({n_prompt_tokens} in the "
-            f"prompt, {max_tokens} for the completion). Reduce the prompt or max_tokens "
-            f"(at most {max_model_len - n_prompt_tokens} here).", "max_tokens")
-    return max_tokens
+    """Reject prompts that do not fit the context (core/context.py, the engine's rule too);
+    returns the effective max_tokens (the rest of the context when the client gave none)."""
+    try:
+        return completion_budget(n_prompt_tokens, max_tokens, max_model_len, param)
+    except ContextLengthError as exc:
+        raise errors.context_length_exceeded(str(exc), exc.param) from None
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int) -> None:

@@ -62,3 +62,12 @@ def test_family_matches_transformers(make_ckpt, name):
     assert hit.num_cached_tokens >= 64, hit.num_cached_tokens
     assert hit.token_ids == hf_generate_logprobs(path, again, NEW_TOKENS)[0]
     assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+
+
+def test_readme_lists_exactly_the_supported_architectures():
+    from pathlib import Path
+
+    from splitserve.core.architectures import markdown_table
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert markdown_table() in readme, "README's model table is stale: python -m splitserve.core.architectures"

@@ -137,11 +137,22 @@ def test_logprobs_match_transformers_log_softmax(llm_and_path):
             assert abs(mine - theirs) < 1e-4
 
 
-def test_max_tokens_gives_length_and_context_limit_gives_length(make_ckpt):
+def test_a_request_past_the_context_is_refused_not_cut_and_no_max_tokens_runs_to_the_end(make_ckpt):
+    """Offline as on the server (same rule, core/context.py): no silent truncation."""
+    from splitserve.engine.llm_engine import InvalidPromptError
+
     path = make_ckpt("llama")
     llm = LLM(str(path), num_kv_blocks=64, max_model_len=40)
-    out = llm.generate([prompt(30, 10)], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    with pytest.raises(InvalidPromptError, match=r"maximum context length is 40 tokens, but you requested 130 "
+                                                 r"tokens \(30 in the prompt, 100 for the completion\).*at most 10"):
+        llm.generate([prompt(5, 1), prompt(30, 10)], [SamplingParams(max_tokens=5),
+                                                       SamplingParams(temperature=0, max_tokens=100)])
+    assert not llm.engine.has_unfinished_requests()  # the first prompt, which fits, was not left queued
+    out = llm.generate([prompt(30, 10)], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
     assert len(out.token_ids) == 10 and out.finish_reason == "length"
+    small_pool = LLM(str(path), num_kv_blocks=2)  # 32 tokens of KV
+    with pytest.raises(InvalidPromptError, match=r"KV cache \(--num-kv-blocks x --block-size\) is 32 tokens"):
+        small_pool.generate([prompt(30, 10)], SamplingParams(max_tokens=5))
 
 
 def test_filters_keep_exactly_the_right_tokens():
