@@ -1,12 +1,15 @@
 """Operator settings, read from the environment (the chart sets them; `splitserve
 operator` flags set the same variables before the handlers module is imported,
-because kopf reads timer intervals when the handlers are registered)."""
+because it reads its configuration once, at import)."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from .labels import label_problems
 
 
 def _installed_ray_version() -> str:
@@ -23,6 +26,9 @@ class OperatorConfig:
     ray_version: str = ""  # RayCluster.spec.rayVersion; must match Ray inside the image
     metrics_port: int = 8080  # 0 disables the operator's /metrics
     post_events: bool = True  # Kubernetes events for handler progress
+    # Extra labels on every ServiceMonitor/PodMonitor the operator creates, e.g.
+    # {"release": "kube-prometheus-stack"}, which that stack selects monitors by.
+    monitor_labels: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_env(cls) -> OperatorConfig:
@@ -34,6 +40,18 @@ class OperatorConfig:
                 ray_version=e.get("SPLITSERVE_RAY_VERSION") or _installed_ray_version(),
                 metrics_port=int(e.get("SPLITSERVE_OPERATOR_METRICS_PORT", cls.metrics_port)),
                 post_events=e.get("SPLITSERVE_OPERATOR_POST_EVENTS", "true").lower() in ("1", "true", "yes"),
+                monitor_labels=monitor_labels(e.get("SPLITSERVE_OPERATOR_MONITOR_LABELS", "{}")),
             )
         except ValueError as exc:
             raise SystemExit(f"splitserve operator: bad SPLITSERVE_OPERATOR_* setting: {exc}") from exc
+
+
+def monitor_labels(text: str) -> dict[str, str]:
+    """SPLITSERVE_OPERATOR_MONITOR_LABELS: a JSON object of label -> value."""
+    labels = json.loads(text)
+    if not isinstance(labels, dict):
+        raise ValueError(f"SPLITSERVE_OPERATOR_MONITOR_LABELS must be a JSON object, got {text!r}")
+    problems = label_problems(labels, "--monitor-label")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return labels

@@ -16,6 +16,7 @@ import asyncio
 import datetime
 import logging
 import time
+from dataclasses import replace
 
 import kopf
 from prometheus_client import start_http_server
@@ -143,6 +144,7 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger
     previous = status.get("conditions") or []
     try:
         spec = parse_spec(name, namespace, dict(body.get("spec") or {}), CONFIG.default_image)
+        spec = replace(spec, monitor_labels={**CONFIG.monitor_labels, **spec.monitor_labels})
     except SpecError as exc:
         METRICS.operator_reconcile_errors.labels(namespace, name).inc()
         message = f"invalid spec, nothing applied until fixed: {exc}"

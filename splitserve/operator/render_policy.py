@@ -9,25 +9,33 @@ from .spec import InferenceSpec
 OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "splitserve-operator"}
 
 
+def _monitor_metadata(spec: InferenceSpec, role: str) -> dict:
+    """Extra labels first (a Prometheus selects monitors by them, e.g. release), then
+    the operator's own, which they may not override."""
+    meta = c.metadata(spec, role)
+    return {**meta, "labels": {**spec.monitor_labels, **meta["labels"]}}
+
+
 def render_monitors(spec: InferenceSpec) -> list[dict]:
     out: list[dict] = []
     if spec.service_monitor:
         out.append({
             "apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
-            "metadata": c.metadata(spec, "router"),
+            "metadata": _monitor_metadata(spec, "router"),
             "spec": {"selector": {"matchLabels": c.selector_labels(spec, "router")},
                      "endpoints": [{"port": "http", "path": "/metrics", "interval": spec.scrape_interval}]},
         })
     if spec.pod_monitor:
         out.append({
-            "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": c.metadata(spec, "decode"),
+            "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": _monitor_metadata(spec, "decode"),
             "spec": {"selector": {"matchLabels": c.selector_labels(spec, "decode")},
                      "podMetricsEndpoints": [{"port": "admin", "path": "/metrics", "interval": spec.scrape_interval}]},
         })
         # Head pods expose the pool driver's metrics, worker pods each actor's; a pod
         # without the named port is simply not scraped on it.
         out.append({
-            "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": c.metadata(spec, "prefill"),
+            "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+            "metadata": _monitor_metadata(spec, "prefill"),
             "spec": {"selector": {"matchLabels": c.selector_labels(spec, "prefill")},
                      "podMetricsEndpoints": [
                          {"port": port, "path": "/metrics", "interval": spec.scrape_interval}

@@ -14,6 +14,7 @@ from typing import Any
 
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
 
+from .labels import label_problems
 from .spec_fields import float_field, int_field, object_field
 from .spec_model import ModelSpec, SecretRef, parse_model, parse_secret_ref
 from .spec_pod import PodSettings, parse_pod_settings
@@ -93,6 +94,7 @@ class InferenceSpec:
     service_monitor: bool = False
     pod_monitor: bool = False
     scrape_interval: str = "15s"
+    monitor_labels: dict = field(default_factory=dict)  # extra labels on the monitors
     network_policy: bool = True
     drain_timeout_seconds: int = 600
     image_pull_secrets: tuple[str, ...] = ()
@@ -189,6 +191,11 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
         problems.append("spec.redis.url and redis.urlSecretRef are mutually exclusive: keep the URL in the "
                         "Secret and leave url unset")
     monitoring = object_field(spec, "monitoring", problems)
+    monitor_labels = monitoring.get("labels", {}) or {}
+    if not isinstance(monitor_labels, dict):
+        problems.append(f"spec.monitoring.labels must be an object, got {type(monitor_labels).__name__}")
+        monitor_labels = {}
+    problems += label_problems(monitor_labels, "spec.monitoring.labels")
     network_policy = bool(object_field(spec, "networkPolicy", problems).get("enabled", True))
     image_d = object_field(spec, "image", problems)
     image = f"{image_d['repository']}:{image_d.get('tag', 'latest')}" if image_d.get("repository") else default_image
@@ -206,6 +213,7 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
         service_monitor=bool(monitoring.get("serviceMonitor", False)),
         pod_monitor=bool(monitoring.get("podMonitor", False)),
         scrape_interval=str(monitoring.get("interval", "15s")),
+        monitor_labels=dict(monitor_labels),
         network_policy=network_policy,
         drain_timeout_seconds=drain_timeout,
         image_pull_secrets=tuple(str(s) for s in spec.get("imagePullSecrets", []) or []))
