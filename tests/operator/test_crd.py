@@ -1,9 +1,10 @@
 """The InferenceDeployment CRD: structural schema, defaults, CEL rules, printer
 columns; example manifests accepted, invalid ones rejected.
 
-jsonschema checks the OpenAPI part. The CEL rules are evaluated with cel-python
-(pure-Python CEL) when installed, and in every case the operator's parse_spec must
-reject the same specs (it repeats the CEL rules; see splitserve/operator/spec.py).
+jsonschema checks the OpenAPI part; the CEL rules are evaluated with cel-python
+(crd_values.py), and the operator's parse_spec must reject the same specs (it repeats
+the CEL rules; see splitserve/operator/spec.py). What the API server checks when the
+CRD is created (structural schema, defaults) is in test_crd_rules.py.
 """
 
 from __future__ import annotations
@@ -18,46 +19,14 @@ import yaml
 from splitserve.operator.spec import SpecError, parse_spec
 
 from .conftest import REPO, crd_schema, load_crd
+from .crd_values import apply_defaults, rule_errors
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 
 
-def apply_defaults(schema: dict, obj):
-    """The API server's structural defaulting: fill missing properties that have a
-    default, recursively (a defaulted `{}` gets its own children's defaults)."""
-    if isinstance(obj, dict) and schema.get("type") == "object":
-        for name, sub in (schema.get("properties") or {}).items():
-            if name not in obj and "default" in sub:
-                obj[name] = copy.deepcopy(sub["default"])
-            if name in obj:
-                obj[name] = apply_defaults(sub, obj[name])
-    elif isinstance(obj, list) and "items" in schema:
-        return [apply_defaults(schema["items"], x) for x in obj]
-    return obj
-
-
-def cel_rules(schema: dict, path: tuple = ()):
-    """(path, rule, message) of every x-kubernetes-validations rule."""
-    for v in schema.get("x-kubernetes-validations") or []:
-        yield path, v["rule"], v["message"]
-    for name, sub in (schema.get("properties") or {}).items():
-        yield from cel_rules(sub, path + (name,))
-
-
 def cel_failures(schema: dict, obj: dict) -> list[str]:
-    celpy = pytest.importorskip("celpy", reason="cel-python not installed: CEL rules not evaluated")
-    env = celpy.Environment()
-    failed = []
-    for path, rule, message in cel_rules(schema):
-        target = obj
-        for p in path:
-            target = target.get(p) if isinstance(target, dict) else None
-        if target is None:
-            continue
-        result = env.program(env.compile(rule)).evaluate({"self": celpy.json_to_cel(target)})
-        if not bool(result):
-            failed.append(message)
-    return failed
+    """Every CEL rule failure on obj (the rule's message, in the API server's words)."""
+    return rule_errors(schema, obj, "")
 
 
 @pytest.fixture(scope="module")
@@ -76,21 +45,6 @@ def test_crd_names_status_and_printer_columns():
                        "Prefill": ".status.prefillReplicas", "Decode": ".status.decodeReplicas",
                        "Queue": ".status.queue", "Model": ".spec.model.servedName",
                        "Age": ".metadata.creationTimestamp"}
-
-
-def test_schema_is_structural(schema):
-    """Every node has a type (or is int-or-string / preserve-unknown-fields)."""
-    def walk(node, where):
-        if node.get("x-kubernetes-int-or-string") or node.get("x-kubernetes-preserve-unknown-fields"):
-            return
-        assert "type" in node, f"{where} has no type"
-        for name, sub in (node.get("properties") or {}).items():
-            walk(sub, f"{where}.{name}")
-        if isinstance(node.get("additionalProperties"), dict):
-            walk(node["additionalProperties"], f"{where}.*")
-        if "items" in node:
-            walk(node["items"], f"{where}[]")
-    walk(schema, "")
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
