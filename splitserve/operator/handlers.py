@@ -132,8 +132,10 @@ async def autoscale(spec: InferenceSpec, replicas: Replicas, memo: kopf.Memo, pa
 
 async def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger,
                     scale: bool) -> None:
-    # The timer and a change handler can fire together for one object; one at a time.
+    # The resync and a change handler can fire together for one object; one at a time.
     async with memo.setdefault("lock", asyncio.Lock()):
+        if memo.get("deleted"):
+            return  # a resync holding the body from before its DELETED event
         await _reconcile(body, patch, memo, logger, scale)
 
 
@@ -201,11 +203,14 @@ async def on_resume(body, patch, memo, logger, **_):
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-async def forget_deleted(type, name, namespace, logger, **_):  # noqa: A002 - kopf's argument name
+async def forget_deleted(type, name, namespace, memo, logger, **_):  # noqa: A002 - kopf's argument name
     """Children go with the owner (garbage collection via owner references); only
-    this process's metric series need forgetting."""
+    this process's metric series need forgetting, after any reconcile in flight (which
+    sets them), and for good (a later resync of the old body is skipped)."""
     if type != "DELETED":
         return
+    async with memo.setdefault("lock", asyncio.Lock()):
+        memo["deleted"] = True
     for metric in (METRICS.operator_replicas, METRICS.operator_queue_depth, METRICS.operator_scale_events,
                    METRICS.operator_reconcile_errors):
         for labels in [ls for ls in list(metric._metrics) if ls[:2] == (namespace, name)]:  # noqa: SLF001
