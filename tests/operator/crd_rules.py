@@ -134,6 +134,10 @@ def structural_errors(node: dict, path: str, level: str) -> list[str]:
         errors += _nested_errors(node["not"], f"{path}.not")
     errors += _rule_errors(node, path, level)
     props = node.get("properties") or {}
+    if level == "root" or node.get("x-kubernetes-embedded-resource"):  # a resource's TypeMeta and ObjectMeta
+        for name, kind in (("apiVersion", "string"), ("kind", "string"), ("metadata", "object")):
+            if name in props and props[name].get("type") != kind:
+                errors.append(invalid(f"{path}.properties[{name}].type", props[name].get("type"), f"must be {kind}"))
     if level == "root" and "metadata" in props:
         meta = props["metadata"]
         if set(meta) - {"type", "properties"} or set(meta.get("properties") or {}) - {"name", "generateName"}:

@@ -132,6 +132,13 @@ BROKEN = [
         metadata={"type": "object", "properties": {"labels": {"type": "object"}}}),
      [f"{SCHEMA_PATH}.properties[metadata]: Forbidden: must not specify anything other than name and "
       "generateName, but metadata is implicitly specified"]),
+    ("kind not a string", lambda s: s["properties"].update(kind={"type": "integer"}),
+     [f'{SCHEMA_PATH}.properties[kind].type: Invalid value: "integer": must be string']),
+    ("embedded resource without object metadata", lambda s: spec_props(s).update(template={
+        "type": "object", "x-kubernetes-embedded-resource": True,
+        "properties": {"metadata": {"type": "string"}}}),
+     [f'{SCHEMA_PATH}.properties[spec].properties[template].properties[metadata].type: Invalid value: "string": '
+      "must be object"]),
     ("properties and additionalProperties", lambda s: spec_props(s)["redis"].update(
         additionalProperties={"type": "string"}),
      [f"{SCHEMA_PATH}.properties[spec].properties[redis].additionalProperties: Forbidden: "
