@@ -7,10 +7,11 @@ versions), list + watch (JSON-lines events, resourceVersion), get, create,
 merge-patch, JSON patch, a simplified server-side apply (create-or-deep-merge; unlike
 the real one it does not remove fields the manager stopped sending), the status
 subresource, and delete. Beyond that, as the real server:
-- CustomResourceDefinitions: a created CRD is checked as kube-apiserver checks it
-  (crd_rules.py: structural schema, defaults against the schema and CEL rules) and
-  rejected with its message; an accepted one serves its kind, whose objects are
-  pruned, defaulted and validated (OpenAPI and CEL) on every write (crd_values.py);
+- CustomResourceDefinitions (fake_crds.py): a created CRD is checked as
+  kube-apiserver checks it (crd_rules.py: structural schema, defaults against the
+  schema and CEL rules) and rejected with its message; an accepted one serves its
+  kind, whose objects are pruned, defaulted and validated (OpenAPI and CEL) on every
+  write (crd_values.py);
 - deletion with finalizers, propagation policies, garbage collection, Terminating
   namespaces and CRD cleanup (fake_lifecycle.py);
 - RBAC, when given the identity's rules, with OwnerReferencesPermissionEnforcement
@@ -29,65 +30,16 @@ import uuid
 
 from aiohttp import web
 
-from .crd_rules import crd_errors, rejection
-from .crd_values import admit
+from .fake_crds import ApiError, CustomResources
 from .fake_lifecycle import CRDS, NAMESPACES, Lifecycle, now
+from .fake_patch import PatchConflict, json_patch, merge
 from .fake_rbac import allowed, attributes, denial, owner_reference_denial
 
 PATH = re.compile(r"^/(?P<gv>api/v1|apis/[^/]+/[^/]+)(?:/namespaces/(?P<ns>[^/]+))?/(?P<plural>[^/]+)"
                   r"(?:/(?P<name>[^/]+))?(?:/(?P<sub>status))?$")
 
 
-def merge(target: dict, patch: dict) -> dict:
-    """RFC 7386 JSON merge patch."""
-    out = copy.deepcopy(target)
-    for k, v in patch.items():
-        if v is None:
-            out.pop(k, None)
-        elif isinstance(v, dict):  # into a missing or non-object target too: nulls never stored
-            out[k] = merge(out[k] if isinstance(out.get(k), dict) else {}, v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
-
-
-class PatchConflict(Exception):
-    pass
-
-
-def json_patch(target: dict, ops: list[dict]) -> dict:
-    """RFC 6902 JSON patch: add, replace, remove, test (what kopf sends)."""
-    out = copy.deepcopy(target)
-    for op in ops:
-        parts = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].lstrip("/").split("/")]
-        parent = out
-        for part in parts[:-1]:
-            parent = parent[int(part)] if isinstance(parent, list) else parent.setdefault(part, {})
-        last = parts[-1]
-        if op["op"] == "test":
-            current = parent[int(last)] if isinstance(parent, list) else parent.get(last)
-            if current != op["value"]:
-                raise PatchConflict(f"test failed at {op['path']}")
-        elif op["op"] in ("add", "replace"):
-            if isinstance(parent, list):
-                parent.append(op["value"]) if last == "-" else parent.insert(int(last), op["value"]) \
-                    if op["op"] == "add" else parent.__setitem__(int(last), op["value"])
-            else:
-                parent[last] = copy.deepcopy(op["value"])
-        elif op["op"] == "remove":
-            parent.pop(int(last) if isinstance(parent, list) else last)
-    return out
-
-
-class ApiError(Exception):
-    """A refused request: HTTP status, Status reason, message (as kube-apiserver's)."""
-
-    def __init__(self, code: int, reason: str, message: str):
-        super().__init__(message)
-        self.code, self.reason, self.message = code, reason, message
-
-
-class FakeKube(Lifecycle):
+class FakeKube(CustomResources, Lifecycle):
     def __init__(self, kinds: dict[tuple[str, str], str], rbac_rules: list[dict] | None = None):
         """kinds: (apiVersion like 'apps/v1' or 'v1', plural) -> Kind, served without a
         schema; CRDs created later add theirs. rbac_rules: the PolicyRules every request
@@ -156,44 +108,6 @@ class FakeKube(Lifecycle):
     async def remove(self, gv: str, plural: str, ns: str | None, name: str, propagation: str = "Background") -> dict:
         """Delete as a user would (kubectl delete [--cascade=foreground|orphan])."""
         return await self._delete(gv, plural, ns, name, propagation)
-
-    # -- CRDs ------------------------------------------------------------------
-    def crd_resources(self, crd: dict) -> set[tuple[str, str]]:
-        spec = crd["spec"]
-        return {(f"{spec['group']}/{v['name']}", spec["names"]["plural"]) for v in spec["versions"] if v.get("served")}
-
-    def _register_crd(self, crd: dict) -> None:
-        spec = crd["spec"]
-        for v in spec["versions"]:
-            if v.get("served"):
-                resource = (f"{spec['group']}/{v['name']}", spec["names"]["plural"])
-                self.kinds[resource] = spec["names"]["kind"]
-                self.schemas[resource] = v["schema"]["openAPIV3Schema"]
-                if spec.get("scope") == "Cluster":
-                    self.cluster_scoped.add(resource)
-
-    def unregister_crd(self, crd: dict) -> None:
-        for resource in self.crd_resources(crd):
-            self.kinds.pop(resource, None)
-            self.schemas.pop(resource, None)
-
-    def _admit(self, gv: str, plural: str, obj: dict) -> dict:
-        """A custom resource as the API server stores it: pruned, defaulted, valid."""
-        if (gv, plural) == CRDS:
-            errors = crd_errors(obj)
-            if errors:
-                raise ApiError(422, "Invalid", rejection(obj, errors))
-            return obj
-        schema = self.schemas.get((gv, plural))
-        if schema is None:
-            return obj
-        obj, errors = admit(schema, obj)
-        if errors:
-            group = gv.split("/")[0]
-            shown = errors[0] if len(errors) == 1 else "[" + ", ".join(errors) + "]"
-            raise ApiError(422, "Invalid", f'{self.kinds[(gv, plural)]}.{group} "{obj["metadata"]["name"]}" '
-                                           f"is invalid: {shown}")
-        return obj
 
     def _check_owner_refs(self, gv, plural, ns, old: dict | None, new: dict) -> None:
         if self.rbac_rules is None:
