@@ -17,6 +17,10 @@ def _is_int(value, lo: int, hi: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+
+
 class InvalidSamplingParams(ValueError):
     """A parameter a client sent is out of range; the message names it."""
 
@@ -39,6 +43,19 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per output token (0: only the chosen token)
     skip_special_tokens: bool = True
+    # Logits processing (engine/logits_processors.py), in vLLM's order: logit_bias, min_tokens,
+    # then the penalties. presence/frequency count output tokens (OpenAI's definition);
+    # repetition divides or multiplies the logits of every token seen, prompt included (HF's).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0  # EOS and stop_token_ids are masked, and stop strings not checked, before this
+
+    @property
+    def processes_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,11 +71,14 @@ class SamplingParams:
         migrated mid-stream): max_tokens counts only what is still to come. None when
         nothing is left. The one place the migration budget is computed (router and
         decode worker both ask here)."""
-        if self.max_tokens is None or num_produced == 0:
+        if num_produced == 0:
             return self
+        if self.max_tokens is None:
+            return replace(self, min_tokens=max(0, self.min_tokens - num_produced))
         if num_produced >= self.max_tokens:
             return None
-        return replace(self, max_tokens=self.max_tokens - num_produced)
+        return replace(self, max_tokens=self.max_tokens - num_produced,
+                       min_tokens=max(0, self.min_tokens - num_produced))
 
     def validate(self) -> None:
         def bad(param: str, msg: str) -> None:
@@ -90,3 +110,18 @@ class SamplingParams:
             bad("stop", "stop must be a non-empty string or a list of non-empty strings")
         if any(not _is_int(t, 0, UINT32_MAX) for t in self.stop_token_ids):
             bad("stop_token_ids", "stop_token_ids must be a list of token ids (non-negative integers)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                bad(name, f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+            bad("repetition_penalty", f"repetition_penalty must be a number in (0, 100], got {self.repetition_penalty!r}")
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > 1024:
+            bad("logit_bias", "logit_bias must map at most 1024 token ids to biases")
+        for token, bias in self.logit_bias.items():
+            if not _is_int(token, 0, UINT32_MAX) or not _is_number(bias) or not -100.0 <= bias <= 100.0:
+                bad("logit_bias", f"logit_bias must map token ids to numbers in [-100, 100], got {token!r}: {bias!r}")
+        if not _is_int(self.min_tokens, 0, INT32_MAX):
+            bad("min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")

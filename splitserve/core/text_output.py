@@ -27,6 +27,7 @@ class TextAssembler:
     tokenizer: Tokenizer
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
+    min_tokens: int = 0  # stop strings count only once this many tokens exist (vLLM's min_tokens)
 
     def __post_init__(self) -> None:
         self.detok = IncrementalDetokenizer(self.tokenizer, self.skip_special_tokens)
@@ -57,11 +58,11 @@ class TextAssembler:
         for t in token_ids:
             self.token_ids.append(t)
             self.detok.add(t)
-            if self.stop and self._find_stop():
+            if self.stop and len(self.token_ids) >= self.min_tokens and self._find_stop():
                 return self._delta(token_ids, stopped=True)
         if final:
             self.detok.flush()
-            if self.stop and self._find_stop():
+            if self.stop and len(self.token_ids) >= self.min_tokens and self._find_stop():
                 return self._delta(token_ids, stopped=True)
         return self._delta(token_ids, stopped=False, final=final)
 

@@ -103,10 +103,11 @@ class LLMEngine:
         seq = Sequence(
             request_id=request_id, token_ids=tokens, num_prompt_tokens=len(tokens), params=params,
             max_total_tokens=self.max_total_tokens,
-            text=(TextAssembler(self.tokenizer, list(params.stop), params.skip_special_tokens)
+            text=(TextAssembler(self.tokenizer, list(params.stop), params.skip_special_tokens, params.min_tokens)
                   if detokenize or params.stop else None),
             generator=generator)
         seq.long_rope = self.long_rope_after is not None and len(tokens) > self.long_rope_after
+        seq.num_resumed_tokens = num_draws_done
         for _ in range(num_draws_done):
             self._skip_draw(seq)
         return seq
@@ -188,7 +189,7 @@ class LLMEngine:
             return []
         logits, sampled = self.runner.run(batch)
         self.scheduler.computed(batch)
-        tokens, logprobs = sample(logits, sampled, self.generator)
+        tokens, logprobs = sample(logits, sampled, self.generator, self.eos_token_ids)
         return [self._append(seq, token, lp) for seq, token, lp in zip(sampled, tokens, logprobs, strict=True)]
 
     def _append(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> RequestOutput:
@@ -257,6 +258,8 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence, token: int, stop_string: bool) -> str | None:
         p = seq.params
+        if seq.num_output_tokens < p.min_tokens:  # (EOS and stop ids were masked in sampling)
+            stop_string = False
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids or stop_string:
             return "stop"
         if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:

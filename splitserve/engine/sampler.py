@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from splitserve.core.logprobs import TokenLogprobs
+from splitserve.engine.logits_processors import apply_logits_processors
 from splitserve.engine.sequence import Sequence
 
 
@@ -29,15 +30,17 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float)
     return logits
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator
-           ) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: float32 [len(seqs), vocab] -> one token per sequence (+ logprobs if asked)."""
-    tokens = logits.argmax(dim=-1).tolist()
+def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator,
+           eos_token_ids: set[int] = frozenset()) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: float32 [len(seqs), vocab] -> one token per sequence (+ logprobs if asked).
+    Penalties, logit_bias and min_tokens shape the choice; logprobs stay the model's own."""
+    processed = apply_logits_processors(logits, seqs, eos_token_ids)
+    tokens = processed.argmax(dim=-1).tolist()
     for row, seq in enumerate(seqs):
         p = seq.params
         if p.greedy:
             continue
-        row_logits = _filter_logits(logits[row] / p.temperature, p.top_k, p.top_p, p.min_p)
+        row_logits = _filter_logits(processed[row] / p.temperature, p.top_k, p.top_p, p.min_p)
         probs = row_logits.softmax(-1)
         gen = seq.generator if seq.generator is not None else default_generator
         # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p, using one

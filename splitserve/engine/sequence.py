@@ -39,6 +39,7 @@ class Sequence:
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
     num_preemptions: int = 0
     finish_reason: str | None = None
+    num_resumed_tokens: int = 0  # the prompt's last tokens that this request generated before a migration
     hold_kv: bool = False  # prefill worker: keep the blocks after finishing, until pushed
     long_rope: bool = False  # longrope model past its original length: long factors (engine/models/rope.py)
     logprobs: list[TokenLogprobs] = field(default_factory=list)

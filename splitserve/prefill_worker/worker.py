@@ -119,7 +119,8 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request {rid}: kv_backend {request.kv_backend!r} is not one of {BACKENDS}")
         try:
-            params = replace(sampling_from_proto(request.sampling), max_tokens=1, stop=[], n=1)
+            sampling = sampling_from_proto(request.sampling)  # the first token: min_tokens 1 at most
+            params = replace(sampling, max_tokens=1, stop=[], n=1, min_tokens=min(sampling.min_tokens, 1))
         except InvalidSamplingParams as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {exc}")
         fut: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()

@@ -15,7 +15,9 @@ def sampling_to_proto(p: SamplingParams) -> pb.Sampling:
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
         has_seed=p.seed is not None, seed=p.seed or 0, max_tokens=p.max_tokens or 0, stop=list(p.stop),
         stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
-        logprobs=-1 if p.logprobs is None else p.logprobs, skip_special_tokens=p.skip_special_tokens)
+        logprobs=-1 if p.logprobs is None else p.logprobs, skip_special_tokens=p.skip_special_tokens,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, min_tokens=p.min_tokens)
 
 
 def sampling_from_proto(s: pb.Sampling) -> SamplingParams:
@@ -24,7 +26,9 @@ def sampling_from_proto(s: pb.Sampling) -> SamplingParams:
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
         seed=s.seed if s.has_seed else None, max_tokens=s.max_tokens or None, stop=list(s.stop),
         stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
-        logprobs=None if s.logprobs < 0 else s.logprobs, skip_special_tokens=s.skip_special_tokens)
+        logprobs=None if s.logprobs < 0 else s.logprobs, skip_special_tokens=s.skip_special_tokens,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty or 1.0, logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens)
 
 
 def logprob_to_proto(lp: TokenLogprobs) -> pb.TokenLogprob:

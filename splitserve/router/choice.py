@@ -16,7 +16,7 @@ class ChoiceRun:
     def __init__(self, server, rid: str, index: int, prompt: list[int], params, decision):
         self.server, self.rid, self.index, self.prompt, self.params = server, rid, index, prompt, params
         self.decision = decision
-        self.text = TextAssembler(server.tokenizer, list(params.stop), params.skip_special_tokens)
+        self.text = TextAssembler(server.tokenizer, list(params.stop), params.skip_special_tokens, params.min_tokens)
         self.want_logprobs = params.logprobs is not None
         self.logprobs: list = []
         self.finish_reason: str | None = None

@@ -200,9 +200,6 @@ _UNSUPPORTED = {
     "echo": lambda v: bool(v),
     "suffix": lambda v: bool(v),
     "best_of": lambda v: v not in (None, 1),
-    "logit_bias": lambda v: bool(v),
-    "presence_penalty": lambda v: v not in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
     "tools": lambda v: bool(v),
     "functions": lambda v: bool(v),
     "response_format": lambda v: v is not None and not (isinstance(v, dict)
@@ -238,11 +235,40 @@ def _sampling(body: dict, max_tokens: int | None, max_tokens_param: str,
             ignore_eos=J.opt_bool(body, "ignore_eos", default=False),
             logprobs=logprobs,
             skip_special_tokens=J.opt_bool(body, "skip_special_tokens", default=True),
+            presence_penalty=J.opt_number(body, "presence_penalty", default=0.0),
+            frequency_penalty=J.opt_number(body, "frequency_penalty", default=0.0),
+            repetition_penalty=J.opt_number(body, "repetition_penalty", default=1.0),
+            logit_bias=_logit_bias(body.get("logit_bias")),
+            min_tokens=J.opt_int(body, "min_tokens", default=0),
         )
     except InvalidSamplingParams as exc:
         param = max_tokens_param if exc.param == "max_tokens" else exc.param
         message = str(exc).replace("max_tokens", param, 1)
         raise errors.invalid_request(message, param, "invalid_value") from None
+
+
+def _logit_bias(value) -> dict[int, float]:
+    """OpenAI's {"token id as a string": bias}; the numbers are checked by SamplingParams."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise errors.wrong_type("logit_bias", 'an object mapping token ids to biases, e.g. {"50256": -100}', value)
+    out = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+            raise errors.invalid_request(f"'logit_bias' keys must be token ids (digits), got {key!r}", "logit_bias",
+                                         "invalid_value")
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise errors.wrong_type(f"logit_bias[{key!r}]", "a number in [-100, 100]", bias)
+        out[int(key)] = float(bias)
+    return out
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    bad = next((t for t in params.logit_bias if t >= vocab_size), None)
+    if bad is not None:
+        raise errors.invalid_request(f"logit_bias token id {bad} is out of range: the vocabulary has {vocab_size} "
+                                     "tokens", "logit_bias", "invalid_value")
 
 
 def _stream(body: dict) -> tuple[bool, bool]:

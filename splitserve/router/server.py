@@ -1,5 +1,6 @@
 """The router's OpenAI-compatible HTTP API (aiohttp): /v1/completions, /v1/chat/completions
-(SSE when `stream`), /v1/models, /health, /metrics, /openapi.json.
+(SSE when `stream`), /v1/models, /v1/models/{id}, vLLM's /tokenize and /detokenize
+(router/tokenization.py), /health, /metrics, /openapi.json.
 
 Tokenize once here, route by prefix, stream from the decode worker, detokenize here.
 Clients are untrusted: bodies are size- and time-limited, validated before anything else,
@@ -16,13 +17,15 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from splitserve.core.model_config import ModelConfig
+from splitserve.core.sampling_params import InvalidSamplingParams
 from splitserve.core.tokenizer import Tokenizer
-from splitserve.router import errors, protocol
+from splitserve.router import errors, protocol, tokenization
 from splitserve.router import responses as R
 from splitserve.router.admission import Admission, AdmissionConfig, check_request_limits
 from splitserve.router.choice import ChoiceRun
@@ -37,6 +40,7 @@ from splitserve.router.sse import stream_choices
 log = logging.getLogger(__name__)
 
 INLINE_BODY_BYTES = 256 << 10  # parsing a body this large takes a few milliseconds at most
+KEYED_PATHS = ("/tokenize", "/detokenize")  # outside /v1/, but they spend the router's CPU: the key guards them
 @dataclass
 class ServerConfig:
     model_dir: str
@@ -68,6 +72,9 @@ class RouterServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id:.+}", self.model)  # served names may hold a "/"
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/livez", self.livez)
         app.router.add_get("/metrics", self.prometheus)
@@ -112,7 +119,7 @@ class RouterServer:
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         key = self.config.api_key
-        if key and request.path.startswith("/v1/"):
+        if key and (request.path.startswith("/v1/") or request.path in KEYED_PATHS):
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
             # compare_digest: constant time, a wrong guess does not reveal how much of it matched
             # (aiohttp keeps undecodable header bytes as surrogates: encode them back, never fail)
@@ -125,6 +132,19 @@ class RouterServer:
     # ---- simple endpoints ------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(R.models_list([self.config.served_model_name], self.created))
+
+    async def model(self, request: web.Request) -> web.Response:
+        return web.json_response(tokenization.model_object(self.config.served_model_name,
+                                                           request.match_info["model_id"], self.created))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        req = await self._parse(request, tokenization.parse_tokenize_request)
+        return web.json_response(await tokenization.tokenize(self.prompts, req))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        parse = partial(tokenization.parse_detokenize_request, vocab_size=self.tokenizer.vocab_size,
+                        max_tokens=self.max_model_len)
+        return web.json_response(await tokenization.detokenize(self.prompts, await self._parse(request, parse)))
 
     async def health(self, request: web.Request) -> web.Response:
         """200 "ok" when every role has the workers it should; 200 "degraded" when some are
@@ -198,7 +218,12 @@ class RouterServer:
             raise errors.invalid_request("the prompt is empty", "prompt")
         max_tokens = protocol.check_prompt_length(len(prompt), req.params.max_tokens, self.max_model_len,
                                                   "messages" if chat else "prompt")
-        params = replace(req.params, max_tokens=max_tokens)
+        protocol.check_logit_bias(req.params, self.vocab_size)
+        try:
+            params = replace(req.params, max_tokens=max_tokens)
+        except InvalidSamplingParams as exc:  # min_tokens beyond what the context leaves
+            raise errors.invalid_request(f"{exc} (what the context leaves for the completion)", exc.param,
+                                         "invalid_value") from None
         check_request_limits(params)
         rid = R.new_request_id(chat)  # ours, unique; the client's X-Request-Id is only a correlation id
         started = self.admission.enter(rid)  # 429 beyond --max-queued-requests

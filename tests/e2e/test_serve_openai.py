@@ -173,3 +173,35 @@ def test_router_rebuilds_the_same_index_and_replicas_agree(cluster):
         assert routes[0] == routes[1]
     finally:
         second.stop()
+
+
+def test_penalties_and_logit_bias_through_the_served_stack_match_transformers(cluster):
+    """Short (local prefill) and long (disaggregated: the prefill worker samples the first
+    token with the same processors) prompts, greedy, against generate with the same processors."""
+    import torch
+
+    from splitserve.engine import SamplingParams
+    from tests.engine.test_logits_processors import reference_processors
+    from tests.helpers.reference import hf_model
+
+    tok = Tokenizer(cluster.model)
+    params = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={"300": 4.0})
+    for text in ("Hello there", LONG):
+        raw = client(cluster).completions.with_raw_response.create(
+            model=SERVED, prompt=text, max_tokens=16, temperature=0, extra_body={
+                "repetition_penalty": params["repetition_penalty"]},
+            presence_penalty=params["presence_penalty"], frequency_penalty=params["frequency_penalty"],
+            logit_bias=params["logit_bias"])
+        out = raw.parse()
+        ids = tok.encode(text)
+        procs = reference_processors(len(ids), SamplingParams(
+            presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={300: 4.0}))
+        prompt = torch.tensor([ids])
+        with torch.no_grad():
+            ref = hf_model(str(cluster.model)).generate(prompt, attention_mask=torch.ones_like(prompt),
+                                                        max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                                        logits_processor=procs, eos_token_id=None, pad_token_id=0)
+        assert out.choices[0].text == tok.decode(ref[0, len(ids):].tolist()), text
+        assert out.choices[0].text != reference_text(cluster, ids, 16)  # the processors changed something
+        if text == LONG:
+            assert workers(raw)["prefill"].startswith("prefill-")

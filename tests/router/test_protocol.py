@@ -118,8 +118,20 @@ BAD = [
      "invalid_request_error", "stop_token_ids", "invalid_value"),
     ("echo unsupported", "completions", completion(echo=True), 400, "invalid_request_error",
      "echo", "unsupported_parameter"),
-    ("penalty unsupported", "chat", chat(presence_penalty=0.5), 400, "invalid_request_error",
-     "presence_penalty", "unsupported_parameter"),
+    ("presence_penalty out of range", "chat", chat(presence_penalty=2.5), 400, "invalid_request_error",
+     "presence_penalty", "invalid_value"),
+    ("frequency_penalty not a number", "completions", completion(frequency_penalty="high"), 400,
+     "invalid_request_error", "frequency_penalty", "invalid_type"),
+    ("repetition_penalty zero", "completions", completion(repetition_penalty=0), 400,
+     "invalid_request_error", "repetition_penalty", "invalid_value"),
+    ("logit_bias not an object", "chat", chat(logit_bias=[1, 2]), 400, "invalid_request_error", "logit_bias",
+     "invalid_type"),
+    ("logit_bias key not a token id", "chat", chat(logit_bias={"hello": 5}), 400, "invalid_request_error",
+     "logit_bias", "invalid_value"),
+    ("logit_bias bias out of range", "completions", completion(logit_bias={"7": 101}), 400,
+     "invalid_request_error", "logit_bias", "invalid_value"),
+    ("min_tokens above max_tokens", "completions", completion(min_tokens=20, max_tokens=10), 400,
+     "invalid_request_error", "min_tokens", "invalid_value"),
     ("tools unsupported", "chat", chat(tools=[{"type": "function"}]), 400,
      "invalid_request_error", "tools", "unsupported_parameter"),
     ("user not a string", "completions", completion(user=7), 400, "invalid_request_error",
@@ -205,10 +217,16 @@ def test_chat_defaults():
 
 
 def test_neutral_values_of_unsupported_parameters_are_accepted():
-    req = parse_chat_request(chat(presence_penalty=0, frequency_penalty=0.0, logit_bias={},
-                                  tools=[], response_format={"type": "text"}), SERVED)
+    req = parse_chat_request(chat(tools=[], response_format={"type": "text"}), SERVED)
     assert req.model == MODEL
     parse_completion_request(completion(echo=False, best_of=1, suffix=None), SERVED)
+
+
+def test_penalties_logit_bias_and_min_tokens_reach_the_sampling_parameters():
+    p = parse_chat_request(chat(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.3,
+                                logit_bias={"7": -100, "12": 2.5}, min_tokens=3, max_tokens=9), SERVED).params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.0, 1.3)
+    assert p.logit_bias == {7: -100.0, 12: 2.5} and p.min_tokens == 3 and p.processes_logits
 
 
 def test_check_prompt_length():
