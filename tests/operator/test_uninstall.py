@@ -39,7 +39,11 @@ class Cluster:
         self.fake, self._args, self._operator = fake, (tmp_path, monkeypatch), None
 
     async def start_operator(self) -> None:
+        self.fake.requests.clear()
         self._operator = await run_operator(self.fake, *self._args)
+        # kopf stopped during its first discovery retries it for seconds: let it list first.
+        await wait_for(lambda: ("GET", f"/apis/{IFD[0]}/namespaces/{NS}/{IFD[1]}") in self.fake.requests,
+                       "kopf's first list of InferenceDeployments")
 
     async def uninstall(self) -> None:
         if self._operator:
