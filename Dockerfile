@@ -20,6 +20,8 @@ ARG BASE_IMAGE=docker.io/library/debian:bookworm-slim
 # -- base: the OS packages every component needs, and the non-root user ------------------
 FROM ${BASE_IMAGE} AS base
 ARG DEBIAN_FRONTEND=noninteractive
+# On every stage, so the build script can prune this build's leftovers by it.
+LABEL org.opencontainers.image.title="splitserve"
 # bash: the KubeRay pods' command; wget: KubeRay's exec probes on Ray pods; libibverbs1:
 # the Mooncake Transfer Engine links against it even in tcp mode.
 RUN apt-get update \
@@ -105,8 +107,7 @@ ENV HOME=/tmp \
     TORCHINDUCTOR_CACHE_DIR=/tmp/cache/torchinductor \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
-LABEL org.opencontainers.image.title="splitserve" \
-      org.opencontainers.image.version="${VERSION}" \
+LABEL org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.source="https://github.com/splitserve/splitserve" \
       org.opencontainers.image.description="Disaggregated prefill/decode LLM serving: router, workers, operator"
 USER 1000:1000

@@ -97,4 +97,7 @@ echo "build_image.sh: building $TAG (flavour $FLAVOUR, base $BASE, splitserve $V
 start=$SECONDS
 podman build --isolation chroot --layers --build-arg "BASE_IMAGE=$BASE" "${build_args[@]}" \
   --volume "$extras:/mnt:ro" --tag "$TAG" --file Dockerfile .
+# What earlier builds left untagged (older images, the end of each build-only stage) goes;
+# the layers the cache builds on are parents of the new image and stay.
+podman image prune --force --filter "label=org.opencontainers.image.title=splitserve" >/dev/null
 echo "build_image.sh: built $TAG in $((SECONDS - start)) s"
