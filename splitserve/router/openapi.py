@@ -83,6 +83,15 @@ def _generation_responses(kind: str) -> dict:
     }
 
 
+def _tokenizer_responses(schema: dict) -> dict:
+    return {"200": {"description": "OK", "content": {"application/json": {"schema": schema}}},
+            "400": _error("invalid request (names the parameter), or longer than the context"),
+            "401": _error("missing or wrong API key"),
+            "404": _error("unknown model"),
+            "413": _error("request body larger than --max-request-body-mb"),
+            "429": _error("too many long inputs being tokenized already")}
+
+
 def openapi_document(served_model: str, max_model_len: int, auth: bool) -> dict:
     completion = {"type": "object", "required": ["model", "prompt"], "additionalProperties": True, "properties": {
         "model": {"type": "string", "enum": [served_model]},
@@ -109,6 +118,31 @@ def openapi_document(served_model: str, max_model_len: int, auth: bool) -> dict:
         "response_format": {"type": "object", "properties": {"type": {"type": "string", "enum": ["text"]}}},
         **_SAMPLING}}
     security = [{"bearer": []}] if auth else []
+    model_name = {"type": "string", "enum": [served_model], "description": "optional: the served model"}
+    tokenize = {"oneOf": [
+        {"type": "object", "required": ["prompt"], "additionalProperties": True, "properties": {
+            "model": model_name, "prompt": {"type": "string", "description": f"at most {max_model_len} tokens"},
+            "add_special_tokens": {"type": "boolean", "default": True},
+            "return_token_strs": {"type": "boolean", "default": False}}},
+        {"type": "object", "required": ["messages"], "additionalProperties": True, "properties": {
+            "model": model_name, "messages": {"type": "array", "minItems": 1, "items": message},
+            "add_generation_prompt": {"type": "boolean", "default": True},
+            "add_special_tokens": {"type": "boolean", "default": False},
+            "return_token_strs": {"type": "boolean", "default": False},
+            # vLLM's options that change the rendering: refused (only their neutral values pass)
+            "continue_final_message": {"type": "boolean", "enum": [False]},
+            "chat_template": {"type": "null"}}}]}
+    detokenize = {"type": "object", "required": ["tokens"], "additionalProperties": True, "properties": {
+        "model": model_name, "tokens": {"type": "array", "maxItems": max_model_len,
+                                        "items": {"type": "integer", "minimum": 0}}}}
+    tokens_out = {"type": "object", "required": ["count", "max_model_len", "tokens", "token_strs"], "properties": {
+        "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+        "tokens": {"type": "array", "items": {"type": "integer"}},
+        "token_strs": {"type": ["array", "null"], "items": {"type": "string"}}}}
+    text_out = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
+    model_object = {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
+        "id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
+        "owned_by": {"type": "string"}}}
     plain = {"200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}
     return {
         "openapi": "3.1.0",
@@ -129,6 +163,22 @@ def openapi_document(served_model: str, max_model_len: int, auth: bool) -> dict:
                     "type": "object", "required": ["object", "data"],
                     "properties": {"object": {"type": "string"}, "data": {"type": "array"}}}}}},
                     "401": _error("missing or wrong API key")}}},
+            "/v1/models/{model_id}": {"get": {
+                "operationId": "retrieveModel", "security": security,
+                "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "the served model", "content": {"application/json": {
+                    "schema": model_object}}},
+                    "401": _error("missing or wrong API key"), "404": _error("not the served model")}}},
+            "/tokenize": {"post": {
+                "operationId": "tokenize", "security": security,
+                "description": "vLLM's /tokenize: a text, or messages through the chat template, to token ids",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": tokenize}}},
+                "responses": _tokenizer_responses(tokens_out)}},
+            "/detokenize": {"post": {
+                "operationId": "detokenize", "security": security,
+                "description": "vLLM's /detokenize: token ids to text (special tokens kept)",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": detokenize}}},
+                "responses": _tokenizer_responses(text_out)}},
             "/health": {"get": {"operationId": "health", "responses": {
                 "200": {"description": "ready", "content": {"application/json": {"schema": {"type": "object"}}}},
                 "503": {"description": "no decode worker", "content": {"application/json": {

@@ -70,20 +70,22 @@ class PromptTokenizer:
             return self._checked(*self.tokenizer.encode_bounded(text, self.max_model_len, add_special_tokens), param)
         return await self.offload(self._encode_long, text, add_special_tokens, param)
 
-    async def encode_chat(self, messages: list[dict]) -> list[int]:
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                          add_special_tokens: bool = False) -> list[int]:
         size = sum(len(m.get("content") or "") for m in messages)
         if size <= INLINE_CHARS:
-            return self._render_and_encode(messages)
-        return await self.offload(self._render_and_encode, messages)
+            return self._render_and_encode(messages, add_generation_prompt, add_special_tokens)
+        return await self.offload(self._render_and_encode, messages, add_generation_prompt, add_special_tokens)
 
     # ---- in the pool (or inline for small inputs) -----------------------------------------
-    def _render_and_encode(self, messages: list[dict]) -> list[int]:
+    def _render_and_encode(self, messages: list[dict], add_generation_prompt: bool,
+                           add_special_tokens: bool) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(messages)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
         except ChatTemplateError as exc:
             raise errors.invalid_request(str(exc), "messages") from None
-        # The template writes the special tokens itself (as transformers does).
-        return self._encode_long(text, False, "messages")
+        # The template writes the special tokens itself (as transformers does): no more by default.
+        return self._encode_long(text, add_special_tokens, "messages")
 
     def _encode_long(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         try:

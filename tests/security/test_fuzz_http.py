@@ -27,7 +27,10 @@ COUNTS: dict[str, int] = {}
 # (path, generation mode, examples): parameterless GETs have no invalid inputs to generate
 OPERATIONS = [(path, mode, n) for path in ("/v1/completions", "/v1/chat/completions")
               for mode, n in ((GenerationMode.POSITIVE, 500), (GenerationMode.NEGATIVE, 850))] + [
-    (path, GenerationMode.POSITIVE, 20) for path in ("/v1/models", "/health", "/metrics", "/openapi.json")]
+    (path, GenerationMode.POSITIVE, 20) for path in ("/v1/models", "/health", "/metrics", "/openapi.json")] + [
+    (path, mode, 200) for path in ("/tokenize", "/detokenize")
+    for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)] + [
+    ("/v1/models/{model_id}", GenerationMode.POSITIVE, 50)]
 HYPOTHESIS_EXAMPLES = 3000  # per parameter family below
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 FUZZ_SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), database=None)
