@@ -8,7 +8,11 @@ thread count in --threads and transformers at each batch size; the ratio compare
 the best engine run with the best transformers run. Throughput counts only
 requested output tokens.
 
-    splitserve bench engine [--model DIR] [--out results.json]
+The model is the random-weight demo Llama, or with --family qwen3_moe a random-weight
+Qwen3-MoE of the same width (16 experts, top-4, renormalised; built once in the cache),
+or any checkpoint given with --model.
+
+    splitserve bench engine [--family llama|qwen3_moe] [--model DIR] [--out results.json]
 """
 
 from __future__ import annotations
@@ -22,6 +26,25 @@ import time
 from pathlib import Path
 
 import torch
+
+MOE_NAME = "splitserve-bench-qwen3-moe-random-v1"
+# The demo Llama's width (hidden 256, 4 layers, 8 heads / 4 KV heads), every MLP a mixture
+# of 16 experts of intermediate size 128, 4 per token: per token three quarters of the
+# demo's dense 704-wide MLP weights are active, in Qwen3-30B-A3B's top-k-of-many shape.
+MOE_FIELDS = dict(seed=1234, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=32, num_experts=16, num_experts_per_tok=4,
+                  moe_intermediate_size=128, norm_topk_prob=True)
+
+
+def ensure_moe_checkpoint() -> Path:
+    """The random-weight Qwen3-MoE benchmark checkpoint, built on first use."""
+    from splitserve.core.model_dir import cache_root
+    from splitserve.engine.demo import write_checkpoint
+
+    target = cache_root() / MOE_NAME
+    if not (target / "config.json").is_file():
+        write_checkpoint(target, "qwen3_moe", **MOE_FIELDS)
+    return target
 
 
 def make_workload(n: int, vocab: int, seed: int = 0):
@@ -73,7 +96,9 @@ def run_transformers(model_dir: str, prompts, outputs, batch_size: int, dtype: s
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="splitserve bench engine", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="checkpoint dir (default: the random-weight demo model)")
+    ap.add_argument("--model", help="checkpoint dir (default: the random-weight model of --family)")
+    ap.add_argument("--family", choices=("llama", "qwen3_moe"), default="llama",
+                    help="random-weight model when --model is not given: the demo Llama or a Qwen3-MoE")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--hf-batch-sizes", default="8,16,32,64")
     ap.add_argument("--dtype", default="float32")
@@ -84,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     from splitserve.engine.demo import ensure_demo_checkpoint
 
     thread_counts = [int(t) for t in args.threads.split(",")]
-    model_dir = args.model or str(ensure_demo_checkpoint())
+    if args.model:
+        model_dir = args.model
+    else:
+        model_dir = str(ensure_moe_checkpoint() if args.family == "qwen3_moe" else ensure_demo_checkpoint())
     prompts, outputs = make_workload(args.requests, ModelConfig.from_dir(model_dir).vocab_size)
     engine_runs, hf_runs = [], []
     for threads in thread_counts:
@@ -105,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"best engine (threads={engine['threads']}) / best transformers (bs={best['batch_size']}, "
           f"threads={best['threads']}): {ratio:.2f}x output tokens/s")
     result = {
-        "benchmark": "engine_vs_transformers", "model": model_dir, "dtype": args.dtype,
+        "benchmark": "engine_vs_transformers", "model": model_dir,
+        "architecture": ModelConfig.from_dir(model_dir).architecture, "dtype": args.dtype,
         "requests": args.requests, "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outputs),
         "engine_runs": engine_runs, "transformers_runs": hf_runs, "best_engine": engine,
         "best_transformers": best, "ratio_vs_best_transformers": ratio,

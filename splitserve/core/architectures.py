@@ -24,6 +24,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Phi3ForCausalLM": Architecture("phi3", "llama", ("phi3",), "Phi-3, Phi-3.5, Phi-4, Phi-4-mini (longrope)"),
     "Gemma2ForCausalLM": Architecture("gemma2", "gemma", ("gemma2",), "Gemma 2 (soft-capping, alternating windows)"),
     "Gemma3ForCausalLM": Architecture("gemma3", "gemma", ("gemma3_text",), "Gemma 3 text models (1B; 5:1 windows)"),
+    "MixtralForCausalLM": Architecture("mixtral", "moe", ("mixtral",), "Mixtral 8x7B, 8x22B (top-2 of 8 experts)"),
+    "Qwen3MoeForCausalLM": Architecture("qwen3_moe", "moe", ("qwen3_moe",),
+                                        "Qwen3-MoE 30B-A3B, 235B-A22B (top-8 of 128 experts, q/k RMSNorm)"),
 }
 
 CHECKED_AGAINST = ("transformers' generate on tiny random checkpoints (float32, CPU): greedy tokens identical, "

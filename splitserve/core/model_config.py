@@ -55,6 +55,12 @@ class ModelConfig:
     final_softcap: float = 0.0
     attn_scale: float = 0.0  # 0: head_dim ** -0.5
     local_rope: RopeSpec | None = None  # sliding-window layers, when they differ (Gemma 3)
+    # mixture of experts (Mixtral, Qwen3-MoE); num_experts 0: a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is the sparse MoE block
     raw: dict = field(default_factory=dict, repr=False, compare=False)  # config.json, for family extras
 
     @classmethod
@@ -95,7 +101,7 @@ class ModelConfig:
         except ValueError as exc:
             raise CheckpointError(f"{source}: {exc}") from exc
         window = raw.get("sliding_window")
-        if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        if family in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window", False):
             window = None
         window = int(window) if window else None
         eos = raw.get("eos_token_id")
@@ -116,14 +122,14 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
             # Qwen2 biases q/k/v always; Llama/Qwen3/Gemma follow attention_bias (o_proj too)
             qkv_bias=True if family == "qwen2" else attention_bias,
-            o_bias=attention_bias and family in ("llama", "qwen3", "gemma2", "gemma3"),
+            o_bias=attention_bias and family in ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3"),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             sliding_window=window,
             layer_types=_layer_types(raw, family, layers, window, source),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
             bos_token_id=raw.get("bos_token_id"),
             hidden_act=act,
-            qk_norm=family in ("qwen3", "gemma3"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
             gemma_norms=gemma,
             attn_softcap=float(raw.get("attn_logit_softcapping") or 0.0),
             final_softcap=float(raw.get("final_logit_softcapping") or 0.0),
@@ -131,6 +137,7 @@ class ModelConfig:
             else 0.0,
             local_rope=local_rope,
             raw=raw,
+            **_moe_fields(raw, family, layers, act, source),
         )
 
     def layer_window(self, layer: int) -> int:
@@ -140,6 +147,32 @@ class ModelConfig:
     @property
     def max_model_len(self) -> int:
         return self.max_position_embeddings
+
+
+def _moe_fields(raw: dict, family: str, layers: int, act: str, source: str) -> dict:
+    """Experts, top-k, routing normalisation and sparse layers, as transformers reads them:
+    Mixtral renormalises always and every layer is sparse; Qwen3-MoE renormalises iff
+    `norm_topk_prob`, and layer i is sparse unless listed in `mlp_only_layers` or
+    (i + 1) is not a multiple of `decoder_sparse_step`."""
+    # transformers 5 writes `num_local_experts` for both; Qwen3-MoE's published configs `num_experts`
+    experts = raw.get("num_local_experts", raw.get("num_experts"))
+    if family == "mixtral":
+        experts, top_k = int(experts or 8), int(raw.get("num_experts_per_tok", 2))
+        inter, renormalize, sparse = int(raw["intermediate_size"]), True, range(layers)
+    elif family == "qwen3_moe":
+        experts, top_k = int(128 if experts is None else experts), int(raw.get("num_experts_per_tok", 8))
+        inter, renormalize = int(raw.get("moe_intermediate_size", 768)), bool(raw.get("norm_topk_prob", False))
+        dense, step = set(raw.get("mlp_only_layers") or ()), int(raw.get("decoder_sparse_step", 1))
+        sparse = [i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0]
+    else:
+        return {}
+    if sparse and not 0 < top_k <= experts:
+        raise CheckpointError(f"{source}: num_experts_per_tok is {top_k}; it must be between 1 and the "
+                              f"number of experts ({experts})")
+    if act != "silu":
+        raise CheckpointError(f"{source}: activation {act!r} is not supported for experts (supported: 'silu')")
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter,
+                norm_topk_prob=renormalize, moe_layers=tuple(sparse))
 
 
 def _layer_types(raw: dict, family: str, layers: int, window: int | None, source: str) -> tuple[str, ...]:

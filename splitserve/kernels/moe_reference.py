@@ -10,7 +10,7 @@ what the engine runs on the CPU. Shapes:
 
 Numerics: each expert's two projections run in the activation dtype (as transformers
 runs them); the routing weight multiplies the expert's output in float32 and the top-k
-outputs are summed in float32, rounded once to the activation dtype at the end.
+outputs are summed in float32 in k order, rounded once to the activation dtype at the end.
 """
 
 from __future__ import annotations
@@ -60,26 +60,28 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
               topk_ids: torch.Tensor) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * W2[e] (silu(W1[e] x_t) * W3[e] x_t), e = topk_ids[t, k].
 
-    One pass per expert that has tokens: its (token, k) rows are grouped by a stable sort,
-    so an expert's matmuls see all of its tokens at once (the CPU's fast path)."""
+    The (token, k) rows are grouped by expert with one stable sort and one gather, so each
+    expert's matmuls see all of its tokens at once as a contiguous slice, and the results
+    go back to (token, k) order with one scatter: per-expert scatters (index_add_) cost
+    more than the matmuls on a CPU shared with other work."""
     check_fused_moe_args("fused_moe", hidden, w13, w2, topk_weights, topk_ids)
     tokens, top_k = topk_ids.shape
-    intermediate = w2.shape[2]
-    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    if tokens == 0:
-        return out.to(hidden.dtype)
+    hidden_size, intermediate = w2.shape[1], w2.shape[2]
     flat_ids = topk_ids.reshape(-1).long()
-    flat_weights = topk_weights.reshape(-1).float()
     order = torch.argsort(flat_ids, stable=True)  # (token, k) rows grouped by expert
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    x = hidden.index_select(0, order // top_k)
+    weights = topk_weights.reshape(-1).float()[order, None]
+    sorted_out = torch.empty((order.numel(), hidden_size), dtype=torch.float32, device=hidden.device)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
-        rows = order[start : start + count]
-        start += count
-        token = rows // top_k
-        gate, up = F.linear(hidden[token], w13[expert]).split(intermediate, dim=-1)
+        end = start + count
+        gate, up = F.linear(x[start:end], w13[expert]).split(intermediate, dim=-1)
         down = F.linear(F.silu(gate) * up, w2[expert])
-        out.index_add_(0, token, down.float() * flat_weights[rows, None])
-    return out.to(hidden.dtype)
+        torch.mul(down, weights[start:end], out=sorted_out[start:end])
+        start = end
+    per_row = torch.empty_like(sorted_out)
+    per_row[order] = sorted_out
+    return per_row.view(tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)

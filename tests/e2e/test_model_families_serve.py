@@ -19,7 +19,8 @@ from tests.helpers.reference import hf_greedy
 
 SERVED = "family-under-test"
 NEW = 32
-FAMILIES = {"qwen3": {}, "phi3": {}, "gemma2": {}, "gemma3": {}, "mistral": {"sliding_window": WINDOW}}
+FAMILIES = {"qwen3": {}, "phi3": {}, "gemma2": {}, "gemma3": {}, "mistral": {"sliding_window": WINDOW},
+            "mixtral": {"sliding_window": WINDOW}, "qwen3_moe": {}}
 
 
 def complete(base: str, prompt: list[int]) -> tuple[dict, dict]:

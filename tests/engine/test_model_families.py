@@ -31,6 +31,10 @@ FAMILIES = {
                                                     "factor": 2.0}}),
     "llama-linear": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0,
                                                    "factor": 4.0}}),
+    "mixtral-window": ("mixtral", {"sliding_window": WINDOW}),
+    "qwen3_moe-dense-middle-layer": ("qwen3_moe", {}),
+    "qwen3_moe-renormalised-every-other-layer": ("qwen3_moe", {"norm_topk_prob": True, "decoder_sparse_step": 2,
+                                                               "mlp_only_layers": []}),
 }
 
 

@@ -7,7 +7,9 @@ switching at 64 positions, partial rotary (24 of 32 dims), GQA 4 over 8 heads (f
 projections in the checkpoint); gemma2: soft-capping that bites (caps 5 and 8),
 query_pre_attn_scalar != head_dim, sliding/global layers with a 32-token window; gemma3:
 q/k norms, a 32-token window on 2 of 3 layers, local and global rope bases, linear
-scaling on the global one. The new families' norm weights are perturbed (see
+scaling on the global one; mixtral: top-2 of 8 experts, GQA 4; qwen3_moe: top-3 of 8
+experts without renormalisation (transformers' default), q/k norms, its middle layer
+dense (`mlp_only_layers`). The new families' norm weights are perturbed (see
 write_checkpoint). `WINDOW` is the sliding window the windowed checkpoints use.
 """
 
@@ -43,6 +45,11 @@ FAMILY_CONFIGS = {
                                     "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                        "rope_theta": 1000000.0}},
                    tie_word_embeddings=True, perturb_norms=True),
+    "mixtral": dict(seed=18, hidden_size=128, intermediate_size=96, num_attention_heads=4, num_key_value_heads=1,
+                    head_dim=32, num_local_experts=8, num_experts_per_tok=2, perturb_norms=True),
+    "qwen3_moe": dict(seed=19, hidden_size=128, intermediate_size=192, moe_intermediate_size=80,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      num_experts=8, num_experts_per_tok=3, mlp_only_layers=[1], perturb_norms=True),
 }
 WINDOW = 32
 

@@ -4,9 +4,12 @@ grouped GEMM (interpreter here, GPU elsewhere) against the reference."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
+from splitserve.engine import LLM, SamplingParams
 from splitserve.kernels import moe_reference, ops, triton_moe
 from tests.kernels.paged_cases import TOLERANCES, assert_close
 
@@ -203,3 +206,27 @@ def test_reference_matches_transformers_experts(family):
         expected = experts(x, ids, weights)
         out = moe_reference.fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids)
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_engine_greedy_tokens_unchanged_with_the_triton_moe_kernel(make_ckpt, monkeypatch, family):
+    """Every kernel forced through Triton (the MoE layers included) against the reference:
+    a 24-token step budget chunks the 40-token prompt and mixes prefill with decode."""
+    calls = []
+    original = triton_moe.fused_moe
+    monkeypatch.setattr(triton_moe, "fused_moe", lambda *args: calls.append(args[0].shape[0]) or original(*args))
+    path = make_ckpt(family)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(5, 1000) for _ in range(n)] for n in (3, 17, 40)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    try:
+        for backend in ("reference", "triton"):
+            ops.set_backend(backend)
+            llm = LLM(str(path), num_kv_blocks=32, max_num_batched_tokens=24)
+            tokens[backend] = [out.token_ids for out in llm.generate(prompts, [params] * 3)]
+            assert bool(calls) == (backend == "triton")
+    finally:
+        ops.set_backend(None)
+    assert tokens["triton"] == tokens["reference"]
+    assert 1 in calls and 24 in calls  # decode-only steps and full chunked-prefill steps

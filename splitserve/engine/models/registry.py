@@ -8,6 +8,7 @@ from torch import nn
 from splitserve.core.model_config import CheckpointError, ModelConfig
 from splitserve.engine.models.gemma import GemmaForCausalLM
 from splitserve.engine.models.llama import LlamaForCausalLM
+from splitserve.engine.models.moe import MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -17,6 +18,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "phi3": LlamaForCausalLM,  # the checkpoint's fused qkv_proj / gate_up_proj are our names
     "gemma2": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,
+    "mixtral": MoeForCausalLM,
+    "qwen3_moe": MoeForCausalLM,
 }
 
 
