@@ -10,12 +10,13 @@ ignoring them would change the answer the client expects.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from splitserve.core.context import ContextLengthError, completion_budget
 from splitserve.core.sampling_params import InvalidSamplingParams, SamplingParams
 from splitserve.router import errors
 from splitserve.router import json_body as J
+from splitserve.router.request_fields import check_fields
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_LOGPROBS = 20
@@ -43,6 +44,7 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+    ignored_fields: list[str] = field(default_factory=list)  # unknown fields (request_fields.py)
 
 
 @dataclass
@@ -53,6 +55,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+    ignored_fields: list[str] = field(default_factory=list)  # unknown fields (request_fields.py)
 
     @property
     def logprobs(self) -> bool:
@@ -67,13 +70,13 @@ def parse_completion_request(raw: bytes | str | dict,
     body = J.load(raw)
     model = _model(body, served_models)
     prompt, token_ids = _prompt(body)
-    _reject_unsupported(body)
+    ignored = check_fields(body, "completions")
     logprobs = J.opt_int(body, "logprobs")
     params = _sampling(body, max_tokens=J.opt_int(body, "max_tokens", default=16),
                        max_tokens_param="max_tokens", logprobs=logprobs)
     stream, include_usage = _stream(body)
     return CompletionRequest(model, prompt, token_ids, params, stream, include_usage,
-                             J.opt_str(body, "user"))
+                             J.opt_str(body, "user"), ignored)
 
 
 def parse_chat_request(raw: bytes | str | dict,
@@ -81,7 +84,7 @@ def parse_chat_request(raw: bytes | str | dict,
     body = J.load(raw)
     model = _model(body, served_models)
     messages = _messages(body)
-    _reject_unsupported(body)
+    ignored = check_fields(body, "chat")
     want_logprobs = J.opt_bool(body, "logprobs", default=False)
     top = J.opt_int(body, "top_logprobs")
     if top is not None and not want_logprobs:
@@ -95,7 +98,7 @@ def parse_chat_request(raw: bytes | str | dict,
     params = _sampling(body, max_tokens=J.opt_int(body, param), max_tokens_param=param,
                        logprobs=(top or 0) if want_logprobs else None)
     stream, include_usage = _stream(body)
-    return ChatRequest(model, messages, params, stream, include_usage, J.opt_str(body, "user"))
+    return ChatRequest(model, messages, params, stream, include_usage, J.opt_str(body, "user"), ignored)
 
 
 def check_prompt_length(n_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
@@ -193,24 +196,6 @@ def _text_part(part: object, where: str) -> str:
     if kind not in (None, "text"):
         raise errors.unsupported(where, f"content parts of type {kind!r}; only text is served")
     raise errors.wrong_type(where, 'a text part {"type": "text", "text": "..."}', part)
-
-
-# Known OpenAI parameters this server does not implement: value -> is it a real use?
-_UNSUPPORTED = {
-    "echo": lambda v: bool(v),
-    "suffix": lambda v: bool(v),
-    "best_of": lambda v: v not in (None, 1),
-    "tools": lambda v: bool(v),
-    "functions": lambda v: bool(v),
-    "response_format": lambda v: v is not None and not (isinstance(v, dict)
-                                                        and v.get("type") == "text"),
-}
-
-
-def _reject_unsupported(body: dict) -> None:
-    for name, used in _UNSUPPORTED.items():
-        if name in body and used(body[name]):
-            raise errors.unsupported(name, "remove it from the request")
 
 
 def _sampling(body: dict, max_tokens: int | None, max_tokens_param: str,

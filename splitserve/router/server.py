@@ -35,6 +35,7 @@ from splitserve.router.http_limits import HTTPLimits, client_request_id
 from splitserve.router.openapi import openapi_document
 from splitserve.router.policy import NoHealthyWorker
 from splitserve.router.prompts import PromptTokenizer
+from splitserve.router.request_fields import IGNORED_HEADER, header_value
 from splitserve.router.sse import stream_choices
 
 log = logging.getLogger(__name__)
@@ -243,6 +244,8 @@ class RouterServer:
                  len(prompt), decision.header_value())
         headers = {"X-Request-Id": client_id or rid, "X-Splitserve-Request-Id": rid,
                    "X-Splitserve-Route": decision.header_value()}
+        if req.ignored_fields:
+            headers[IGNORED_HEADER] = header_value(req.ignored_fields)
         choices = [ChoiceRun(self, rid, i, prompt, self._choice_params(params, i), decision)
                    for i in range(params.n)]
         timeout = self.admission.config.request_timeout_s
