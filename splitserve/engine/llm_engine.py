@@ -7,7 +7,7 @@ This is the incremental interface the workers drive (add_request / step / abort)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ from splitserve.core.tokenizer import Tokenizer
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.outputs import RequestOutput, Reservation
 from splitserve.engine.sampler import sample
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sequence import Sequence
@@ -30,32 +31,6 @@ from splitserve.engine.stats import EngineStats
 
 class InvalidPromptError(ValueError):
     """The prompt cannot be served (empty, out-of-vocabulary ids, too long)."""
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # every output token so far
-    new_token_ids: list[int]  # produced by this step
-    text: str  # output text so far (stop strings excluded)
-    new_text: str  # text that became final this step
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
-    num_cached_tokens: int
-    logprobs: list[TokenLogprobs]
-    new_logprobs: list[TokenLogprobs]
-    error: str | None = None  # set when the engine failed the request (finish_reason "abort")
-
-
-@dataclass
-class Reservation:
-    """Decode side of a remote prefill: where the prefill worker writes the prompt's KV."""
-
-    num_cached_tokens: int  # prompt tokens this worker's prefix cache already holds
-    skip_blocks: int  # leading blocks not to send (cached here)
-    block_ids: list[int]  # destination blocks, from `skip_blocks` on
-    block_hashes: list[int]  # chained hashes of the full ones
 
 
 class LLMEngine:
