@@ -12,7 +12,7 @@ the operator's series name the InferenceDeployment by `deployment_namespace` and
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 # vLLM's buckets for the overlapping latency histograms.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -31,6 +31,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         r = registry if registry is not None else CollectorRegistry()
         self.registry = r
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds
         # Request latency, measured at the router (what the client sees).
         self.time_to_first_token = Histogram(
             "splitserve_time_to_first_token_seconds", "Time from request arrival to first token.",
@@ -74,6 +75,13 @@ class Metrics:
         self.engine_alive = Gauge(
             "splitserve_engine_alive", "1 while the worker's engine thread runs; 0 once it died (the worker "
             "leaves the registry and exits to be restarted).", ["role", "worker"], registry=r)
+        self.engine_step_seconds = Counter(
+            "splitserve_engine_step_seconds_total", "Wall time of engine steps (forward pass, sampling, "
+            "bookkeeping).", ["role", "worker"], registry=r)
+        self.engine_step_cpu_seconds = Counter(
+            "splitserve_engine_step_cpu_seconds_total", "CPU time of the engine thread in steps (torch's extra "
+            "intra-op threads not included); process_cpu_seconds_total minus this is the worker's serving "
+            "overhead.", ["role", "worker"], registry=r)
         self.engine_step_failures = Counter(
             "splitserve_engine_step_failures_total",
             "Engine steps that raised; their requests were failed and retried elsewhere.",

@@ -54,13 +54,15 @@ class AsyncEngine:
                  on_events: Callable[[list[BlockEvent]], None] | None = None, *,
                  on_dead: Callable[[BaseException], None] | None = None, name: str = "engine",
                  max_step_failures: int = 3, stall_timeout_s: float = 120.0,
-                 on_step_failure: Callable[[list[str], BaseException], None] | None = None):
+                 on_step_failure: Callable[[list[str], BaseException], None] | None = None,
+                 on_step_timing: Callable[[float, float], None] | None = None):
         self.engine = engine
         self.loop = loop
         self.on_outputs = on_outputs
         self.on_events = on_events
         self.on_dead = on_dead
         self.on_step_failure = on_step_failure
+        self.on_step_timing = on_step_timing  # (wall s, engine-thread CPU s) per step, on the engine thread
         self.name = name
         self.max_step_failures = max_step_failures
         self.stall_timeout_s = stall_timeout_s
@@ -157,6 +159,7 @@ class AsyncEngine:
                 self._run_commands(wait=not self.engine.has_unfinished_requests())
                 if self.engine.has_unfinished_requests():
                     self._step_started = time.monotonic()
+                    cpu_started = time.thread_time()
                     try:
                         self.faults.before_step(self.steps)
                         outputs = self.engine.step()
@@ -165,6 +168,9 @@ class AsyncEngine:
                         failures_in_a_row += 1
                         outputs = self._fail_running(exc, failures_in_a_row)
                     finally:
+                        if self.on_step_timing is not None:
+                            self.on_step_timing(time.monotonic() - self._step_started,
+                                                time.thread_time() - cpu_started)
                         self._step_started = None
                     self.steps += 1
                     if outputs:

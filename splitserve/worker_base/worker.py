@@ -67,6 +67,7 @@ class WorkerBase(abc.ABC):
         engine = await asyncio.to_thread(LLMEngine, self.config.engine)
         self.engine = AsyncEngine(engine, asyncio.get_running_loop(), self._dispatch, self._on_block_events,
                                   on_dead=self._engine_died, on_step_failure=self._engine_step_failed,
+                                  on_step_timing=self._count_step,
                                   name=self.worker_id, stall_timeout_s=self.config.engine_stall_timeout_s)
         self.engine.start()
         self.metrics.engine_alive.labels(role=self.role, worker=self.worker_id).set(1)
@@ -184,6 +185,12 @@ class WorkerBase(abc.ABC):
     @abc.abstractmethod
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """On the event loop: one engine step's outputs to the requests waiting for them."""
+
+    def _count_step(self, wall_s: float, cpu_s: float) -> None:
+        """On the engine thread (prometheus counters are thread-safe)."""
+        labels = {"role": self.role, "worker": self.worker_id}
+        self.metrics.engine_step_seconds.labels(**labels).inc(wall_s)
+        self.metrics.engine_step_cpu_seconds.labels(**labels).inc(cpu_s)
 
     # ---- engine failures ------------------------------------------------------------------
     def _engine_step_failed(self, request_ids: list[str], exc: BaseException) -> None:

@@ -89,7 +89,7 @@ async def test_bad_requests_are_invalid_argument_and_cancel_frees_blocks(make_ck
             # A client that goes away mid-stream: the request is aborted and its blocks freed.
             call = DecodeWorkerStub(ch).Generate(pb.GenerateRequest(
                 request_id="long", prompt_token_ids=list(range(5, 200)),
-                sampling=sampling_to_proto(SamplingParams(max_tokens=3000, ignore_eos=True))))
+                sampling=sampling_to_proto(SamplingParams(max_tokens=800, ignore_eos=True))))
             await call.read()
             call.cancel()
         for _ in range(50):
