@@ -32,6 +32,7 @@ BENCH_TARGETS: dict[str, str] = {
     "kernels": "splitserve.benchmark.kernels",
     "kvtransfer": "splitserve.benchmark.kvtransfer",
     "router": "splitserve.benchmark.router_decision",
+    "serve-overhead": "splitserve.benchmark.serve_overhead",
 }
 
 
