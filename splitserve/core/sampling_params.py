@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from splitserve.core.structured import StructuredSpec
+
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 UINT32_MAX = 2**32 - 1
@@ -51,6 +53,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0  # EOS and stop_token_ids are masked, and stop strings not checked, before this
+    # Structured outputs (core/structured.py): the output must match this; the engine masks
+    # every other token (engine/grammar.py) and ends the sequence when the grammar is complete.
+    structured: StructuredSpec | None = None
 
     @property
     def processes_logits(self) -> bool:
@@ -123,5 +128,7 @@ class SamplingParams:
                 bad("logit_bias", f"logit_bias must map token ids to numbers in [-100, 100], got {token!r}: {bias!r}")
         if not _is_int(self.min_tokens, 0, INT32_MAX):
             bad("min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
+            bad("structured", f"structured must be a StructuredSpec, got {type(self.structured).__name__}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")

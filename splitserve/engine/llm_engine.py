@@ -21,6 +21,7 @@ from splitserve.core.text_output import TextAssembler
 from splitserve.core.tokenizer import Tokenizer
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.grammar import GrammarCompiler, GrammarError, advance
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import RequestOutput, Reservation
 from splitserve.engine.sampler import sample
@@ -46,6 +47,8 @@ class LLMEngine:
         self.scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler((Path(config.model) / "tokenizer.json").read_text(),
+                                        self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.long_rope_after = self.model_config.rope.long_after  # longrope: see engine/models/rope.py
         self.sequences: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # finished, blocks kept for a KV push
@@ -83,6 +86,11 @@ class LLMEngine:
             generator=generator)
         seq.long_rope = self.long_rope_after is not None and len(tokens) > self.long_rope_after
         seq.num_resumed_tokens = num_draws_done
+        if params.structured is not None:  # a migrated request's grammar state: rebuilt from its tokens
+            try:
+                seq.grammar = self.grammars.matcher(params.structured, tokens[len(tokens) - num_draws_done:])
+            except GrammarError as exc:
+                raise InvalidPromptError(str(exc)) from None
         for _ in range(num_draws_done):
             self._skip_draw(seq)
         return seq
@@ -162,9 +170,15 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        logits, sampled = self.runner.run(batch)
+        due = [seq for seq, n in batch.entries if seq.num_computed_tokens + n == seq.num_tokens]
+        masks = self.grammars.start_masks([seq.grammar for seq in due])  # overlaps the forward pass
+        try:
+            logits, sampled = self.runner.run(batch)
+        finally:
+            mask = masks.result() if masks is not None else None
+        assert sampled == due, "the runner sampled other sequences than the grammar masked"
         self.scheduler.computed(batch)
-        tokens, logprobs = sample(logits, sampled, self.generator, self.eos_token_ids)
+        tokens, logprobs = sample(logits, sampled, self.generator, self.eos_token_ids, mask)
         return [self._append(seq, token, lp) for seq, token, lp in zip(sampled, tokens, logprobs, strict=True)]
 
     def _append(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> RequestOutput:
@@ -172,6 +186,8 @@ class LLMEngine:
         seq.token_ids.append(token)
         if lp is not None:
             seq.logprobs.append(lp)
+        if seq.grammar is not None:
+            advance(seq.grammar, token, seq.request_id)
         delta = seq.text.add([token]) if seq.text is not None else None
         new_text = delta.text if delta is not None else ""
         reason = self._stop_reason(seq, token, stop_string=delta is not None and delta.stopped)
@@ -233,6 +249,8 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence, token: int, stop_string: bool) -> str | None:
         p = seq.params
+        if seq.grammar is not None and seq.grammar.is_stopped():  # complete: nothing more may follow
+            return "abort" if seq.grammar.is_error() else "stop"
         if seq.num_output_tokens < p.min_tokens:  # (EOS and stop ids were masked in sampling)
             stop_string = False
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids or stop_string:

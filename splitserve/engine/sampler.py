@@ -1,4 +1,5 @@
-"""Turn logits into tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Turn logits into tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds,
+and the structured-output masks of constrained sequences (engine/grammar.py).
 
 Logprobs are those of the model's own distribution (log-softmax of the raw
 logits), as vLLM reports them, not of the temperature-adjusted one.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from splitserve.core.logprobs import TokenLogprobs
+from splitserve.engine.grammar import BatchMask, apply_mask
 from splitserve.engine.logits_processors import apply_logits_processors
 from splitserve.engine.sequence import Sequence
 
@@ -31,10 +33,14 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator,
-           eos_token_ids: set[int] = frozenset()) -> tuple[list[int], list[TokenLogprobs | None]]:
+           eos_token_ids: set[int] = frozenset(), mask: BatchMask | None = None
+           ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits: float32 [len(seqs), vocab] -> one token per sequence (+ logprobs if asked).
-    Penalties, logit_bias and min_tokens shape the choice; logprobs stay the model's own."""
+    Penalties, logit_bias and min_tokens shape the choice, then the grammar's mask removes
+    what the output may not hold; logprobs stay the model's own."""
     processed = apply_logits_processors(logits, seqs, eos_token_ids)
+    if mask is not None:
+        processed = apply_mask(processed, mask, copy=processed is logits)
     tokens = processed.argmax(dim=-1).tolist()
     for row, seq in enumerate(seqs):
         p = seq.params

@@ -43,6 +43,7 @@ class Sequence:
     hold_kv: bool = False  # prefill worker: keep the blocks after finishing, until pushed
     long_rope: bool = False  # longrope model past its original length: long factors (engine/models/rope.py)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    grammar: object | None = None  # structured outputs: an llguidance matcher, advanced per token (engine/grammar.py)
 
     @property
     def hash_salt(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from splitserve.core.logprobs import TokenLogprobs
 from splitserve.core.sampling_params import SamplingParams
+from splitserve.core.structured import StructuredSpec
 from splitserve.proto.build import ensure_built
 
 ensure_built()
@@ -17,7 +18,9 @@ def sampling_to_proto(p: SamplingParams) -> pb.Sampling:
         stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
         logprobs=-1 if p.logprobs is None else p.logprobs, skip_special_tokens=p.skip_special_tokens,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, min_tokens=p.min_tokens)
+        repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, min_tokens=p.min_tokens,
+        structured=None if p.structured is None else pb.Structured(
+            kind=p.structured.kind, spec=p.structured.spec, param=p.structured.param))
 
 
 def sampling_from_proto(s: pb.Sampling) -> SamplingParams:
@@ -28,7 +31,9 @@ def sampling_from_proto(s: pb.Sampling) -> SamplingParams:
         stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
         logprobs=None if s.logprobs < 0 else s.logprobs, skip_special_tokens=s.skip_special_tokens,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty or 1.0, logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens)
+        repetition_penalty=s.repetition_penalty or 1.0, logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens,
+        structured=StructuredSpec(s.structured.kind, s.structured.spec, s.structured.param)
+        if s.HasField("structured") else None)
 
 
 def logprob_to_proto(lp: TokenLogprobs) -> pb.TokenLogprob:
