@@ -58,7 +58,8 @@ ENV VIRTUAL_ENV=/opt/splitserve PATH=/opt/splitserve/bin:$PATH
 RUN python3 -m venv /opt/splitserve
 # pip downloads into a wheel cache that outlives the build (a cache mount; with podman it
 # stays on the building machine) and installs from it offline. A wheel cache rather than
-# pip's HTTP cache, which proxies defeat by dropping the caching headers.
+# pip's HTTP cache, which proxies defeat by dropping the caching headers. One directory per
+# flavour: torch 2.13.0+cpu would otherwise win over 2.13.0 in the gpu build.
 # torch first and pinned, so nothing after it can pull another build; then a check that
 # the build matches the flavour (a CUDA torch in the CPU image would be 3 GB of dead weight).
 RUN --mount=type=cache,target=/var/cache/splitserve-wheels \
@@ -67,15 +68,15 @@ RUN --mount=type=cache,target=/var/cache/splitserve-wheels \
       gpu) spec="torch==${TORCH_VERSION}" ;; \
       *) echo "FLAVOUR must be cpu or gpu, got '$FLAVOUR'" >&2; exit 1 ;; \
     esac \
- && pip download --quiet --dest /var/cache/splitserve-wheels "$spec" \
- && pip install --no-cache-dir --no-index --find-links /var/cache/splitserve-wheels "$spec" \
+ && pip download --quiet --dest "/var/cache/splitserve-wheels/$FLAVOUR" "$spec" \
+ && pip install --no-cache-dir --no-index --find-links "/var/cache/splitserve-wheels/$FLAVOUR" "$spec" \
  && python -c "import sys, torch; cuda = torch.version.cuda; \
 print('torch', torch.__version__, 'cuda', cuda); \
 sys.exit(0 if (cuda is None) == ('$FLAVOUR' == 'cpu') else 'torch build does not match FLAVOUR=$FLAVOUR')"
 COPY --from=requirements /requirements.txt /opt/splitserve/requirements.txt
 RUN --mount=type=cache,target=/var/cache/splitserve-wheels \
-    pip download --quiet --dest /var/cache/splitserve-wheels -r /opt/splitserve/requirements.txt \
- && pip install --no-cache-dir --no-index --find-links /var/cache/splitserve-wheels \
+    pip download --quiet --dest "/var/cache/splitserve-wheels/$FLAVOUR" -r /opt/splitserve/requirements.txt \
+ && pip install --no-cache-dir --no-index --find-links "/var/cache/splitserve-wheels/$FLAVOUR" \
         -r /opt/splitserve/requirements.txt
 
 # -- wheel: splitserve itself, with its generated gRPC modules ----------------------------
