@@ -98,10 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=WORKLOADS, default="random")
     w.add_argument("--num-prompts", type=int, help=f"requests, or sessions for multi-turn (default {DEFAULT_NUM_PROMPTS})")
-    w.add_argument("--input-len", type=length_range, default=(128, 128), help="N or LOW:HIGH tokens")
+    w.add_argument("--input-len", type=length_range, default=(128, 128),
+                   help="N or LOW:HIGH prompt tokens, as the served model counts them (chat: after its template)")
     w.add_argument("--output-len", type=length_range, default=(64, 64), help="max_tokens, N or LOW:HIGH")
     w.add_argument("--prompt-format", choices=("auto", "ids", "text"), default="auto",
                    help="auto: token ids for completions, words for chat and multi-turn")
+    w.add_argument("--tokenizer", metavar="DIR",
+                   help="size text prompts with the tokenizer.json (and chat template) in DIR; default: the "
+                        "server's POST /tokenize (vLLM's API), so the served model's own tokenizer")
     w.add_argument("--token-id-range", type=length_range, default=(100, 1000),
                    help="random ids are drawn from [LOW, HIGH); keep it inside the model's vocabulary")
     w.add_argument("--num-prefixes", type=int, default=4, help="prefix-repetition: shared prefixes")
@@ -143,6 +147,7 @@ class BenchOptions:
     plot_dir: Path | None = None
     save_requests: bool = False
     label: str = ""
+    tokenizer: str | None = None  # text prompts: a local tokenizer directory instead of the server's /tokenize
 
 
 def _check_target(p: argparse.ArgumentParser, ns: argparse.Namespace) -> dict[str, object]:
@@ -219,4 +224,4 @@ def parse_args(argv: list[str]) -> BenchOptions:
     return BenchOptions(client=client, workload=workload, run=run, rates=rates,
                         sweep=bool(ns.sweep_rates), percentiles=ns.percentiles, slos_ms=slos,
                         result_file=ns.result_file, plot_dir=ns.plot_dir,
-                        save_requests=ns.save_requests, label=ns.label)
+                        save_requests=ns.save_requests, label=ns.label, tokenizer=ns.tokenizer)

@@ -12,7 +12,7 @@ class Turn:
 
     request_id: str
     prompt: list[int] | str
-    prompt_len: int  # our own count: ids, or words for text (the server's usage wins)
+    prompt_len: int  # tokens: ids, or text fitted with the served model's tokenizer (later chat turns: + history)
     max_tokens: int
     prefix_group: int | None = None  # prefix-repetition: which shared prefix it starts with
 

@@ -20,6 +20,12 @@ from splitserve.benchmark.arrivals import describe
 from splitserve.benchmark.metrics import compute_metrics
 from splitserve.benchmark.options import BenchOptions, parse_args
 from splitserve.benchmark.plots import plot_latency_vs_rate, plot_ttft_cdf
+from splitserve.benchmark.prompt_tokens import (
+    PromptFitter,
+    PromptSizeError,
+    local_counter,
+    server_counter,
+)
 from splitserve.benchmark.results import (
     build_document,
     format_report,
@@ -42,20 +48,39 @@ def config_record(opts: BenchOptions) -> dict[str, Any]:
         "request_rates": [rate_json(rate) for rate in opts.rates], "sweep": opts.sweep,
         "arrival": r.arrival, "burstiness": r.burstiness, "max_concurrency": r.max_concurrency,
         "seed": r.seed, "percentiles": opts.percentiles, "goodput_slos_ms": opts.slos_ms,
+        "prompt_tokens_counted_by": token_counter_name(opts),
     }
+
+
+def token_counter_name(opts: BenchOptions) -> str:
+    if opts.workload.prompt_format == "ids":
+        return "token ids"
+    return f"tokenizer {opts.tokenizer}" if opts.tokenizer else opts.client.base_url.rstrip("/") + "/tokenize"
+
+
+def prompt_fitter(opts: BenchOptions) -> PromptFitter | None:
+    """Text prompts are fitted with the served model's tokenizer; ids need none."""
+    if opts.workload.prompt_format == "ids":
+        return None
+    c = opts.client
+    count = (local_counter(opts.tokenizer, c.is_chat) if opts.tokenizer
+             else server_counter(c.base_url, c.model, c.is_chat, c.api_key))
+    return PromptFitter(count)
 
 
 def run_rates(opts: BenchOptions) -> tuple[list[RunOutcome], list[dict[str, Any]]]:
     outcomes, records = [], []
+    fitter = prompt_fitter(opts)
     for i, rate in enumerate(opts.rates):
         # Fresh prompts for every rate of a sweep: repeating them would let a
         # prefix cache serve later rates from the earlier ones.
         workload = dataclasses.replace(opts.workload, seed=opts.workload.seed + i)
-        sessions = build_workload(workload)
+        sessions = build_workload(workload, fitter)
         run_cfg = dataclasses.replace(opts.run, request_rate=rate)
         print(f"[bench] {opts.client.url}: {workload.kind}, {total_requests(sessions)} requests "
               f"in {len(sessions)} sessions, {describe(rate, run_cfg.burstiness, run_cfg.arrival)}, "
-              f"max concurrency {run_cfg.max_concurrency or 'unlimited'}", flush=True)
+              f"max concurrency {run_cfg.max_concurrency or 'unlimited'}; prompt tokens counted by "
+              f"{token_counter_name(opts)}", flush=True)
         outcome = asyncio.run(run_benchmark(sessions, opts.client, run_cfg))
         metrics = compute_metrics(outcome.results, outcome.duration_s, opts.percentiles,
                                   opts.slos_ms)
@@ -84,7 +109,11 @@ def write_outputs(opts: BenchOptions, outcomes: list[RunOutcome],
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(list(sys.argv[1:] if argv is None else argv))
-    outcomes, records = run_rates(opts)
+    try:
+        outcomes, records = run_rates(opts)
+    except PromptSizeError as exc:
+        print(f"[bench] {exc}", file=sys.stderr)
+        return 2
     if opts.sweep:
         print(format_sweep_table(records, max(opts.percentiles)), flush=True)
     try:

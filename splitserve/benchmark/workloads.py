@@ -11,8 +11,11 @@ workloads make sessions of one turn.
   short (`input_len`), shuffled: the long/short mix of disaggregation experiments.
 
 Prompts are random token ids (sent as `prompt: [ids]` to /v1/completions) or random
-words (chat, or text completions). No tokenizer is needed: a word counts as one
-token in our estimate; the server's usage report replaces the estimate when present.
+words (chat, or text completions). Lengths are tokens either way: a text prompt is fitted
+to its length with the served model's tokenizer (prompt_tokens.py), counting the whole
+prompt as the server does (BOS, chat template). A multi-turn session fits each user
+message as a first turn; later turns also carry the history, which the server's usage
+report counts.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from splitserve.benchmark.prompt_tokens import PromptFitter
 from splitserve.benchmark.request import Session, Turn
 
 WORKLOADS = ("random", "prefix-repetition", "multi-turn", "long-context")
@@ -75,38 +79,37 @@ class WorkloadConfig:
 
 
 class _PromptMaker:
-    def __init__(self, cfg: WorkloadConfig, rng: np.random.Generator):
-        self.cfg, self.rng = cfg, rng
+    def __init__(self, cfg: WorkloadConfig, rng: np.random.Generator, fitter: PromptFitter | None):
+        self.cfg, self.rng, self.fitter = cfg, rng, fitter
 
     def length(self, bounds: tuple[int, int]) -> int:
         return int(self.rng.integers(bounds[0], bounds[1] + 1))
 
-    def body(self, n: int) -> list[int] | str:
+    def body(self, n: int, head: list[int] | str = "", head_len: int = 0) -> list[int] | str:
+        """A prompt of n tokens, or `head` (head_len tokens) followed by n more. Text is
+        fitted to the whole prompt as the server counts it. The draw does not depend on the
+        tokenizer, so a seed gives the same words whatever the model."""
         if self.cfg.prompt_format == "ids":
             lo, hi = self.cfg.token_id_range
-            return self.rng.integers(lo, hi, size=n).tolist()
-        return " ".join(WORDS[i] for i in self.rng.integers(0, len(WORDS), size=n))
+            return list(head) + self.rng.integers(lo, hi, size=n).tolist()
+        words = [WORDS[i] for i in self.rng.integers(0, len(WORDS), size=n)]  # enough: a word is >= 1 token
+        return self.fitter.fit(words, head_len + n, head)
 
     def turn(self, request_id: str, prompt: list[int] | str, n: int,
              group: int | None = None) -> Turn:
         return Turn(request_id, prompt, n, self.length(self.cfg.output_len), group)
 
 
-def _join(a: list[int] | str, b: list[int] | str) -> list[int] | str:
-    if isinstance(a, list) and isinstance(b, list):
-        return a + b
-    if isinstance(a, str) and isinstance(b, str):
-        return f"{a} {b}"
-    raise TypeError("prompt parts must both be ids or both be text")
-
-
 def _single(i: int, turn: Turn) -> Session:
     return Session(f"s{i}", [turn])
 
 
-def build_workload(cfg: WorkloadConfig) -> list[Session]:
+def build_workload(cfg: WorkloadConfig, fitter: PromptFitter | None = None) -> list[Session]:
+    """`fitter` sizes text prompts (prompt_tokens.py); ids need none."""
     cfg.validate()
-    make = _PromptMaker(cfg, np.random.default_rng(cfg.seed))
+    if cfg.prompt_format == "text" and fitter is None:
+        raise ValueError("text prompts are sized in tokens: give a PromptFitter over the served model's tokenizer")
+    make = _PromptMaker(cfg, np.random.default_rng(cfg.seed), fitter)
     if cfg.kind == "random":
         sessions = []
         for i in range(cfg.num_prompts):
@@ -120,7 +123,7 @@ def build_workload(cfg: WorkloadConfig) -> list[Session]:
         for i, idx in enumerate(make.rng.permutation(len(pairs))):
             group, k = pairs[int(idx)]
             n = make.length(cfg.input_len)
-            prompt = _join(prefixes[group], make.body(n))
+            prompt = make.body(n, head=prefixes[group], head_len=cfg.prefix_len)
             turn = make.turn(f"req-{i}-p{group}s{k}", prompt, cfg.prefix_len + n, group)
             sessions.append(_single(i, turn))
         return sessions

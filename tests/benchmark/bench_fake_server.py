@@ -38,12 +38,14 @@ class Script:
 
 
 ScriptFn = Callable[[dict[str, Any], int], Script]
+TEMPLATE_TOKENS = 5  # what the fake /tokenize counts for a chat template around the messages
 
 
 class ScriptedFakeServer:
     def __init__(self, script: ScriptFn):
         self.script = script
         self.requests: list[dict[str, Any]] = []  # {"path", "headers" (case-insensitive), "body"}
+        self.tokenize_requests: list[dict[str, Any]] = []  # bodies sent to POST /tokenize
         self.in_flight = 0
         self.max_in_flight = 0
         self._loop = asyncio.new_event_loop()
@@ -71,11 +73,24 @@ class ScriptedFakeServer:
         app = web.Application()
         app.router.add_post("/v1/completions", self._handle)
         app.router.add_post("/v1/chat/completions", self._handle)
+        app.router.add_post("/tokenize", self._tokenize)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
         self.port = self._runner.addresses[0][1]
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize with a toy tokenizer: a BOS and one token per word for a
+        prompt; a chat adds TEMPLATE_TOKENS around its messages' words."""
+        body = await request.json()
+        self.tokenize_requests.append(body)
+        if "messages" in body:
+            count = TEMPLATE_TOKENS + sum(len(m["content"].split()) for m in body["messages"])
+        else:
+            count = 1 + len(body["prompt"].split())
+        return web.json_response({"count": count, "max_model_len": 4096, "tokens": list(range(count)),
+                                  "token_strs": None})
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

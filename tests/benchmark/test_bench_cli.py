@@ -14,7 +14,7 @@ from splitserve import cli
 from splitserve.benchmark.client import error_message
 from splitserve.benchmark.results import RESULT_SCHEMA
 from splitserve.benchmark.serving import main
-from tests.benchmark.bench_fake_server import Script
+from tests.benchmark.bench_fake_server import TEMPLATE_TOKENS, Script
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -72,12 +72,17 @@ def test_single_run_through_the_cli_dispatch(fake_server, tmp_path):
     server = fake_server(lambda body, i: Script(texts=["a", "b"]))
     rc = cli.main(["bench", "--base-url", server.base_url, "--model", "m", "--no-progress",
                    "--endpoint", "/v1/chat/completions", "--workload", "prefix-repetition",
-                   "--num-prefixes", "2", "--suffixes-per-prefix", "3", "--prefix-len", "5",
+                   "--num-prefixes", "2", "--suffixes-per-prefix", "3", "--prefix-len", "8",
                    "--input-len", "2", "--request-rate", "100", "--arrival", "constant",
                    "--plot-dir", str(tmp_path)])
     assert rc == 0
     assert len(server.requests) == 6
-    assert all(isinstance(r["body"]["messages"][0]["content"], str) for r in server.requests)
+    contents = [r["body"]["messages"][0]["content"] for r in server.requests]
+    # sized by the server's /tokenize, chat template included: 8 + 2 tokens, 5 of them the template's
+    assert all(len(c.split()) + TEMPLATE_TOKENS == 10 for c in contents)
+    assert len({" ".join(c.split()[:3]) for c in contents}) == 2  # two shared prefixes of 3 words
+    assert server.tokenize_requests and all(list(b) == ["model", "messages", "add_generation_prompt"]
+                                            for b in server.tokenize_requests)
     assert (tmp_path / "ttft_cdf.png").read_bytes().startswith(PNG_MAGIC)
     assert not (tmp_path / "latency_vs_rate.png").exists()  # only a sweep plots against rate
 
@@ -132,3 +137,13 @@ def test_bad_arguments_exit_2_with_a_clear_message(args, message, capsys):
 ])
 def test_error_message_extracts_the_servers_words(body, expected):
     assert error_message(body) == expected
+
+
+def test_a_prompt_shorter_than_the_chat_template_exits_2_before_sending(fake_server, capsys):
+    server = fake_server(lambda body, i: Script())
+    rc = main(["--base-url", server.base_url, "--model", "m", "--endpoint", "/v1/chat/completions",
+               "--input-len", "3", "--num-prompts", "2", "--no-progress"])
+    assert rc == 2 and server.requests == []
+    assert capsys.readouterr().err == (f"[bench] a prompt of 3 tokens cannot be made: {TEMPLATE_TOKENS + 1} tokens "
+                                       "already with one word (chat template and BOS included); ask for a longer "
+                                       "--input-len\n")

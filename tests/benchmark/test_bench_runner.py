@@ -9,6 +9,7 @@ import pytest
 
 from splitserve.benchmark.client import ClientConfig
 from splitserve.benchmark.metrics import compute_metrics
+from splitserve.benchmark.prompt_tokens import PromptFitter
 from splitserve.benchmark.request import Session, Turn
 from splitserve.benchmark.results import error_summary
 from splitserve.benchmark.runner import RunConfig, run_benchmark
@@ -24,6 +25,9 @@ def client(server_or_url, endpoint="/v1/completions", **kw) -> ClientConfig:
 
 def singles(n: int) -> list[Session]:
     return [Session(f"s{i}", [Turn(f"req-{i}", [1, 2, 3], 3, 4)]) for i in range(n)]
+
+
+WORDS = PromptFitter(lambda text: len(text.split()))  # a toy tokenizer: one token per word
 
 
 def quiet(**kw) -> RunConfig:
@@ -92,7 +96,7 @@ async def test_sessions_are_released_on_the_arrival_schedule(fake_server):
 async def test_chat_sessions_carry_previous_answers(fake_server):
     server = fake_server(lambda body, i: Script(texts=[" answer", f" {i}"]))
     sessions = build_workload(WorkloadConfig(kind="multi-turn", prompt_format="text",
-                                             num_prompts=1, turns=3, input_len=(3, 3)))
+                                             num_prompts=1, turns=3, input_len=(3, 3)), WORDS)
     outcome = await run_benchmark(sessions, client(server, "/v1/chat/completions"), quiet())
     assert all(r.success for r in outcome.results)
     msgs = [req["body"]["messages"] for req in server.requests]
@@ -108,7 +112,7 @@ async def test_chat_sessions_carry_previous_answers(fake_server):
 async def test_completion_transcripts_extend_the_previous_prompt_exactly(fake_server):
     server = fake_server(lambda body, i: Script(texts=[" ok", f" {i}"]))
     sessions = build_workload(WorkloadConfig(kind="multi-turn", prompt_format="text",
-                                             num_prompts=1, turns=2))
+                                             num_prompts=1, turns=2), WORDS)
     await run_benchmark(sessions, client(server), quiet())
     first, second = (req["body"]["prompt"] for req in server.requests)
     assert second.startswith(first + " ok 0\n")  # previous prompt + answer: cacheable prefix
@@ -118,7 +122,7 @@ async def test_a_failed_turn_stops_its_session(fake_server):
     server = fake_server(lambda body, i: Script(status=429, error_body={"message": "slow down"})
                          if i == 1 else Script())
     sessions = build_workload(WorkloadConfig(kind="multi-turn", prompt_format="text",
-                                             num_prompts=1, turns=4))
+                                             num_prompts=1, turns=4), WORDS)
     outcome = await run_benchmark(sessions, client(server), quiet())
     assert [r.success for r in outcome.results] == [True, False, False, False]
     assert outcome.results[1].error == "slow down"

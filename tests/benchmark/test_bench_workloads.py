@@ -10,11 +10,21 @@ import numpy as np
 import pytest
 
 from splitserve.benchmark.arrivals import arrival_offsets
+from splitserve.benchmark.prompt_tokens import PromptFitter
 from splitserve.benchmark.workloads import WorkloadConfig, build_workload, total_requests
 
 
+def words_and_bos(text: str) -> int:
+    """A toy tokenizer's count: a BOS and one token per word (tests/benchmark/test_prompt_tokens.py
+    fits real tokenizers)."""
+    return 1 + len(text.split())
+
+
+FITTER = PromptFitter(words_and_bos)
+
+
 def prompts(cfg: WorkloadConfig):
-    return [(t.request_id, t.prompt, t.max_tokens) for s in build_workload(cfg) for t in s.turns]
+    return [(t.request_id, t.prompt, t.max_tokens) for s in build_workload(cfg, FITTER) for t in s.turns]
 
 
 @pytest.mark.parametrize("kind,fmt", [("random", "ids"), ("random", "text"),
@@ -39,20 +49,26 @@ def test_random_lengths_stay_in_their_ranges_and_ids_in_the_id_range():
     assert {i for t in turns for i in t.prompt} == set(range(100, 110))
 
 
-def test_text_prompts_have_the_drawn_number_of_words():
+def test_text_prompts_have_their_length_in_tokens():
     cfg = WorkloadConfig(num_prompts=20, input_len=(5, 9), prompt_format="text")
-    for s in build_workload(cfg):
-        turn = s.turns[0]
-        assert isinstance(turn.prompt, str) and len(turn.prompt.split()) == turn.prompt_len
+    turns = [s.turns[0] for s in build_workload(cfg, FITTER)]
+    assert {t.prompt_len for t in turns} == set(range(5, 10))
+    assert all(isinstance(t.prompt, str) and words_and_bos(t.prompt) == t.prompt_len for t in turns)
+
+
+def test_text_prompts_need_a_tokenizer():
+    with pytest.raises(ValueError, match="text prompts are sized in tokens"):
+        build_workload(WorkloadConfig(prompt_format="text"))
 
 
 @pytest.mark.parametrize("fmt", ["ids", "text"])
 def test_prefix_repetition_really_shares_prefixes(fmt):
     cfg = WorkloadConfig(kind="prefix-repetition", num_prefixes=3, suffixes_per_prefix=5,
                          prefix_len=32, input_len=(8, 8), prompt_format=fmt, seed=11)
-    turns = [s.turns[0] for s in build_workload(cfg)]
+    turns = [s.turns[0] for s in build_workload(cfg, FITTER)]
     assert len(turns) == 15
-    split = (lambda p: p) if fmt == "ids" else (lambda p: p.split())
+    # the toy tokenizer's BOS is no word of the text: 31 words make the 32-token prefix
+    split, prefix = ((lambda p: p), 32) if fmt == "ids" else ((lambda p: ["<bos>", *p.split()]), 32)
     groups: dict[int, list] = defaultdict(list)
     for t in turns:
         tokens = split(t.prompt)
@@ -61,9 +77,9 @@ def test_prefix_repetition_really_shares_prefixes(fmt):
     assert sorted(groups) == [0, 1, 2] and all(len(g) == 5 for g in groups.values())
     prefixes = set()
     for members in groups.values():
-        shared = {tuple(m[:32]) for m in members}
+        shared = {tuple(m[:prefix]) for m in members}
         assert len(shared) == 1  # every member starts with the same 32 tokens
-        assert len({tuple(m[32:]) for m in members}) == 5  # and has its own suffix
+        assert len({tuple(m[prefix:]) for m in members}) == 5  # and has its own suffix
         prefixes |= shared
     assert len(prefixes) == 3  # distinct prefixes per group
     order = [t.prefix_group for t in turns]
@@ -72,7 +88,7 @@ def test_prefix_repetition_really_shares_prefixes(fmt):
 
 def test_multi_turn_sessions_have_the_requested_turns():
     cfg = WorkloadConfig(kind="multi-turn", prompt_format="text", num_prompts=4, turns=3)
-    sessions = build_workload(cfg)
+    sessions = build_workload(cfg, FITTER)
     assert [len(s.turns) for s in sessions] == [3, 3, 3, 3]
     assert total_requests(sessions) == 12
     assert sessions[1].turns[2].request_id == "req-1-t2"

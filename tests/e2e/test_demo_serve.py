@@ -1,8 +1,13 @@
-"""`splitserve serve` (the demo model, its log a pipe as in a container) under 200 streaming
-requests from clients that hang up the ways load generators do: right after `data: [DONE]`
-(a reset, or a plain close, before the response's last chunk), in the middle of a stream,
-or after reading everything. The log must stay quiet: no ERROR, no traceback, no ANSI
-colour codes, nothing from Ray's dashboard, and one INFO line per request.
+"""`splitserve serve` on the demo model, as a user starts it (its log a pipe, as in a
+container), under load generators:
+
+- `splitserve bench --input-len 32` sends prompts of exactly 32 tokens on both endpoints,
+  as the server's own usage report counts them (chat: after the template).
+- 200 streaming requests from clients that hang up the ways load generators do: right
+  after `data: [DONE]` (a reset, or a plain close, before the response's last chunk), in
+  the middle of a stream, or after reading everything. The log must stay quiet: no ERROR,
+  no traceback, no ANSI colour codes, nothing from Ray's dashboard, one INFO line per
+  request. This test runs last: it stops the server to check its shutdown too.
 
 The client is raw sockets (no HTTP library of ours or anyone's): it controls exactly when
 the connection goes. guidellm itself is not used here: it pulls CUDA torch (gigabytes) into
@@ -22,6 +27,7 @@ from collections import Counter
 import pytest
 import requests
 
+from splitserve.cli import main as cli_main
 from tests.helpers.processes import SplitserveProcess
 
 DEMO = "splitserve-demo-llama-random-v1"
@@ -44,6 +50,17 @@ def serve():
     proc = SplitserveProcess("serve", ["--disagg-min-uncached-tokens", "16", "--routing-seed", "3"])
     yield proc
     proc.stop()
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_bench_sends_prompts_of_exactly_input_len_tokens(serve, endpoint, tmp_path):
+    out = tmp_path / "bench.json"
+    assert cli_main(["bench", "--base-url", serve.base_url, "--model", DEMO, "--endpoint", endpoint,
+                     "--prompt-format", "text", "--input-len", "32", "--output-len", "4", "--num-prompts", "6",
+                     "--no-progress", "--save-requests", "--result-file", str(out)]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["input_token_source"] == "usage"  # the server's usage.prompt_tokens, not our count
+    assert [(r["success"], r["prompt_tokens"]) for r in run["requests"]] == [(True, 32)] * 6
 
 
 def body(i: int) -> tuple[str, bytes]:
