@@ -31,8 +31,8 @@ def scraped_labels() -> dict[str, set[str]]:
     """Series name -> the label names it has in Prometheus."""
     out = {}
     for collector in list(Metrics().registry._collector_to_names):  # noqa: SLF001
-        own = set(collector._labelnames)  # noqa: SLF001
-        for metric in collector.describe():
+        own = set(getattr(collector, "_labelnames", ()))  # the process collector has none
+        for metric in (collector.describe() if hasattr(collector, "describe") else collector.collect()):
             base, labels = metric.name, own | TARGET_LABELS
             if metric.name.startswith(OPERATOR_PREFIX):
                 labels = labels - {"namespace"}  # the operator's own: meaningless in a query
