@@ -83,9 +83,13 @@ def validate(spec: StructuredSpec) -> None:
     an output. Milliseconds for ordinary schemas; the router runs it off its event loop."""
     try:
         grammar = grammar_text(spec)
+        error = _check(grammar)
     except InvalidStructuredSpec as exc:
         raise InvalidStructuredSpec(spec.param, f"invalid {spec.kind}: {exc}") from None
-    error = _check(grammar)
+    except BaseException as exc:  # a panic in the Rust side is a BaseException: still this spec's fault
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        raise InvalidStructuredSpec(spec.param, f"invalid {spec.kind}: {type(exc).__name__}: {exc}") from None
     if error:
         raise InvalidStructuredSpec(spec.param, f"invalid {spec.kind}: {_first_line(error)}")
 

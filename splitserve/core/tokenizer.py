@@ -4,19 +4,14 @@ loading transformers (the router imports this, and it must start fast)."""
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 
-from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from splitserve.core.chat_template import SPECIAL_TOKEN_NAMES, ChatTemplateError, render
 from splitserve.core.model_config import CheckpointError
 
-
-class ChatTemplateError(ValueError):
-    """The messages cannot be rendered by the model's chat template."""
-
+__all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer"]
 
 def _token_text(value) -> str | None:
     """tokenizer_config stores special tokens as a string or as an AddedToken dict."""
@@ -46,6 +41,8 @@ class Tokenizer:
         cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
+        self.special_tokens = {name: _token_text(cfg[name]) for name in SPECIAL_TOKEN_NAMES
+                               if _token_text(cfg.get(name)) is not None}  # what templates see, as in transformers
         self.chat_template = self._load_chat_template(root, cfg)
         self.eos_token_ids = self._eos_ids(root, cfg_path, config_eos_ids)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -97,31 +94,20 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render messages with the checkpoint's template (same variables as transformers)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+        """Render messages (and tool definitions) with the checkpoint's template, exactly as
+        transformers does (core/chat_template.py)."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions with a prompt")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return render(self.chat_template, messages, add_generation_prompt, tools, self.special_tokens,
+                      template_kwargs)
 
-        def raise_exception(message: str):
-            raise ChatTemplateError(message)
-
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent, ensure_ascii=False)
-        try:
-            return env.from_string(self.chat_template).render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
-        except TemplateError as exc:
-            raise ChatTemplateError(f"chat template failed: {exc}") from exc
-
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
         # The template writes the special tokens itself (as transformers does).
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs),
+                           add_special_tokens=False)
 
 
 class IncrementalDetokenizer:

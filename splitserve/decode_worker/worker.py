@@ -161,6 +161,8 @@ class DecodeWorker(RemotePrefill, WorkerBase, DecodeWorkerServicer):
             first: RequestOutput | None = None
             if request.prefill_address and resume and params.seed is not None and not params.greedy:
                 fallback = "a migrated seeded request is prefilled here (the prefill worker cannot resume its RNG)"
+            elif request.prefill_address and resume and params.structured is not None:
+                fallback = "a migrated constrained request is prefilled here (its grammar state is rebuilt here)"
             elif request.prefill_address:
                 first, fallback, prefill_cached = await self._remote_prefill(request, prompt, params, len(resume))
                 if first is not None:

@@ -13,9 +13,10 @@ from splitserve.router import responses as R
 class ChoiceRun:
     """One choice of a request: its worker stream, text, logprobs and latency metrics."""
 
-    def __init__(self, server, rid: str, index: int, prompt: list[int], params, decision):
+    def __init__(self, server, rid: str, index: int, prompt: list[int], params, decision, chat=None):
         self.server, self.rid, self.index, self.prompt, self.params = server, rid, index, prompt, params
         self.decision = decision
+        self.chat = chat  # chat: a ChatOutput (router/chat_output.py), which splits reasoning and tool calls
         self.text = TextAssembler(server.tokenizer, list(params.stop), params.skip_special_tokens, params.min_tokens)
         self.want_logprobs = params.logprobs is not None
         self.logprobs: list = []
@@ -55,6 +56,8 @@ class ChoiceRun:
     async def run_to_end(self) -> None:
         async for _ in self.events():
             pass
+        if self.chat is not None:
+            self.chat.feed(self.text.text, final=True)
 
     def logprobs_out(self, chat: bool) -> list[R.TokenLogprob]:  # same entries; the shape differs later
         return [self._token_logprob(lp) for lp in self.logprobs]
@@ -65,6 +68,10 @@ class ChoiceRun:
                               [(tok.decode([t], skip_special_tokens=False), v) for t, v in lp.top])
 
     async def chunks(self, model: str, created: int, chat: bool):
+        if chat:
+            async for chunk in self._chat_chunks(model, created):
+                yield chunk
+            return
         first = True
         offset = 0
         pending: list = []  # logprobs of tokens whose text is held back: sent with the next chunk
@@ -74,10 +81,26 @@ class ChoiceRun:
                 continue  # nothing visible yet (held back, or an incomplete character)
             lps, pending = pending, []
             lp_out = [self._token_logprob(lp) for lp in lps] if self.want_logprobs else None
-            if chat:
-                yield R.chat_chunk(self.rid, model, created, self.index, text if text or not first else "",
-                                   finish, lp_out, first=first)
-            else:
-                yield R.completion_chunk(self.rid, model, created, self.index, text, finish, lp_out, offset)
+            yield R.completion_chunk(self.rid, model, created, self.index, text, finish, lp_out, offset)
             offset += len(text)
+            first = False
+
+    async def _chat_chunks(self, model: str, created: int):
+        """Chat deltas: content, reasoning_content and tool_calls as the ChatOutput finds them;
+        the first carries the role, the last the finish reason."""
+        first = True
+        pending: list = []  # logprobs of tokens whose text is held back: sent with the next chunk
+        async for text, lps, finish in self.events():
+            pending.extend(lps)
+            deltas = self.chat.feed(text, final=finish is not None)
+            if not deltas and finish is None and not first:
+                continue  # nothing to send yet (held back, or an incomplete character)
+            lps, pending = pending, []
+            lp_out = [self._token_logprob(lp) for lp in lps] if self.want_logprobs else None
+            reason = self.chat.finish_reason(finish)
+            deltas = deltas or [{} if self.chat.message.tool_calls else {"content": ""}]
+            for i, fields in enumerate(deltas):
+                last = i == len(deltas) - 1
+                yield R.chat_chunk(self.rid, model, created, self.index, None, reason if last else None,
+                                   lp_out if i == 0 else None, first=first and i == 0, fields=fields)
             first = False

@@ -3,8 +3,8 @@
 It describes what the server accepts and answers, limits included (`n`, `stop`,
 `seed`...), so generated clients and fuzzers (schemathesis in tests/security) work
 from it. Fields the parser accepts but ignores (any unknown field) are allowed by
-`additionalProperties`; the OpenAI parameters this server refuses (echo, logit_bias,
-penalties, tools...) are listed with the values it accepts.
+`additionalProperties`; the OpenAI parameters this server refuses are listed with the
+values it accepts.
 """
 
 from __future__ import annotations
@@ -92,6 +92,25 @@ def _tokenizer_responses(schema: dict) -> dict:
             "429": _error("too many long inputs being tokenized already")}
 
 
+_FUNCTION = {"type": "object", "required": ["name"], "properties": {
+    "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+    "parameters": {"type": "object", "description": "a JSON schema"}}}
+_TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
+    "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string"}, "arguments": {"type": "string"}}}}}
+_STRUCTURED = {  # vLLM's structured-output extras (router/structured_fields.py): one at a time
+    "structured_outputs": {"type": "object", "properties": {
+        "json": {"type": "object"}, "regex": {"type": "string", "minLength": 1},
+        "choice": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+        "grammar": {"type": "string", "minLength": 1}, "json_object": {"type": "boolean"}}},
+    "guided_json": {"type": "object", "description": "a JSON schema"},
+    "guided_regex": {"type": "string", "minLength": 1},
+    "guided_choice": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+    "guided_grammar": {"type": "string", "minLength": 1, "description": "Lark or GBNF"},
+}
+
+
 def openapi_document(served_model: str, max_model_len: int, auth: bool) -> dict:
     completion = {"type": "object", "required": ["model", "prompt"], "additionalProperties": True, "properties": {
         "model": {"type": "string", "enum": [served_model]},
@@ -101,13 +120,14 @@ def openapi_document(served_model: str, max_model_len: int, auth: bool) -> dict:
                              {"type": "array", "minItems": 1, "maxItems": 1, "items": _TOKEN_IDS}]},
         "max_tokens": {"type": "integer", "minimum": 1, "default": 16},
         "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
-        **_SAMPLING}}
+        **_STRUCTURED, **_SAMPLING}}
     message = {"type": "object", "required": ["role"], "properties": {
         "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
         "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
             "type": "object", "required": ["type", "text"],
             "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]},
-        "name": {"type": "string"}}}
+        "name": {"type": "string"}, "tool_call_id": {"type": "string"}, "reasoning_content": {"type": "string"},
+        "tool_calls": {"type": "array", "items": _TOOL_CALL}}}
     chat = {"type": "object", "required": ["model", "messages"], "additionalProperties": True, "properties": {
         "model": {"type": "string", "enum": [served_model]},
         "messages": {"type": "array", "minItems": 1, "items": message},
@@ -115,8 +135,20 @@ def openapi_document(served_model: str, max_model_len: int, auth: bool) -> dict:
         "max_completion_tokens": {"type": "integer", "minimum": 1},
         "logprobs": {"type": "boolean", "default": False},
         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20, "description": "needs logprobs: true"},
-        "response_format": {"type": "object", "properties": {"type": {"type": "string", "enum": ["text"]}}},
-        **_SAMPLING}}
+        "response_format": {"type": "object", "required": ["type"], "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "required": ["name", "schema"], "properties": {
+                "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "schema": {"type": "object"},
+                "strict": {"type": "boolean"}}}}},
+        "tools": {"type": "array", "items": {"type": "object", "required": ["type", "function"], "properties": {
+            "type": {"type": "string", "enum": ["function"]}, "function": _FUNCTION}}},
+        "tool_choice": {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
+                                  {"type": "object", "required": ["type", "function"], "properties": {
+                                      "type": {"type": "string", "enum": ["function"]},
+                                      "function": {"type": "object", "required": ["name"]}}}]},
+        "parallel_tool_calls": {"type": "boolean", "default": True},
+        "chat_template_kwargs": {"type": "object", "description": "variables for the chat template"},
+        **_STRUCTURED, **_SAMPLING}}
     security = [{"bearer": []}] if auth else []
     model_name = {"type": "string", "enum": [served_model], "description": "optional: the served model"}
     tokenize = {"oneOf": [

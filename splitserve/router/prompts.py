@@ -71,17 +71,20 @@ class PromptTokenizer:
         return await self.offload(self._encode_long, text, add_special_tokens, param)
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                          add_special_tokens: bool = False) -> list[int]:
-        size = sum(len(m.get("content") or "") for m in messages)
+                          add_special_tokens: bool = False, tools: list[dict] | None = None,
+                          template_kwargs: dict | None = None) -> list[int]:
+        """`tools` and `template_kwargs` (chat_template_kwargs) go to the template as in transformers."""
+        size = sum(len(m.get("content") or "") for m in messages) + sum(len(str(t)) for t in tools or ())
+        args = (messages, add_generation_prompt, add_special_tokens, tools, template_kwargs)
         if size <= INLINE_CHARS:
-            return self._render_and_encode(messages, add_generation_prompt, add_special_tokens)
-        return await self.offload(self._render_and_encode, messages, add_generation_prompt, add_special_tokens)
+            return self._render_and_encode(*args)
+        return await self.offload(self._render_and_encode, *args)
 
     # ---- in the pool (or inline for small inputs) -----------------------------------------
-    def _render_and_encode(self, messages: list[dict], add_generation_prompt: bool,
-                           add_special_tokens: bool) -> list[int]:
+    def _render_and_encode(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool,
+                           tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
         except ChatTemplateError as exc:
             raise errors.invalid_request(str(exc), "messages") from None
         # The template writes the special tokens itself (as transformers does): no more by default.

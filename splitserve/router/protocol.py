@@ -2,21 +2,24 @@
 
 Validation happens here, before any tokenization or routing, and every rejection is an
 `APIError` 4xx naming the parameter. Unknown fields are accepted and ignored (other
-routers and SDKs add their own); known OpenAI fields this server cannot honour (echo,
-logit_bias, penalties, tools...) are rejected rather than silently ignored, because
-ignoring them would change the answer the client expects.
+routers and SDKs add their own); known OpenAI fields this server cannot honour are
+rejected rather than silently ignored, because ignoring them would change the answer the
+client expects (router/request_fields.py). Structured outputs are read by
+router/structured_fields.py, tools by router/tools.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from splitserve.core.context import ContextLengthError, completion_budget
 from splitserve.core.sampling_params import InvalidSamplingParams, SamplingParams
 from splitserve.router import errors
 from splitserve.router import json_body as J
 from splitserve.router.request_fields import check_fields
+from splitserve.router.structured_fields import parse_structured
+from splitserve.router.tools import ToolRequest, message_tool_fields, parse_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_LOGPROBS = 20
@@ -25,14 +28,15 @@ MAX_LOGPROBS = 20
 @dataclass
 class ChatMessage:
     role: str
-    content: str
+    content: str | None  # None: an assistant turn that only called tools
     name: str | None = None
+    tool_fields: dict = field(default_factory=dict)  # tool_calls, tool_call_id, reasoning_content
 
     def for_template(self) -> dict:
         out = {"role": self.role, "content": self.content}
         if self.name is not None:
             out["name"] = self.name
-        return out
+        return out | self.tool_fields
 
 
 @dataclass
@@ -56,6 +60,8 @@ class ChatRequest:
     include_usage: bool = False
     user: str | None = None
     ignored_fields: list[str] = field(default_factory=list)  # unknown fields (request_fields.py)
+    tools: ToolRequest | None = None
+    template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs, e.g. enable_thinking
 
     @property
     def logprobs(self) -> bool:
@@ -74,6 +80,7 @@ def parse_completion_request(raw: bytes | str | dict,
     logprobs = J.opt_int(body, "logprobs")
     params = _sampling(body, max_tokens=J.opt_int(body, "max_tokens", default=16),
                        max_tokens_param="max_tokens", logprobs=logprobs)
+    params = replace(params, structured=parse_structured(body, chat=False))
     stream, include_usage = _stream(body)
     return CompletionRequest(model, prompt, token_ids, params, stream, include_usage,
                              J.opt_str(body, "user"), ignored)
@@ -97,8 +104,27 @@ def parse_chat_request(raw: bytes | str | dict,
         else "max_tokens"
     params = _sampling(body, max_tokens=J.opt_int(body, param), max_tokens_param=param,
                        logprobs=(top or 0) if want_logprobs else None)
+    tools, structured = parse_tools(body), parse_structured(body)
+    forced = tools.constraint() if tools is not None else None  # required / a named function
+    if forced is not None and structured is not None:
+        raise errors.invalid_request(f"'tool_choice' {tools.choice} is generated under the function's schema; "
+                                     f"it cannot be combined with '{structured.param}'", "tool_choice")
+    params = replace(params, structured=forced or structured)
     stream, include_usage = _stream(body)
-    return ChatRequest(model, messages, params, stream, include_usage, J.opt_str(body, "user"), ignored)
+    return ChatRequest(model, messages, params, stream, include_usage, J.opt_str(body, "user"), ignored, tools,
+                       _template_kwargs(body.get("chat_template_kwargs")))
+
+
+def _template_kwargs(value) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise errors.wrong_type("chat_template_kwargs", 'an object such as {"enable_thinking": false}', value)
+    reserved = sorted(set(value) & {"messages", "tools", "documents", "add_generation_prompt"})
+    if reserved:
+        raise errors.invalid_request(f"'chat_template_kwargs' may not set {', '.join(reserved)}",
+                                     "chat_template_kwargs", "invalid_value")
+    return value
 
 
 def check_prompt_length(n_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
@@ -176,17 +202,18 @@ def _message(m: object, i: int) -> ChatMessage:
             f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role",
             "invalid_value")
     content = m.get("content")
-    if content is None and role == "assistant":
-        content = ""  # an assistant turn that only called tools
+    tool_fields = message_tool_fields(m, role, where)
+    if content is None and role == "assistant" and not tool_fields.get("tool_calls"):
+        content = ""  # transformers' templates get None only beside tool calls
     if isinstance(content, list):
         content = "".join(_text_part(p, f"{where}.content[{j}]") for j, p in enumerate(content))
-    if not isinstance(content, str):
+    if not isinstance(content, str) and not (content is None and tool_fields.get("tool_calls")):
         raise errors.wrong_type(f"{where}.content", "a string or an array of text parts",
                                 content)
     name = m.get("name")
     if name is not None and not isinstance(name, str):
         raise errors.wrong_type(f"{where}.name", "a string", name)
-    return ChatMessage(role, content, name)
+    return ChatMessage(role, content, name, tool_fields)
 
 
 def _text_part(part: object, where: str) -> str:

@@ -44,10 +44,6 @@ _REFUSED: dict[str, tuple[Callable[[object], bool], str]] = {
     "suffix": (lambda v: not _off(v), "insertion (suffix) is not implemented"),
     "echo": (lambda v: bool(v), "echo is not implemented"),
     "best_of": (lambda v: v not in (None, 1), "best_of > 1 is not implemented; use n"),
-    "tools": (lambda v: not _off(v), "tool calling is not implemented yet"),
-    "tool_choice": (lambda v: v not in (None, "none", "auto"), "tool calling is not implemented yet"),
-    "response_format": (lambda v: v is not None and not (isinstance(v, dict) and v.get("type") == "text"),
-                        "structured outputs are not implemented yet"),
 }
 
 COMMON = {
@@ -60,11 +56,10 @@ CHAT_ACCEPTED = {name: ACCEPTED for name in ("metadata", "store", "service_tier"
                                               "safety_identifier", "prompt_cache_options", "prompt_cache_retention")}
 CHAT_FIELDS = {
     **COMMON, **CHAT_ACCEPTED, "messages": HONOURED, "max_completion_tokens": HONOURED, "max_tokens": HONOURED,
-    "top_logprobs": HONOURED,
+    "top_logprobs": HONOURED, "tools": HONOURED, "tool_choice": HONOURED, "parallel_tool_calls": HONOURED,
+    "response_format": HONOURED,
     **{name: REFUSED for name in ("audio", "modalities", "prediction", "web_search_options", "reasoning_effort",
-                                  "verbosity", "moderation", "functions", "function_call", "tools", "tool_choice",
-                                  "response_format")},
-    "parallel_tool_calls": ACCEPTED,  # changes nothing while tools are refused
+                                  "verbosity", "moderation", "functions", "function_call")},
 }
 COMPLETION_FIELDS = {
     **COMMON, "prompt": HONOURED, "max_tokens": HONOURED,
@@ -72,7 +67,9 @@ COMPLETION_FIELDS = {
 }
 # vLLM's extra sampling fields that this server honours
 VLLM_EXTRAS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-               "skip_special_tokens"}
+               "skip_special_tokens", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar"}  # structured outputs: router/structured_fields.py
+CHAT_EXTRAS = {"chat_template_kwargs"}  # vLLM's, chat only
 # stream_options members: include_usage is honoured; vLLM's continuous_usage_stats is refused
 STREAM_OPTIONS = {"include_usage": HONOURED, "continuous_usage_stats": REFUSED}
 
@@ -90,7 +87,8 @@ def check_fields(body: dict, endpoint: str) -> list[str]:
     options = body.get("stream_options")
     if isinstance(options, dict) and options.get("continuous_usage_stats"):
         raise errors.unsupported("stream_options.continuous_usage_stats", "usage is sent once, in the last chunk")
-    unknown = sorted(k for k in body if k not in table and k not in VLLM_EXTRAS)
+    extras = VLLM_EXTRAS | CHAT_EXTRAS if endpoint == "chat" else VLLM_EXTRAS
+    unknown = sorted(k for k in body if k not in table and k not in extras)
     for name in unknown:
         if name not in _warned and len(_warned) < 1000:  # once per field name, bounded against hostile bodies
             _warned.add(name)
@@ -108,6 +106,7 @@ def markdown_tables() -> str:
                 for name, kind in sorted(table.items())]
         out.append("")
     out += ["vLLM extras honoured on both: " + ", ".join(f"`{n}`" for n in sorted(VLLM_EXTRAS)) + ".",
+            "vLLM extras honoured on chat completions: " + ", ".join(f"`{n}`" for n in sorted(CHAT_EXTRAS)) + ".",
             "`stream_options.include_usage` is honoured; `stream_options.continuous_usage_stats` is refused."]
     return "\n".join(out)
 

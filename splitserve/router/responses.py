@@ -40,8 +40,9 @@ class Usage:
 class Choice:
     index: int
     text: str
-    finish_reason: str | None  # "stop" | "length" | None while streaming
+    finish_reason: str | None  # "stop" | "length" | "tool_calls" | None while streaming
     logprobs: list[TokenLogprob] | None = None
+    message: dict | None = None  # chat: the whole message (reasoning_content, tool_calls); else content=text
 
 
 def new_request_id(chat: bool) -> str:
@@ -92,7 +93,7 @@ def chat_completion_response(request_id: str, model: str, created: int,
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "system_fingerprint": None,
             "choices": [{"index": c.index,
-                         "message": {"role": "assistant", "content": c.text},
+                         "message": c.message or {"role": "assistant", "content": c.text},
                          "finish_reason": c.finish_reason,
                          "logprobs": chat_logprobs(c.logprobs)
                          if c.logprobs is not None else None}
@@ -113,12 +114,14 @@ def completion_chunk(request_id: str, model: str, created: int, index: int, text
 
 def chat_chunk(request_id: str, model: str, created: int, index: int, content: str | None,
                finish_reason: str | None = None, logprobs: list[TokenLogprob] | None = None,
-               first: bool = False) -> dict:
+               first: bool = False, fields: dict | None = None) -> dict:
     """One delta. The first chunk of each choice carries the role; the last has
-    `finish_reason` (and may have content None)."""
+    `finish_reason` (and may have content None). `fields`: more delta members
+    (reasoning_content, tool_calls)."""
     delta: dict = {"role": "assistant"} if first else {}
     if content is not None:
         delta["content"] = content
+    delta.update(fields or {})
     return {"id": request_id, "object": "chat.completion.chunk", "created": created,
             "model": model, "system_fingerprint": None,
             "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason,

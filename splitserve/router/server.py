@@ -28,6 +28,7 @@ from splitserve.core.tokenizer import Tokenizer
 from splitserve.router import errors, protocol, tokenization
 from splitserve.router import responses as R
 from splitserve.router.admission import Admission, AdmissionConfig, check_request_limits
+from splitserve.router.chat_output import ChatOutputConfig
 from splitserve.router.choice import ChoiceRun
 from splitserve.router.dispatch import Dispatcher, WorkerFailure
 from splitserve.router.errors import APIError
@@ -37,6 +38,7 @@ from splitserve.router.policy import NoHealthyWorker
 from splitserve.router.prompts import PromptTokenizer
 from splitserve.router.request_fields import IGNORED_HEADER, header_value
 from splitserve.router.sse import stream_choices
+from splitserve.router.structured_fields import check_structured
 
 log = logging.getLogger(__name__)
 
@@ -211,12 +213,19 @@ class RouterServer:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = await self._parse(request, protocol.parse_chat_request)
-        prompt = await self.prompts.encode_chat(req.messages_for_template())
-        return await self._generate(request, req, prompt, chat=True)
+        prompt = await self.prompts.encode_chat(req.messages_for_template(), tools=req.tools and req.tools.tools,
+                                                template_kwargs=req.template_kwargs)
+        output = ChatOutputConfig.of(req.tools, self.tokenizer, prompt)
+        if output.keep_special_tokens:
+            req.params = replace(req.params, skip_special_tokens=False)
+        return await self._generate(request, req, prompt, chat=True, output=output)
 
-    async def _generate(self, request: web.Request, req, prompt: list[int], chat: bool) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, req, prompt: list[int], chat: bool,
+                        output: ChatOutputConfig | None = None) -> web.StreamResponse:
         if not prompt:
             raise errors.invalid_request("the prompt is empty", "prompt")
+        if req.params.structured is not None:  # a bad schema is a 400 before routing; compiled off the loop
+            await self.prompts.offload(check_structured, req.params.structured)
         max_tokens = protocol.check_prompt_length(len(prompt), req.params.max_tokens, self.max_model_len,
                                                   "messages" if chat else "prompt")
         protocol.check_logit_bias(req.params, self.vocab_size)
@@ -229,12 +238,12 @@ class RouterServer:
         rid = R.new_request_id(chat)  # ours, unique; the client's X-Request-Id is only a correlation id
         started = self.admission.enter(rid)  # 429 beyond --max-queued-requests
         try:
-            return await self._admitted(request, req, prompt, params, rid, chat)
+            return await self._admitted(request, req, prompt, params, rid, chat, output)
         finally:  # also on client disconnect (the handler is cancelled) and deadline
             self.admission.leave(started)
 
     async def _admitted(self, request: web.Request, req, prompt: list[int], params, rid: str,
-                        chat: bool) -> web.StreamResponse:
+                        chat: bool, output: ChatOutputConfig | None) -> web.StreamResponse:
         try:
             decision, _ = self.dispatcher.decide(prompt)
         except NoHealthyWorker as exc:
@@ -246,8 +255,8 @@ class RouterServer:
                    "X-Splitserve-Route": decision.header_value()}
         if req.ignored_fields:
             headers[IGNORED_HEADER] = header_value(req.ignored_fields)
-        choices = [ChoiceRun(self, rid, i, prompt, self._choice_params(params, i), decision)
-                   for i in range(params.n)]
+        choices = [ChoiceRun(self, rid, i, prompt, self._choice_params(params, i), decision,
+                             output.new() if output is not None else None) for i in range(params.n)]
         timeout = self.admission.config.request_timeout_s
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         if req.stream:
@@ -261,8 +270,9 @@ class RouterServer:
         except TimeoutError:
             raise errors.deadline_exceeded(rid, timeout) from None
         usage = R.Usage(len(prompt), sum(len(c.text.token_ids) for c in choices), choices[0].cached_tokens)
-        body_choices = [R.Choice(c.index, c.text.text, c.finish_reason, c.logprobs_out(chat) if c.want_logprobs
-                                 else None) for c in choices]
+        body_choices = [R.Choice(c.index, c.text.text, c.chat.finish_reason(c.finish_reason) if c.chat
+                                 else c.finish_reason, c.logprobs_out(chat) if c.want_logprobs else None,
+                                 c.chat.message_dict() if c.chat else None) for c in choices]
         build = R.chat_completion_response if chat else R.completion_response
         headers["X-Splitserve-Workers"] = "; ".join(f"{k}={v}" for k, v in choices[0].served_by.items())
         return web.json_response(build(rid, req.model, R.now(), body_choices, usage), headers=headers)

@@ -132,8 +132,10 @@ BAD = [
      "invalid_request_error", "logit_bias", "invalid_value"),
     ("min_tokens above max_tokens", "completions", completion(min_tokens=20, max_tokens=10), 400,
      "invalid_request_error", "min_tokens", "invalid_value"),
-    ("tools unsupported", "chat", chat(tools=[{"type": "function"}]), 400,
-     "invalid_request_error", "tools", "unsupported_parameter"),
+    ("tool without a function", "chat", chat(tools=[{"type": "function"}]), 400,
+     "invalid_request_error", "tools[0].function", "invalid_type"),
+    ("custom tools unsupported", "chat", chat(tools=[{"type": "custom", "custom": {"name": "x"}}]), 400,
+     "invalid_request_error", "tools[0].type", "unsupported_parameter"),
     ("user not a string", "completions", completion(user=7), 400, "invalid_request_error",
      "user", "invalid_type"),
 ]

@@ -45,6 +45,10 @@ LANDS = {
     "stream_options": lambda r: r.include_usage, "temperature": lambda r: r.params.temperature == 0.5,
     "top_p": lambda r: r.params.top_p == 0.5, "model": lambda r: r.model == MODEL,
     "messages": lambda r: r.messages[0].content == "hi", "prompt": lambda r: r.prompt == "hello",
+    "tools": lambda r: r.tools.tools == USED["tools"] and r.tools.choice == "auto",
+    "tool_choice": lambda r: r.tools.choice == "required" and r.params.structured.kind == "json_schema",
+    "parallel_tool_calls": lambda r: r.tools.parallel is False,
+    "response_format": lambda r: r.params.structured.kind == "json_object",
 }
 
 
@@ -61,6 +65,8 @@ def body_with(endpoint: str, name: str) -> dict:
         body["stream"] = True
     if name == "top_logprobs":
         body["logprobs"] = True
+    if name in ("tool_choice", "parallel_tool_calls"):
+        body["tools"] = USED["tools"]
     if endpoint == "completions" and name == "logprobs":
         body[name] = 2
     return body
