@@ -89,7 +89,7 @@ def parse(family: str, text: str) -> tuple[str, list[ToolCall]]:
         if start < 0:
             return text, []
         calls = [_call(_loads(body), "arguments") for body in HERMES_CALL.findall(text, start)]
-        return (text[:start].rstrip(), calls) if calls and None not in calls else (text, [])
+        return (text[:start], calls) if calls and None not in calls else (text, [])
     if family == LLAMA3:
         body = text.strip().removeprefix("<|python_tag|>")
         values = _json_values(body, ";") if body.startswith("{") else None
@@ -99,7 +99,7 @@ def parse(family: str, text: str) -> tuple[str, list[ToolCall]]:
     if start < 0:
         return text, []
     calls = _mistral_calls(text[start + len(MISTRAL_MARK):])
-    return (text[:start].rstrip(), calls) if calls and None not in calls else (text, [])
+    return (text[:start], calls) if calls and None not in calls else (text, [])
 
 
 def _mistral_calls(body: str) -> list[ToolCall | None]:

@@ -35,7 +35,7 @@ def test_families_are_read_from_the_template():
 
 
 @pytest.mark.parametrize("family,text,content,calls", [
-    (HERMES, HERMES_OUT, "I will check.", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    (HERMES, HERMES_OUT, "I will check.\n", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
     (HERMES, '<tool_call>\n{"name": "get_time", "arguments": {}}', "", [("get_time", {})]),  # EOS before the tag
     (HERMES, "no calls here", "no calls here", []),
     (HERMES, "<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n{not json}\n</tool_call>", []),
