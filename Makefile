@@ -59,3 +59,8 @@ bench-simulator: $(STAMP)
 
 bench-simulator-speed: $(STAMP)
 	$(BIN)/python -m bench.experiments.simulator_speed
+
+# Structured outputs: tokens/s with and without a JSON schema, batch 1 and 32 (docs/benchmarks.md)
+.PHONY: bench-structured
+bench-structured: $(STAMP)
+	$(BIN)/python -m bench.experiments.structured_overhead
