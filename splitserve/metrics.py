@@ -156,7 +156,7 @@ def exported_metric_names() -> set[str]:
     """Every series name a scrape can contain (histograms/counters expand to their suffixes)."""
     names: set[str] = set()
     for collector in list(Metrics().registry._collector_to_names):  # noqa: SLF001
-        for metric in collector.describe():
+        for metric in collector.describe() if hasattr(collector, "describe") else collector.collect():
             base = metric.name
             if metric.type == "histogram":
                 names.update({f"{base}_bucket", f"{base}_sum", f"{base}_count"})

@@ -76,7 +76,7 @@ class SamplingParams:
         migrated mid-stream): max_tokens counts only what is still to come. None when
         nothing is left. The one place the migration budget is computed (router and
         decode worker both ask here)."""
-        if num_produced == 0:
+        if num_produced == 0 or (self.max_tokens is None and not self.min_tokens):
             return self
         if self.max_tokens is None:
             return replace(self, min_tokens=max(0, self.min_tokens - num_produced))

@@ -186,7 +186,7 @@ def test_penalties_and_logit_bias_through_the_served_stack_match_transformers(cl
 
     tok = Tokenizer(cluster.model)
     params = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={"300": 4.0})
-    for text in ("Hello there", LONG):
+    for text in ("Hello there", MORE + LONG):  # MORE + LONG is cached nowhere yet: disaggregated
         raw = client(cluster).completions.with_raw_response.create(
             model=SERVED, prompt=text, max_tokens=16, temperature=0, extra_body={
                 "repetition_penalty": params["repetition_penalty"]},
@@ -203,5 +203,5 @@ def test_penalties_and_logit_bias_through_the_served_stack_match_transformers(cl
                                                         logits_processor=procs, eos_token_id=None, pad_token_id=0)
         assert out.choices[0].text == tok.decode(ref[0, len(ids):].tolist()), text
         assert out.choices[0].text != reference_text(cluster, ids, 16)  # the processors changed something
-        if text == LONG:
+        if text != "Hello there":
             assert workers(raw)["prefill"].startswith("prefill-")

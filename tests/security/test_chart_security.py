@@ -23,6 +23,8 @@ ALLOWED_RULES = {
     ("", "namespaces"): {"list", "watch"},
     ("splitserve.io", "inferencedeployments"): {"get", "list", "watch", "patch"},
     ("splitserve.io", "inferencedeployments/status"): {"get", "patch"},
+    # blockOwnerDeletion on the children's ownerReferences (OwnerReferencesPermissionEnforcement)
+    ("splitserve.io", "inferencedeployments/finalizers"): {"update"},
     ("apps", "deployments"): {"get", "create", "patch", "delete"},
     ("", "services"): {"get", "create", "patch", "delete"},
     ("ray.io", "rayclusters"): {"get", "create", "patch", "delete"},
