@@ -3,7 +3,8 @@ deltas: `reasoning_content` (router/reasoning.py), `content`, and `tool_calls`
 (router/tools.py says what was asked, router/tool_calls.py parses).
 
 Text flows reasoning splitter → tool handling. What the tool choice does with the content:
-none / no tools: it is content; auto: parsed per template family; a named function: the
+none / no tools: it is content; auto: parsed per template family (the first call only
+when parallel_tool_calls is false); a named function: the
 text *is* the arguments (grammar-constrained), streamed as argument deltas of one call;
 required: a JSON array of calls (grammar-constrained), sent when complete. A choice that
 called tools finishes with `tool_calls` (unless it was cut at max_tokens: `length`).
@@ -101,6 +102,8 @@ class ChatOutput:
             deltas.append({"content": text})
 
     def _calls(self, calls: list[ToolCall], deltas: list[dict]) -> None:
+        if self.tools is not None and not self.tools.parallel:
+            calls = calls[:1]  # parallel_tool_calls false: the first call only
         if calls:
             start = len(self.message.tool_calls)
             self.message.tool_calls.extend(calls)

@@ -101,6 +101,12 @@ def test_chat_output_reasoning_then_auto_tool_calls():
         "name": "get_weather", "arguments": '{"city": "Paris"}'}}
 
 
+def test_auto_without_parallel_tool_calls_keeps_the_first_call():
+    out = ChatOutput(parse_tools({"tools": TOOLS, "parallel_tool_calls": False}), HERMES)
+    deltas = out.feed(HERMES_OUT, final=True)
+    assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", [])] == ["get_weather"]
+
+
 def test_named_tool_choice_streams_the_arguments_of_one_call():
     tools = parse_tools({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
     assert tools.choice == "named" and json.loads(tools.constraint().spec) == CITY
