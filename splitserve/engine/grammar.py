@@ -44,8 +44,13 @@ class GrammarCompiler:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], cache_size: int = 128,
                  mask_threads: int | None = None):
         # vocab_size is the model's (its logits width); ids the tokenizer lacks are never allowed
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
-        self.vocab_size = self.tokenizer.vocab_size
+        self.unavailable = ""  # why this tokenizer cannot be constrained (the engine still serves the rest)
+        try:
+            self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        except Exception as exc:  # a tokenizer.json llguidance cannot read: constrained requests are refused
+            log.warning("structured outputs are unavailable with this tokenizer: %s", exc)
+            self.tokenizer, self.unavailable = None, str(exc)
+        self.vocab_size = self.tokenizer.vocab_size if self.tokenizer is not None else vocab_size
         self.cache_size = cache_size
         self._compiled: OrderedDict[StructuredSpec, llguidance.LLMatcher] = OrderedDict()
         self._executor = llguidance.LLExecutor(mask_threads)
@@ -59,6 +64,8 @@ class GrammarCompiler:
     def matcher(self, spec: StructuredSpec, resumed: list[int] = ()) -> llguidance.LLMatcher:
         """A fresh matcher for `spec`, advanced over `resumed` (tokens this request generated
         before a migration)."""
+        if self.tokenizer is None:
+            raise GrammarError(f"structured outputs are unavailable with this model's tokenizer: {self.unavailable}")
         matcher = self._compile(spec).deep_copy()
         if resumed and not matcher.consume_tokens(list(resumed)):
             raise GrammarError(f"the {len(resumed)} resumed tokens do not match the {spec.kind}: "

@@ -143,3 +143,12 @@ def test_a_spec_that_does_not_compile_is_an_invalid_request(path):
     with pytest.raises(InvalidPromptError, match="invalid json_schema \\(response_format\\): .*strin"):
         engine.add_request("x", [5, 6, 7], SamplingParams(structured=bad))
     assert not engine.has_unfinished_requests()
+
+
+def test_a_tokenizer_llguidance_cannot_read_refuses_constrained_requests_only():
+    from splitserve.engine.grammar import GrammarCompiler, GrammarError
+
+    compiler = GrammarCompiler('{"model": {"type": "NoSuchModel"}}', 64, [1])
+    assert compiler.start_masks([None, None]) is None  # unconstrained batches go on
+    with pytest.raises(GrammarError, match="structured outputs are unavailable with this model's tokenizer"):
+        compiler.matcher(SPEC)
