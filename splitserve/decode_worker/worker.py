@@ -163,6 +163,9 @@ class DecodeWorker(RemotePrefill, WorkerBase, DecodeWorkerServicer):
                 fallback = "a migrated seeded request is prefilled here (the prefill worker cannot resume its RNG)"
             elif request.prefill_address and resume and params.structured is not None:
                 fallback = "a migrated constrained request is prefilled here (its grammar state is rebuilt here)"
+            elif request.prefill_address and resume and (params.presence_penalty or params.frequency_penalty):
+                fallback = ("a migrated request with presence/frequency penalties is prefilled here (the prefill "
+                            "worker would count its earlier output as prompt)")
             elif request.prefill_address:
                 first, fallback, prefill_cached = await self._remote_prefill(request, prompt, params, len(resume))
                 if first is not None:
