@@ -49,6 +49,7 @@ class CompletionRequest:
     include_usage: bool = False
     user: str | None = None
     ignored_fields: list[str] = field(default_factory=list)  # unknown fields (request_fields.py)
+    continuous_usage: bool = False  # usage so far in every streamed chunk (vLLM's continuous_usage_stats)
 
 
 @dataclass
@@ -62,6 +63,7 @@ class ChatRequest:
     ignored_fields: list[str] = field(default_factory=list)  # unknown fields (request_fields.py)
     tools: ToolRequest | None = None
     template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs, e.g. enable_thinking
+    continuous_usage: bool = False  # usage so far in every streamed chunk (vLLM's continuous_usage_stats)
 
     @property
     def logprobs(self) -> bool:
@@ -82,8 +84,9 @@ def parse_completion_request(raw: bytes | str | dict,
                        max_tokens_param="max_tokens", logprobs=logprobs)
     params = replace(params, structured=parse_structured(body, chat=False))
     stream, include_usage = _stream(body)
-    return CompletionRequest(model, prompt, token_ids, params, stream, include_usage,
-                             J.opt_str(body, "user"), ignored)
+    req = CompletionRequest(model, prompt, token_ids, params, stream, include_usage, J.opt_str(body, "user"), ignored)
+    req.continuous_usage = _continuous_usage(body, include_usage)
+    return req
 
 
 def parse_chat_request(raw: bytes | str | dict,
@@ -111,8 +114,10 @@ def parse_chat_request(raw: bytes | str | dict,
                                      f"it cannot be combined with '{structured.param}'", "tool_choice")
     params = replace(params, structured=forced or structured)
     stream, include_usage = _stream(body)
-    return ChatRequest(model, messages, params, stream, include_usage, J.opt_str(body, "user"), ignored, tools,
-                       _template_kwargs(body.get("chat_template_kwargs")))
+    req = ChatRequest(model, messages, params, stream, include_usage, J.opt_str(body, "user"), ignored, tools,
+                      _template_kwargs(body.get("chat_template_kwargs")))
+    req.continuous_usage = _continuous_usage(body, include_usage)
+    return req
 
 
 def _template_kwargs(value) -> dict:
@@ -281,6 +286,15 @@ def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
     if bad is not None:
         raise errors.invalid_request(f"logit_bias token id {bad} is out of range: the vocabulary has {vocab_size} "
                                      "tokens", "logit_bias", "invalid_value")
+
+
+def _continuous_usage(body: dict, include_usage: bool) -> bool:
+    """vLLM's stream_options.continuous_usage_stats: usage so far in every chunk (with
+    include_usage, as vLLM requires)."""
+    value = (body.get("stream_options") or {}).get("continuous_usage_stats", False)
+    if not isinstance(value, bool):
+        raise errors.wrong_type("stream_options.continuous_usage_stats", "a boolean", value)
+    return value and include_usage
 
 
 def _stream(body: dict) -> tuple[bool, bool]:

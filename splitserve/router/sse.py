@@ -53,11 +53,11 @@ async def stream_choices(request: web.Request, req, choices: list[ChoiceRun], ch
             elif isinstance(item, APIError):
                 await _error_event(resp, item, count_error)
             else:
+                if req.continuous_usage:  # vLLM's continuous_usage_stats: usage so far in every chunk
+                    item = {**item, "usage": _usage(choices).to_dict()}
                 await resp.write(R.sse(item))
         if req.include_usage and not remaining:
-            usage = R.Usage(len(choices[0].prompt), sum(len(c.text.token_ids) for c in choices),
-                            choices[0].cached_tokens)
-            await resp.write(R.sse(R.usage_chunk(choices[0].rid, req.model, created, usage, chat)))
+            await resp.write(R.sse(R.usage_chunk(choices[0].rid, req.model, created, _usage(choices), chat)))
         await resp.write(R.SSE_DONE)
     finally:  # client gone (ConnectionResetError) or done: stop every choice's worker stream
         for t in tasks:
@@ -68,6 +68,10 @@ async def stream_choices(request: web.Request, req, choices: list[ChoiceRun], ch
     except ConnectionResetError:  # the client closed after [DONE]: it has everything
         pass
     return resp
+
+
+def _usage(choices: list[ChoiceRun]) -> R.Usage:
+    return R.Usage(len(choices[0].prompt), sum(len(c.text.token_ids) for c in choices), choices[0].cached_tokens)
 
 
 async def _error_event(resp: web.StreamResponse, err: APIError, count_error: Callable[[APIError], None]) -> None:

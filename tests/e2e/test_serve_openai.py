@@ -91,6 +91,18 @@ def test_streamed_chunks_concatenate_to_the_full_text_and_usage_is_last(cluster)
     assert chat_chunks[0].choices[0].delta.role == "assistant"
 
 
+def test_continuous_usage_stats_put_usage_so_far_in_every_chunk(cluster):
+    """vLLM's extra, which guidellm always sends: every chunk carries the usage so far."""
+    chunks = list(client(cluster).completions.create(
+        model=SERVED, prompt=MORE, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}}))
+    counts = [ch.usage.completion_tokens for ch in chunks]
+    assert all(ch.usage is not None and ch.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for ch in chunks)
+    assert counts == sorted(counts) and counts[-1] == 12 and chunks[-1].choices == []
+    assert all(ch.usage.total_tokens == ch.usage.prompt_tokens + ch.usage.completion_tokens for ch in chunks)
+
+
 def test_n_choices_with_seed_are_reproducible(cluster):
     c = client(cluster)
     kw = dict(model=SERVED, prompt="Once upon a time", max_tokens=10, temperature=1.0, n=2, seed=11)

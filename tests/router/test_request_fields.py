@@ -112,11 +112,17 @@ def test_unknown_fields_are_named_in_the_header_and_logged_once(caplog):
     assert F.header_value(["a\r\nSet-Cookie: x", "ok"]) == "ok"  # never a header injection
 
 
-def test_continuous_usage_stats_is_refused_not_ignored():
+def test_continuous_usage_stats_is_honoured_with_include_usage():
+    def parse(options):
+        return parse_chat_request({"model": MODEL, "messages": MESSAGES, "stream": True,
+                                   "stream_options": options}, [MODEL])
+
+    assert parse({"include_usage": True, "continuous_usage_stats": True}).continuous_usage
+    assert not parse({"include_usage": False, "continuous_usage_stats": True}).continuous_usage  # as vLLM
+    assert not parse({"include_usage": True}).continuous_usage
     with pytest.raises(APIError) as err:
-        parse_chat_request({"model": MODEL, "messages": MESSAGES, "stream": True,
-                            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, [MODEL])
-    assert err.value.code == "unsupported_parameter"
+        parse({"include_usage": True, "continuous_usage_stats": "yes"})
+    assert err.value.code == "invalid_type" and err.value.param == "stream_options.continuous_usage_stats"
 
 
 def test_docs_list_the_fields_as_the_code_does():
