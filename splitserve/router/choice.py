@@ -24,6 +24,7 @@ class ChoiceRun:
         self.cached_tokens = 0
         self.served_by: dict[str, str | int] = {}  # who actually served it (after any migration)
         self.start = time.monotonic()
+        self.echo_text = ""  # completions with echo: the prompt, sent before the completion
 
     async def events(self):
         """(text delta, new logprobs, finish_reason) per worker chunk."""
@@ -74,6 +75,9 @@ class ChoiceRun:
             return
         first = True
         offset = 0
+        if self.echo_text:  # completions' echo: the prompt first, as its own chunk
+            yield R.completion_chunk(self.rid, model, created, self.index, self.echo_text)
+            offset, first = len(self.echo_text), False
         pending: list = []  # logprobs of tokens whose text is held back: sent with the next chunk
         async for text, lps, finish in self.events():
             pending.extend(lps)

@@ -50,6 +50,7 @@ class CompletionRequest:
     user: str | None = None
     ignored_fields: list[str] = field(default_factory=list)  # unknown fields (request_fields.py)
     continuous_usage: bool = False  # usage so far in every streamed chunk (vLLM's continuous_usage_stats)
+    echo: bool = False  # the prompt text before the completion (completions only)
 
 
 @dataclass
@@ -86,6 +87,10 @@ def parse_completion_request(raw: bytes | str | dict,
     stream, include_usage = _stream(body)
     req = CompletionRequest(model, prompt, token_ids, params, stream, include_usage, J.opt_str(body, "user"), ignored)
     req.continuous_usage = _continuous_usage(body, include_usage)
+    req.echo = J.opt_bool(body, "echo", default=False)
+    if req.echo and logprobs is not None:
+        raise errors.unsupported("echo", "echo together with logprobs (the prompt's own logprobs) is not "
+                                 "implemented; ask for one of them")
     return req
 
 

@@ -42,7 +42,6 @@ _REFUSED: dict[str, tuple[Callable[[object], bool], str]] = {
     "functions": (lambda v: not _off(v), "the deprecated functions API is not served; use tools"),
     "function_call": (lambda v: v is not None, "the deprecated functions API is not served; use tool_choice"),
     "suffix": (lambda v: not _off(v), "insertion (suffix) is not implemented"),
-    "echo": (lambda v: bool(v), "echo is not implemented"),
     "best_of": (lambda v: v not in (None, 1), "best_of > 1 is not implemented; use n"),
 }
 
@@ -63,7 +62,8 @@ CHAT_FIELDS = {
 }
 COMPLETION_FIELDS = {
     **COMMON, "prompt": HONOURED, "max_tokens": HONOURED,
-    **{name: REFUSED for name in ("suffix", "echo", "best_of")},
+    "echo": HONOURED,  # not with logprobs: 400 (protocol.py)
+    **{name: REFUSED for name in ("suffix", "best_of")},
 }
 # vLLM's extra sampling fields that this server honours
 VLLM_EXTRAS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",

@@ -257,6 +257,10 @@ class RouterServer:
             headers[IGNORED_HEADER] = header_value(req.ignored_fields)
         choices = [ChoiceRun(self, rid, i, prompt, self._choice_params(params, i), decision,
                              output.new() if output is not None else None) for i in range(params.n)]
+        if getattr(req, "echo", False):  # the prompt as the client sent it, or its ids decoded
+            echo = req.prompt if req.prompt is not None else self.tokenizer.decode(prompt, skip_special_tokens=False)
+            for c in choices:
+                c.echo_text = echo
         timeout = self.admission.config.request_timeout_s
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         if req.stream:
@@ -270,7 +274,7 @@ class RouterServer:
         except TimeoutError:
             raise errors.deadline_exceeded(rid, timeout) from None
         usage = R.Usage(len(prompt), sum(len(c.text.token_ids) for c in choices), choices[0].cached_tokens)
-        body_choices = [R.Choice(c.index, c.text.text, c.chat.finish_reason(c.finish_reason) if c.chat
+        body_choices = [R.Choice(c.index, c.echo_text + c.text.text, c.chat.finish_reason(c.finish_reason) if c.chat
                                  else c.finish_reason, c.logprobs_out(chat) if c.want_logprobs else None,
                                  c.chat.message_dict() if c.chat else None) for c in choices]
         build = R.chat_completion_response if chat else R.completion_response

@@ -103,6 +103,19 @@ def test_continuous_usage_stats_put_usage_so_far_in_every_chunk(cluster):
     assert all(ch.usage.total_tokens == ch.usage.prompt_tokens + ch.usage.completion_tokens for ch in chunks)
 
 
+def test_echo_puts_the_prompt_before_the_completion_streamed_and_not(cluster):
+    c = client(cluster)
+    plain = c.completions.create(model=SERVED, prompt=MORE, max_tokens=8, temperature=0).choices[0].text
+    echoed = c.completions.create(model=SERVED, prompt=MORE, max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == MORE + plain and echoed.usage.completion_tokens == 8
+    chunks = list(c.completions.create(model=SERVED, prompt=MORE, max_tokens=8, temperature=0, echo=True,
+                                       stream=True))
+    assert chunks[0].choices[0].text == MORE and "".join(ch.choices[0].text for ch in chunks) == MORE + plain
+    ids = Tokenizer(cluster.model).encode("Hello there")  # a token-id prompt echoes its decoded text
+    by_ids = c.completions.create(model=SERVED, prompt=ids, max_tokens=4, temperature=0, echo=True)
+    assert by_ids.choices[0].text.startswith(Tokenizer(cluster.model).decode(ids, skip_special_tokens=False))
+
+
 def test_n_choices_with_seed_are_reproducible(cluster):
     c = client(cluster)
     kw = dict(model=SERVED, prompt="Once upon a time", max_tokens=10, temperature=1.0, n=2, seed=11)

@@ -45,6 +45,7 @@ LANDS = {
     "stream_options": lambda r: r.include_usage, "temperature": lambda r: r.params.temperature == 0.5,
     "top_p": lambda r: r.params.top_p == 0.5, "model": lambda r: r.model == MODEL,
     "messages": lambda r: r.messages[0].content == "hi", "prompt": lambda r: r.prompt == "hello",
+    "echo": lambda r: r.echo,
     "tools": lambda r: r.tools.tools == USED["tools"] and r.tools.choice == "auto",
     "tool_choice": lambda r: r.tools.choice == "required" and r.params.structured.kind == "json_schema",
     "parallel_tool_calls": lambda r: r.tools.parallel is False,
@@ -123,6 +124,12 @@ def test_continuous_usage_stats_is_honoured_with_include_usage():
     with pytest.raises(APIError) as err:
         parse({"include_usage": True, "continuous_usage_stats": "yes"})
     assert err.value.code == "invalid_type" and err.value.param == "stream_options.continuous_usage_stats"
+
+
+def test_echo_with_logprobs_is_refused_not_half_done():
+    with pytest.raises(APIError) as err:
+        parse_completion_request({"model": MODEL, "prompt": "hello", "echo": True, "logprobs": 1}, [MODEL])
+    assert err.value.code == "unsupported_parameter" and err.value.param == "echo"
 
 
 def test_docs_list_the_fields_as_the_code_does():
