@@ -17,26 +17,12 @@ from splitserve.core.context import ContextLengthError, completion_budget
 from splitserve.core.sampling_params import InvalidSamplingParams, SamplingParams
 from splitserve.router import errors
 from splitserve.router import json_body as J
+from splitserve.router.chat_messages import ChatMessage, parse_messages
 from splitserve.router.request_fields import check_fields
 from splitserve.router.structured_fields import parse_structured
-from splitserve.router.tools import ToolRequest, message_tool_fields, parse_tools
+from splitserve.router.tools import ToolRequest, parse_tools
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_LOGPROBS = 20
-
-
-@dataclass
-class ChatMessage:
-    role: str
-    content: str | None  # None: an assistant turn that only called tools
-    name: str | None = None
-    tool_fields: dict = field(default_factory=dict)  # tool_calls, tool_call_id, reasoning_content
-
-    def for_template(self) -> dict:
-        out = {"role": self.role, "content": self.content}
-        if self.name is not None:
-            out["name"] = self.name
-        return out | self.tool_fields
 
 
 @dataclass
@@ -98,7 +84,7 @@ def parse_chat_request(raw: bytes | str | dict,
                        served_models: Collection[str] | None = None) -> ChatRequest:
     body = J.load(raw)
     model = _model(body, served_models)
-    messages = _messages(body)
+    messages = parse_messages(body)
     ignored = check_fields(body, "chat")
     want_logprobs = J.opt_bool(body, "logprobs", default=False)
     top = J.opt_int(body, "top_logprobs")
@@ -188,51 +174,6 @@ def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
                                      "prompt per request (or use n for several completions)")
     raise errors.wrong_type("prompt", "a string, an array of token ids (non-negative integers) "
                             "or an array holding one of those", prompt)
-
-
-def _messages(body: dict) -> list[ChatMessage]:
-    messages = body.get("messages")
-    if messages is None:
-        raise errors.missing_parameter("messages")
-    if not isinstance(messages, list):
-        raise errors.wrong_type("messages", "an array of messages", messages)
-    if not messages:
-        raise errors.invalid_request("'messages' must contain at least one message",
-                                     "messages", "invalid_value")
-    return [_message(m, i) for i, m in enumerate(messages)]
-
-
-def _message(m: object, i: int) -> ChatMessage:
-    where = f"messages[{i}]"
-    if not isinstance(m, dict):
-        raise errors.wrong_type(where, "an object with 'role' and 'content'", m)
-    role = m.get("role")
-    if role not in ROLES:
-        raise errors.invalid_request(
-            f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role",
-            "invalid_value")
-    content = m.get("content")
-    tool_fields = message_tool_fields(m, role, where)
-    if content is None and role == "assistant" and not tool_fields.get("tool_calls"):
-        content = ""  # transformers' templates get None only beside tool calls
-    if isinstance(content, list):
-        content = "".join(_text_part(p, f"{where}.content[{j}]") for j, p in enumerate(content))
-    if not isinstance(content, str) and not (content is None and tool_fields.get("tool_calls")):
-        raise errors.wrong_type(f"{where}.content", "a string or an array of text parts",
-                                content)
-    name = m.get("name")
-    if name is not None and not isinstance(name, str):
-        raise errors.wrong_type(f"{where}.name", "a string", name)
-    return ChatMessage(role, content, name, tool_fields)
-
-
-def _text_part(part: object, where: str) -> str:
-    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-        return part["text"]
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind not in (None, "text"):
-        raise errors.unsupported(where, f"content parts of type {kind!r}; only text is served")
-    raise errors.wrong_type(where, 'a text part {"type": "text", "text": "..."}', part)
 
 
 def _sampling(body: dict, max_tokens: int | None, max_tokens_param: str,
