@@ -33,6 +33,7 @@ BENCH_TARGETS: dict[str, str] = {
     "kvtransfer": "splitserve.benchmark.kvtransfer",
     "router": "splitserve.benchmark.router_decision",
     "serve-overhead": "splitserve.benchmark.serve_overhead",
+    "compare": "splitserve.benchmark.compare",
 }
 
 

@@ -1,0 +1,118 @@
+"""`splitserve bench compare`: the same workload against two or more OpenAI-compatible
+servers, interleaved, several rounds; medians and ratios to the first server.
+
+  splitserve bench compare --server splitserve,http://127.0.0.1:8000,demo \\
+      --server vllm,http://127.0.0.1:8001,demo --concurrency 1,8,32 --rounds 3 --json out.json
+
+Every round draws fresh token-id prompts (so no server answers a round from a prefix cache
+filled by an earlier one) and sends the same prompts to each server, in an order that rotates
+from round to round, so drift on a noisy machine falls on every server alike. Start the
+servers yourself, with the settings you want compared, and record them with `--note`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitserve.benchmark.client import ClientConfig
+from splitserve.benchmark.metrics import compute_metrics
+from splitserve.benchmark.runner import RunConfig, run_benchmark
+from splitserve.benchmark.workloads import WorkloadConfig, build_workload
+
+
+@dataclass
+class Server:
+    name: str
+    url: str
+    model: str
+
+
+def parse_server(text: str) -> Server:
+    parts = text.split(",")
+    if len(parts) != 3 or not all(parts):
+        raise argparse.ArgumentTypeError(f"--server takes NAME,URL,MODEL, got {text!r}")
+    return Server(*parts)
+
+
+def run_order(servers: list[Server], round_index: int) -> list[Server]:
+    """The servers of a round, rotated by the round's number."""
+    k = round_index % len(servers)
+    return servers[k:] + servers[:k]
+
+
+def measure(server: Server, workload: WorkloadConfig, concurrency: int) -> dict:
+    client = ClientConfig(base_url=server.url, model=server.model, ignore_eos=True)
+    outcome = asyncio.run(run_benchmark(build_workload(workload), client,
+                                        RunConfig(max_concurrency=concurrency, progress=False)))
+    m = compute_metrics(outcome.results, outcome.duration_s, [50])
+    return {"output_tok_s": m.output_throughput, "ttft_ms": m.ttft_ms["mean"], "itl_ms": m.itl_ms["mean"],
+            "failed": m.failed}
+
+
+def summarize(runs: list[dict], servers: list[Server]) -> list[dict]:
+    """Per concurrency and server: medians over the rounds, and the ratio to the first server."""
+    rows = []
+    for c in sorted({r["concurrency"] for r in runs}):
+        medians = {}
+        for s in servers:
+            mine = [r for r in runs if r["concurrency"] == c and r["server"] == s.name]
+            medians[s.name] = {k: statistics.median(r[k] for r in mine) for k in ("output_tok_s", "ttft_ms", "itl_ms")}
+            medians[s.name]["failed"] = sum(r["failed"] for r in mine)
+        base = medians[servers[0].name]["output_tok_s"]
+        for s in servers:
+            rows.append({"concurrency": c, "server": s.name, **medians[s.name],
+                         "tok_s_ratio_to_first": medians[s.name]["output_tok_s"] / base if base else None})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="splitserve bench compare", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--server", type=parse_server, action="append", required=True,
+                    help="NAME,URL,MODEL (twice or more; the first is the one ratios refer to)")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--input-len", default="64:512")
+    ap.add_argument("--output-len", default="64:128")
+    ap.add_argument("--token-id-range", default="100:1000", help="random prompt ids are drawn from [LO, HI)")
+    ap.add_argument("--note", default="", help="the servers' versions and settings, kept in the JSON")
+    ap.add_argument("--json", type=Path)
+    ns = ap.parse_args(argv)
+    if len(ns.server) < 2 or ns.rounds < 1:
+        ap.error("give at least two --server and --rounds >= 1")
+    span = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731
+    runs = []
+    for rnd in range(ns.rounds):
+        for c in (int(x) for x in ns.concurrency.split(",")):
+            workload = WorkloadConfig(num_prompts=ns.requests, input_len=span(ns.input_len),
+                                      output_len=span(ns.output_len), token_id_range=span(ns.token_id_range),
+                                      seed=1000 * rnd + c)
+            for s in run_order(ns.server, rnd):
+                result = measure(s, workload, c)
+                runs.append({"round": rnd, "concurrency": c, "server": s.name, **result})
+                print(f"[compare] round {rnd + 1}/{ns.rounds} concurrency {c} {s.name}: "
+                      f"{result['output_tok_s']:.0f} tok/s, TTFT {result['ttft_ms']:.0f} ms", flush=True)
+    rows = summarize(runs, ns.server)
+    print(f"{'concurrency':>11} {'server':>14} {'tok/s':>8} {'ratio':>6} {'TTFT ms':>8} {'ITL ms':>7}")
+    for r in rows:
+        print(f"{r['concurrency']:>11} {r['server']:>14} {r['output_tok_s']:>8.0f} "
+              f"{r['tok_s_ratio_to_first']:>6.2f} {r['ttft_ms']:>8.0f} {r['itl_ms']:>7.1f}")
+    if ns.json:
+        ns.json.parent.mkdir(parents=True, exist_ok=True)
+        ns.json.write_text(json.dumps({
+            "benchmark": "compare", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "note": ns.note,
+            "command": "splitserve bench compare " + " ".join(argv or sys.argv[1:]),
+            "servers": [vars(s) for s in ns.server], "runs": runs, "summary": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""`splitserve bench compare` against a real `splitserve serve` under two names: every round
+sends the same prompts to each server, in a rotating order, and reports medians and ratios."""
+
+from __future__ import annotations
+
+import json
+
+from splitserve.benchmark import compare
+from tests.helpers.processes import SplitserveProcess
+
+
+def test_run_order_rotates_by_round():
+    a, b, c = (compare.Server(n, "u", "m") for n in "abc")
+    assert [[s.name for s in compare.run_order([a, b, c], r)] for r in range(4)] == \
+        [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+
+
+def test_summary_is_the_median_of_rounds_and_the_ratio_to_the_first():
+    servers = [compare.Server("x", "u", "m"), compare.Server("y", "u", "m")]
+    runs = [{"round": r, "concurrency": 8, "server": s, "output_tok_s": v, "ttft_ms": 10.0, "itl_ms": 1.0,
+             "failed": 0} for r, (s, v) in enumerate([("x", 100.0), ("y", 50.0), ("x", 120.0), ("y", 90.0),
+                                                      ("x", 80.0), ("y", 60.0)])]
+    rows = compare.summarize(runs, servers)
+    assert [(r["server"], r["output_tok_s"], r["tok_s_ratio_to_first"]) for r in rows] == \
+        [("x", 100.0, 1.0), ("y", 60.0, 0.6)]
+
+
+def test_compare_runs_interleaved_against_real_servers(make_ckpt, tmp_path):
+    serve = SplitserveProcess("serve", ["--model", str(make_ckpt("llama")), "--served-model-name", "m",
+                                        "--prefill-workers", "0", "--decode-workers", "1"])
+    try:
+        out = tmp_path / "compare.json"
+        url = serve.base_url
+        assert compare.main(["--server", f"first,{url},m", "--server", f"second,{url},m", "--concurrency", "1,4",
+                             "--rounds", "2", "--requests", "4", "--input-len", "8:16", "--output-len", "4:6",
+                             "--note", "one server under two names", "--json", str(out)]) == 0
+    finally:
+        serve.stop()
+    doc = json.loads(out.read_text())
+    assert [(r["round"], r["concurrency"], r["server"]) for r in doc["runs"]] == [
+        (0, 1, "first"), (0, 1, "second"), (0, 4, "first"), (0, 4, "second"),
+        (1, 1, "second"), (1, 1, "first"), (1, 4, "second"), (1, 4, "first")]
+    assert all(r["failed"] == 0 and r["output_tok_s"] > 0 for r in doc["runs"])
+    assert [r["tok_s_ratio_to_first"] for r in doc["summary"] if r["server"] == "first"] == [1.0, 1.0]
+    assert doc["note"] == "one server under two names"
