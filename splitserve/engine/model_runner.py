@@ -47,12 +47,10 @@ class ModelRunner:
         slots: list[int] = []
         logits_rows: list[int] = []
         sampled: list[Sequence] = []
-        long_rope: list[bool] = []  # per token: its sequence uses longrope's long factors
         for seq, n in batch.entries:
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            long_rope.extend([seq.long_rope] * n)
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if start + n == seq.num_tokens:
@@ -81,7 +79,8 @@ class ModelRunner:
                 continue
             rows = pos
             if table.long_after is not None:  # longrope: long-factor rows for sequences past the switch
-                rows = pos + self._tensor([table.long_offset if long else 0 for long in long_rope])
+                offsets = [table.long_offset if seq.long_rope else 0 for seq, n in batch.entries for _ in range(n)]
+                rows = pos + self._tensor(offsets)
             ropes[kind] = (table.cos[rows], table.sin[rows])
         logits = self.model(self._tensor(input_ids), ropes, self.kv_pool, meta, self._tensor(logits_rows))
         return logits, sampled
