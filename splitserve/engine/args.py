@@ -22,7 +22,11 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int)
-    g.add_argument("--torch-threads", type=int, default=1, help="CPU threads per worker")
+    g.add_argument("--torch-threads", type=int, help="intra-op CPU threads of each engine (default: the CPUs "
+                   "this process may use, i.e. its affinity set capped by the container's CPU limit; "
+                   "`serve` splits them among its workers, see --cpus)")
+    g.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run decode steps eagerly on CUDA (by default they replay CUDA graphs; off on CPU)")
 
 
 def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
@@ -38,4 +42,5 @@ def engine_config_from_args(args: argparse.Namespace, model: str, served: str) -
     return EngineConfig(model=model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30),
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=args.max_model_len, model_id=served)
+                        max_model_len=args.max_model_len, model_id=served,
+                        cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None)

@@ -26,6 +26,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     model_id: str | None = None  # seeds the block-hash space; default: the directory name
     seed: int = 0  # seed of the generator used by unseeded sampled requests
+    cuda_graphs: bool | None = None  # decode steps replayed from CUDA graphs; None: on for CUDA, off on CPU
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -35,6 +36,14 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")
+        if self.cuda_graphs and torch.device(self.device).type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA device, got device={self.device!r}")
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        if self.cuda_graphs is None:
+            return torch.device(self.device).type == "cuda"
+        return self.cuda_graphs
 
     @property
     def torch_dtype(self) -> torch.dtype:

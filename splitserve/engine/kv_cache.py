@@ -36,14 +36,25 @@ class KVCacheSpec:
 
 
 class KVCachePool:
-    """Owns the KV memory. Allocation of blocks is the BlockManager's job."""
+    """Owns the KV memory. Allocation of blocks is the BlockManager's job.
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: str | torch.device = "cpu"):
+    `scratch_blocks` extra blocks sit after the `num_blocks` usable ones: no sequence or
+    transfer ever names them, so padded rows of a fixed-shape decode batch (CUDA graphs,
+    engine/cuda_graphs.py) write and read there without touching real KV."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: str | torch.device = "cpu",
+                 scratch_blocks: int = 0):
         if num_blocks < 1:
             raise ValueError(f"KV pool needs at least one block, got num_blocks={num_blocks}")
         self.spec = spec
         self.num_blocks = num_blocks
-        self.data = torch.zeros((num_blocks, *spec.block_shape), dtype=spec.dtype, device=device)
+        self.num_scratch_blocks = scratch_blocks
+        self.data = torch.zeros((num_blocks + scratch_blocks, *spec.block_shape), dtype=spec.dtype, device=device)
+
+    @property
+    def scratch_block(self) -> int | None:
+        """The first scratch block's id (None without scratch blocks)."""
+        return self.num_blocks if self.num_scratch_blocks else None
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) views of one layer, each [num_blocks, block_size, kv_heads, head_dim]."""

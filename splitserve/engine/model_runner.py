@@ -1,5 +1,6 @@
 """Runs one scheduled batch through the model: flattens the sequences' new tokens,
-builds the paged-attention metadata, and returns logits where a token is due."""
+builds the paged-attention metadata, and returns logits where a token is due. Pure-decode
+batches go through the CUDA-graph path (engine/cuda_graphs.py) when it is on."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 from splitserve.core.model_config import FULL, SLIDING, ModelConfig
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.kv_cache import KVCachePool, KVCacheSpec, num_blocks_for_memory
 from splitserve.engine.models.layers import AttentionMetadata
 from splitserve.engine.models.loader import load_model
@@ -28,7 +30,19 @@ class ModelRunner:
         spec = KVCacheSpec(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
                            cfg.block_size, cfg.torch_dtype)
         num_blocks = cfg.num_kv_blocks or num_blocks_for_memory(spec, cfg.kv_cache_memory_bytes)
-        self.kv_pool = KVCachePool(spec, num_blocks, self.device)
+        # one scratch block: where the padding rows of a fixed-shape decode batch write
+        self.kv_pool = KVCachePool(spec, num_blocks, self.device, scratch_blocks=1)
+        self.max_model_len = max_model_len
+        self.decode_graphs: DecodeGraphs | None = None
+        if cfg.use_cuda_graphs:
+            self.enable_decode_graphs(capture=True)
+
+    def enable_decode_graphs(self, capture: bool = True) -> None:
+        """Run pure-decode batches padded to fixed buckets on static buffers: replayed from
+        CUDA graphs captured now (`capture`, CUDA only), or eagerly (any device; the
+        tests' way to check the padded step on the CPU)."""
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_pool, self.ropes, self.cfg.max_num_seqs,
+                                          self.max_model_len, self.block_size, self.device, capture)
 
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -41,6 +55,8 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Logits [k, vocab] (float32) for the k sequences that reach their last known
         token this step (those get a new token), and those sequences in order."""
+        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
+            return self.decode_graphs.run(batch)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []

@@ -1,0 +1,210 @@
+"""CUDA-graph capture and replay of pure-decode steps.
+
+A decode step of a small batch is a few hundred short kernels; launched one by one from
+Python the GPU idles between them. A CUDA graph records the launches once and replays
+them with one call. A graph fixes every shape and pointer, so the step is run on static
+buffers of a fixed batch size (a *bucket*: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs):
+
+- a batch of n decodes is padded up to the smallest bucket >= n. A padding row decodes
+  token 0 at position 0 with a context of one token, its block table and its slot in
+  the pool's scratch block (KVCachePool.scratch_block), so it never reads or writes the
+  KV of a real sequence and its (discarded) output stays finite;
+- block tables are always `blocks_per_seq(max_model_len)` wide (padded with the scratch
+  block), and lengths, slots and rope rows are device tensors read by the kernels: no
+  value is read on the host during the step (the Triton decode kernel sizes its splits
+  from the table width, not from the lengths);
+- every per-step input is one flat int64 tensor, copied to the device once per step; the
+  graph slices and converts it itself.
+
+Graphs are captured at start-up, largest bucket first, into one shared memory pool: the
+largest graph sizes the pool and the smaller ones reuse its memory, and no request pays
+for a capture (vLLM does the same). Steps with prefill tokens, or more decodes than the
+largest bucket, run eagerly.
+
+With `capture=False` the same padded static-buffer step runs eagerly: this is how the
+CPU tests check that padding changes no result, where no capture is possible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.models.layers import AttentionMetadata
+from splitserve.engine.models.rope import RopeTable
+from splitserve.engine.scheduler import ScheduledBatch
+from splitserve.engine.sequence import Sequence
+from splitserve.kernels import ops
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes a graph is captured for: 1, 2, 4, then multiples of 8, and
+    max_num_seqs itself, so every decode batch the scheduler can form fits one."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
+    small = [b for b in (1, 2, 4) if b < max_num_seqs]
+    return small + list(range(8, max_num_seqs, 8)) + [max_num_seqs]
+
+
+def bucket_for(n: int, buckets: list[int]) -> int | None:
+    """The smallest bucket holding n rows (None: larger than every bucket)."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def blocks_per_seq(max_model_len: int, block_size: int) -> int:
+    """Block-table width that holds any sequence the engine accepts."""
+    return -(-max_model_len // block_size)
+
+
+@dataclass
+class PaddedDecode:
+    """One row per bucket slot: the real sequences first, then padding rows."""
+
+    input_ids: list[int]
+    positions: list[int]
+    long_rope: list[bool]
+    slots: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+
+
+def pad_decode(seqs: list[Sequence], bucket: int, width: int, block_size: int, scratch_block: int) -> PaddedDecode:
+    """Host-side inputs of a decode step for `seqs` padded to `bucket` rows of `width`
+    block ids. Each sequence computes the token at its num_computed_tokens."""
+    if len(seqs) > bucket:
+        raise ValueError(f"{len(seqs)} sequences do not fit a bucket of {bucket}")
+    out = PaddedDecode([], [], [], [], [], [])
+    for seq in seqs:
+        pos, table = seq.num_computed_tokens, seq.block_table
+        if len(table) > width:
+            raise ValueError(f"a block table of {len(table)} blocks is wider than {width}")
+        out.input_ids.append(seq.token_ids[pos])
+        out.positions.append(pos)
+        out.long_rope.append(bool(seq.long_rope))
+        out.slots.append(table[pos // block_size] * block_size + pos % block_size)
+        out.seq_lens.append(pos + 1)
+        out.block_tables.append(table + [scratch_block] * (width - len(table)))
+    for _ in range(bucket - len(seqs)):
+        out.input_ids.append(0)
+        out.positions.append(0)
+        out.long_rope.append(False)
+        out.slots.append(scratch_block * block_size)
+        out.seq_lens.append(1)
+        out.block_tables.append([scratch_block] * width)
+    return out
+
+
+class DecodeGraphs:
+    """The padded static-buffer decode step, per bucket, replayed from CUDA graphs
+    (`capture=True`, CUDA only) or run eagerly (`capture=False`)."""
+
+    def __init__(self, model, kv_pool, ropes: dict[str, RopeTable], max_num_seqs: int, max_model_len: int,
+                 block_size: int, device: torch.device, capture: bool = True):
+        if kv_pool.scratch_block is None:
+            raise ValueError("the decode graphs need a KV pool with a scratch block (scratch_blocks=1)")
+        self.model, self.kv_pool, self.ropes = model, kv_pool, ropes
+        self.buckets = batch_buckets(max_num_seqs)
+        self.width = blocks_per_seq(max_model_len, block_size)
+        self.block_size, self.device, self.capture = block_size, device, capture
+        self.scratch = kv_pool.scratch_block
+        # one rope-row column per distinct table (a model's local and global tables may be one)
+        self.tables: list[RopeTable] = []
+        for table in ropes.values():
+            if not any(t is table for t in self.tables):
+                self.tables.append(table)
+        self.inputs: dict[int, torch.Tensor] = {}  # bucket -> static flat input buffer
+        self.outputs: dict[int, torch.Tensor] = {}  # bucket -> logits written by its graph
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.steps = 0  # decode steps run through this path (replayed or padded eagerly)
+        if capture:
+            self._check_capturable()
+            self.pool = torch.cuda.graph_pool_handle()
+            for bucket in reversed(self.buckets):  # largest first: it sizes the shared pool
+                self._capture(bucket)
+
+    def _check_capturable(self) -> None:
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            raise RuntimeError(f"CUDA graphs need a CUDA device, the engine runs on {self.device}; "
+                               "turn them off (--no-cuda-graphs, EngineConfig(cuda_graphs=False))")
+        probe = torch.empty(1, device=self.device)
+        if ops.backend_for(probe) != "triton":
+            raise RuntimeError("CUDA graphs need the Triton kernels: the torch reference reads lengths on "
+                               "the host, which a graph cannot hold; unset SPLITSERVE_KERNELS or turn "
+                               "CUDA graphs off")
+
+    # ---- per step ---------------------------------------------------------------------
+    def fits(self, batch: ScheduledBatch) -> bool:
+        """Pure decode, at most the largest bucket, every table within the fixed width."""
+        return (not batch.prefills and 0 < len(batch.decodes) <= self.buckets[-1]
+                and all(len(s.block_table) <= self.width for s in batch.decodes))
+
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """ModelRunner.run's result for a batch that `fits`."""
+        seqs = batch.decodes
+        bucket = bucket_for(len(seqs), self.buckets)
+        padded = pad_decode(seqs, bucket, self.width, self.block_size, self.scratch)
+        host = torch.tensor(self._flatten(padded), dtype=torch.int64)
+        static = self._input(bucket)
+        static.copy_(host, non_blocking=self.device.type == "cuda")
+        self.steps += 1
+        if self.capture:
+            self.graphs[bucket].replay()
+            logits = self.outputs[bucket]
+        else:
+            logits = self._forward(static, bucket)
+        # a one-token entry is not sampled when it is not the sequence's last known token
+        rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens + 1 == s.num_tokens]
+        return logits[rows], [seqs[i] for i in rows]  # indexing copies: the graph's buffer is reused
+
+    def _flatten(self, p: PaddedDecode) -> list[int]:
+        """[ids | slots | seq_lens | rope rows per table | block tables], each bucket long."""
+        flat = p.input_ids + p.slots + p.seq_lens
+        for table in self.tables:
+            offset = table.long_offset if table.long_after is not None else 0
+            flat += [pos + (offset if long else 0) for pos, long in zip(p.positions, p.long_rope, strict=True)]
+        for row in p.block_tables:
+            flat += row
+        return flat
+
+    def _input(self, bucket: int) -> torch.Tensor:
+        if bucket not in self.inputs:
+            size = bucket * (3 + len(self.tables) + self.width)
+            self.inputs[bucket] = torch.zeros(size, dtype=torch.int64, device=self.device)
+        return self.inputs[bucket]
+
+    # ---- the step the graph holds -----------------------------------------------------
+    def _forward(self, flat: torch.Tensor, bucket: int) -> torch.Tensor:
+        """Logits [bucket, vocab] of the padded step held in `flat`: only device ops."""
+        b = bucket
+        ids, slots, seq_lens = flat[:b], flat[b : 2 * b], flat[2 * b : 3 * b].to(torch.int32)
+        start = 3 * b
+        rows = {}
+        for table in self.tables:
+            rows[id(table)] = flat[start : start + b]
+            start += b
+        tables = flat[start : start + b * self.width].view(b, self.width).to(torch.int32)
+        meta = AttentionMetadata(slot_mapping=slots, num_prefill_tokens=0, prefill_block_tables=None,
+                                 prefill_cu_seqlens_q=None, prefill_seq_lens=None,
+                                 decode_block_tables=tables, decode_seq_lens=seq_lens)
+        cos_sin = {id(t): (t.cos[rows[id(t)]], t.sin[rows[id(t)]]) for t in self.tables}
+        ropes = {kind: cos_sin[id(table)] for kind, table in self.ropes.items()}
+        every_row = torch.arange(b, device=self.device)
+        return self.model(ids, ropes, self.kv_pool, meta, every_row)
+
+    def _capture(self, bucket: int) -> None:
+        """Warm up (Triton compiles outside the capture), then record the padded step;
+        the static input holds padding rows only, which touch the scratch block alone."""
+        static = self._input(bucket)
+        static.copy_(torch.tensor(self._flatten(pad_decode([], bucket, self.width, self.block_size,
+                                                           self.scratch)), dtype=torch.int64))
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(static, bucket)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[bucket] = self._forward(static, bucket)
+        self.graphs[bucket] = graph
