@@ -192,6 +192,7 @@ class DecodeGraphs:
         every_row = torch.arange(b, device=self.device)
         return self.model(ids, ropes, self.kv_pool, meta, every_row)
 
+    @torch.inference_mode()
     def _capture(self, bucket: int) -> None:
         """Warm up (Triton compiles outside the capture), then record the padded step;
         the static input holds padding rows only, which touch the scratch block alone."""
