@@ -34,6 +34,7 @@ BENCH_TARGETS: dict[str, str] = {
     "router": "splitserve.benchmark.router_decision",
     "serve-overhead": "splitserve.benchmark.serve_overhead",
     "compare": "splitserve.benchmark.compare",
+    "gpu-check": "splitserve.benchmark.gpu_check",
 }
 
 

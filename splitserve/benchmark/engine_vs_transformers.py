@@ -10,9 +10,11 @@ requested output tokens.
 
 The model is the random-weight demo Llama, or with --family qwen3_moe a random-weight
 Qwen3-MoE of the same width (16 experts, top-4, renormalised; built once in the cache),
-or any checkpoint given with --model.
+or any checkpoint given with --model. With --device cuda both sides run on the GPU (the
+engine with its CUDA graphs) and the clocks stop only when the GPU has finished.
 
-    splitserve bench engine [--family llama|qwen3_moe] [--model DIR] [--out results.json]
+    splitserve bench engine [--family llama|qwen3_moe] [--model DIR] [--device cuda]
+                            [--max-num-seqs 32 --hf-batch-sizes 32] [--out results.json]
 """
 
 from __future__ import annotations
@@ -54,40 +56,51 @@ def make_workload(n: int, vocab: int, seed: int = 0):
     return prompts, outputs
 
 
-def run_engine(model_dir: str, prompts, outputs, dtype: str) -> dict:
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_engine(model_dir: str, prompts, outputs, dtype: str, device: str = "cpu", max_num_seqs: int = 64,
+               kv_cache_gib: float = 0.5) -> dict:
     from splitserve.engine import LLM, SamplingParams
 
-    llm = LLM(model_dir, dtype=dtype, max_num_seqs=64, max_num_batched_tokens=2048)
+    llm = LLM(model_dir, dtype=dtype, device=device, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
+              kv_cache_memory_bytes=int(kv_cache_gib * 2**30))
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outputs]
     llm.generate(prompts[:2], params[:2])  # warm-up
+    _sync(device)
     start, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params)
+    _sync(device)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     produced = sum(len(o.token_ids) for o in outs)
     assert produced == sum(outputs)
     return {"seconds": elapsed, "cpu_seconds": cpu, "output_tokens": produced,
             "output_tokens_per_s": produced / elapsed, "output_tokens_per_cpu_s": produced / cpu,
-            "preemptions": llm.engine.scheduler.num_preemptions}
+            "preemptions": llm.engine.scheduler.num_preemptions, "max_num_seqs": max_num_seqs}
 
 
-def run_transformers(model_dir: str, prompts, outputs, batch_size: int, dtype: str) -> dict:
+def run_transformers(model_dir: str, prompts, outputs, batch_size: int, dtype: str, device: str = "cpu") -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
     pad = model.generation_config.eos_token_id[0]
 
     def generate(batch_prompts, new_tokens):
         width = max(len(p) for p in batch_prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts], device=device)
         with torch.no_grad():
             model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                            do_sample=False, pad_token_id=pad)
 
     generate(prompts[:2], 4)  # warm-up
+    _sync(device)
     start, cpu = time.perf_counter(), time.process_time()
     for i in range(0, len(prompts), batch_size):
         generate(prompts[i : i + batch_size], max(outputs[i : i + batch_size]))
+    _sync(device)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     return {"batch_size": batch_size, "seconds": elapsed, "cpu_seconds": cpu,
             "output_tokens_per_s": sum(outputs) / elapsed, "output_tokens_per_cpu_s": sum(outputs) / cpu}
@@ -103,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-batch-sizes", default="8,16,32,64")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", default="1,2", help="torch CPU thread counts to try on both sides")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N (both sides)")
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="the engine's largest batch")
+    ap.add_argument("--kv-cache-gib", type=float, default=0.5, help="the engine's KV cache")
     ap.add_argument("--out", help="write JSON results here")
     args = ap.parse_args(argv)
     from splitserve.core.model_config import ModelConfig
@@ -118,12 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     for threads in thread_counts:
         torch.set_num_threads(threads)
         torch.manual_seed(0)
-        e = {"threads": threads, **run_engine(model_dir, prompts, outputs, args.dtype)}
+        e = {"threads": threads, **run_engine(model_dir, prompts, outputs, args.dtype, args.device, args.max_num_seqs,
+                                                 args.kv_cache_gib)}
         engine_runs.append(e)
         print(f"splitserve engine  threads={threads}: {e['output_tokens_per_s']:8.1f} output tok/s "
               f"({e['seconds']:.1f} s, {e['output_tokens_per_cpu_s']:.1f} per CPU-second)", flush=True)
         for bs in (int(b) for b in args.hf_batch_sizes.split(",")):
-            r = {"threads": threads, **run_transformers(model_dir, prompts, outputs, bs, args.dtype)}
+            r = {"threads": threads, **run_transformers(model_dir, prompts, outputs, bs, args.dtype, args.device)}
             hf_runs.append(r)
             print(f"transformers bs={bs:<3} threads={threads}: {r['output_tokens_per_s']:8.1f} output tok/s "
                   f"({r['seconds']:.1f} s, {r['output_tokens_per_cpu_s']:.1f} per CPU-second)", flush=True)
@@ -134,13 +151,14 @@ def main(argv: list[str] | None = None) -> int:
           f"threads={best['threads']}): {ratio:.2f}x output tokens/s")
     result = {
         "benchmark": "engine_vs_transformers", "model": model_dir,
-        "architecture": ModelConfig.from_dir(model_dir).architecture, "dtype": args.dtype,
+        "architecture": ModelConfig.from_dir(model_dir).architecture, "dtype": args.dtype, "device": args.device,
         "requests": args.requests, "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outputs),
         "engine_runs": engine_runs, "transformers_runs": hf_runs, "best_engine": engine,
         "best_transformers": best, "ratio_vs_best_transformers": ratio,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "load_average_1m_at_end": os.getloadavg()[0],
-                    "torch": torch.__version__},
+                    "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None},
     }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,200 @@
+"""The stages of `splitserve bench gpu-check` (gpu_check.py says what each runs and how long
+it takes). Each runs its work in a child process with a time limit, so a crash, a hang or
+a Triton mode fixed at import cannot spoil the next stage, and returns
+{"ok", "reason", "seconds", "command", ...numbers}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+PY = sys.executable
+ENGINE_MODEL = "splitserve-gpu-check-llama-1b-shape-random-v1"
+# Llama-3.2-1B's shape (random bfloat16 weights; the demo tokenizer's 1024-token vocabulary)
+ENGINE_MODEL_FIELDS = dict(seed=20, dtype="bfloat16", hidden_size=2048, intermediate_size=8192,
+                           num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64)
+# what a dry run cannot show, per stage
+GPU_PART = {
+    "kernels": "the compiled kernels were not run on a GPU",
+    "fidelity": "the engine was not compared with transformers on CUDA",
+    "graphs": "no CUDA graph was captured or replayed",
+    "mbu_mfu": "no MBU or MFU was measured (the toy CPU run's figures mean nothing)",
+    "serve": "splitserve serve did not run on CUDA",
+    "engine": "no GPU throughput was measured",
+}
+
+
+@dataclass
+class Context:
+    dry_run: bool
+    workdir: Path
+    engine_model: str | None = None
+    serve_model: str | None = None
+
+
+def run(ctx: Context, name: str, cmd: list[str], timeout: float, interpret: bool | None = None) -> dict:
+    """Run `cmd` (its own process group, killed whole at the time limit); its output goes
+    to workdir/<name>.log. `interpret`: set (True) or remove (False) TRITON_INTERPRET."""
+    env = dict(os.environ)
+    if interpret is not None:
+        env.pop("TRITON_INTERPRET", None)
+        if interpret:
+            env["TRITON_INTERPRET"] = "1"
+    log = ctx.workdir / f"{name}.log"
+    start = time.monotonic()
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = None
+    tail = log.read_text(errors="replace")[-2500:]
+    return {"exit_code": code, "seconds": round(time.monotonic() - start, 1), "command": " ".join(cmd[2:]),
+            "timed_out": code is None, "log_tail": tail if code != 0 else ""}
+
+
+def _load(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def kernels(ctx: Context) -> dict:
+    report = ctx.workdir / "kernels_junit.xml"
+    report.unlink(missing_ok=True)
+    if ctx.dry_run:  # the interpreter is slow: a subset, float32 plus the window/soft-cap cases
+        targets = ["tests/kernels/test_decode_attention.py", "tests/kernels/test_kv_movement.py",
+                   "tests/kernels/test_norm_rope.py", "tests/kernels/test_window_softcap.py",
+                   "-k", "float32 or window or softcap"]
+    else:
+        targets = ["tests/kernels"]
+    cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *targets]
+    r = run(ctx, "kernels", cmd, 300 if ctx.dry_run else 900, interpret=ctx.dry_run)
+    if not report.exists():
+        return {"ok": False, "reason": "pytest wrote no report", **r}
+    suite = ET.parse(report).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    ok = r["exit_code"] == 0 and counts["tests"] > 0 and not counts["failures"] and not counts["errors"]
+    mode = "Triton interpreter on the CPU, a subset" if ctx.dry_run else "compiled Triton kernels on the GPU"
+    return {"ok": ok, "reason": f"{mode}: {counts['tests']} tests, {counts['failures']} failed, "
+                                f"{counts['errors']} errors, {counts['skipped']} skipped", **counts, **r}
+
+
+def _engine_check(ctx: Context, check: str, extra: list[str]) -> dict:
+    out = ctx.workdir / f"{check}.json"
+    out.unlink(missing_ok=True)
+    device = "cpu" if ctx.dry_run else "cuda"
+    cmd = [PY, "-m", "splitserve.benchmark.gpu_fidelity", check, "--device", device, "--out", str(out), *extra]
+    r = run(ctx, check, cmd, 300 if ctx.dry_run else 600)
+    result = _load(out)
+    if result is None:
+        return {"ok": False, "reason": f"{check} wrote no result", **r}
+    keys = ("model", "dtype", "ok", "exact_outputs", "identical_tokens", "outputs", "max_top5_logprob_diff",
+            "graph_steps", "captured", "setup_seconds", "eager_seconds", "graph_seconds")
+    runs = [{k: run_[k] for k in keys if k in run_} for run_ in result["runs"]]
+    bad = [f"{x['model']} {x['dtype']}" for x in runs if not x["ok"]]
+    reason = result.get("mode", result["check"]) + (f": failed for {', '.join(bad)}" if bad else
+                                                    f": {len(runs)} model/dtype runs agree")
+    return {"ok": result["ok"] and r["exit_code"] == 0, "reason": reason, "runs": runs, **r}
+
+
+def fidelity(ctx: Context) -> dict:
+    return _engine_check(ctx, "fidelity", ["--lengths", "5,47", "--new-tokens", "8"] if ctx.dry_run else [])
+
+
+def graphs(ctx: Context) -> dict:
+    small = ["--requests", "12", "--max-tokens", "16", "--models", "llama,gemma2"]
+    return _engine_check(ctx, "graphs", small if ctx.dry_run else [])
+
+
+def mbu_mfu(ctx: Context) -> dict:
+    out = ctx.workdir / "bench_kernels.json"
+    out.unlink(missing_ok=True)
+    sizes = ["--batch-sizes", "1,2", "--hf-new-tokens", "6"] if ctx.dry_run else \
+        ["--batch-sizes", "1,8,32", "--prefill-tokens", "2048"]
+    r = run(ctx, "mbu_mfu", [PY, "-m", "splitserve.cli", "bench", "kernels", *sizes, "--out", str(out)],
+            300 if ctx.dry_run else 900, interpret=ctx.dry_run)
+    result = _load(out)
+    if result is None:
+        return {"ok": False, "reason": "splitserve bench kernels wrote no result", **r}
+    steps = [{k: row.get(k) for k in ("batch", "mode", "mbu", "seconds", "error")} for row in result["decode_step"]]
+    batch1 = [s["mbu"] for s in steps if s["batch"] == 1 and s.get("mbu") is not None]
+    mfu = result["prefill"]["mfu"]
+    hf = result.get("transformers", {})
+    figures = {"decode_step": steps, "prefill": result["prefill"], "peak": result["peak"],
+               "transformers_decode_mbu": [{"batch": d["batch"], "mbu": d["mbu"]} for d in hf.get("decode", [])],
+               "transformers_prefill_mfu": hf.get("prefill", {}).get("mfu")}
+    measured = not ctx.dry_run
+    targets = [_target("decode MBU at batch 1 (best of eager and CUDA graph)", 0.80, max(batch1, default=None),
+                       measured),
+               _target("prefill MFU at 2048 tokens", 0.60, mfu, measured)]
+    return {"ok": r["exit_code"] == 0, "reason": result["note"], "figures": figures, "targets": targets, **r}
+
+
+def _target(name: str, goal: float, value: float | None, measured: bool) -> dict:
+    if not measured or value is None:
+        return {"name": name, "target": f">= {goal}", "value": None, "met": None}
+    return {"name": name, "target": f">= {goal}", "value": round(value, 4), "met": value >= goal}
+
+
+def serve(ctx: Context) -> dict:
+    from splitserve.benchmark.gpu_check_serve import run_backend
+
+    if ctx.dry_run:
+        size = dict(device="cpu", dtype="float32", prompts=8, input_len=128, output_len=16, start_timeout=180)
+    else:
+        size = dict(device="cuda", dtype="bfloat16", prompts=64, input_len=512, output_len=64, start_timeout=600)
+    start = time.monotonic()
+    rows = [run_backend(b, model=ctx.serve_model, workdir=ctx.workdir, **size) for b in ("grpc", "mooncake")]
+    reason = "; ".join(f"{r['backend']}: {r['reason']}" for r in rows)
+    return {"ok": all(r["ok"] for r in rows), "reason": reason, "backends": rows,
+            "seconds": round(time.monotonic() - start, 1)}
+
+
+def engine_checkpoint() -> str:
+    from splitserve.core.model_dir import cache_root
+    from splitserve.engine.demo import write_checkpoint
+
+    target = cache_root() / ENGINE_MODEL
+    if not (target / "config.json").is_file():
+        write_checkpoint(target, "llama", **ENGINE_MODEL_FIELDS)
+    return str(target)
+
+
+def engine(ctx: Context) -> dict:
+    out = ctx.workdir / "bench_engine.json"
+    out.unlink(missing_ok=True)
+    if ctx.dry_run:  # the demo model; batch 4 stands in for 32
+        args = ["--device", "cpu", "--dtype", "float32", "--max-num-seqs", "4", "--hf-batch-sizes", "4",
+                "--threads", "1", "--requests", "8"]
+        args += ["--model", ctx.engine_model] if ctx.engine_model else []
+    else:
+        args = ["--device", "cuda", "--dtype", "bfloat16", "--max-num-seqs", "32", "--hf-batch-sizes", "32",
+                "--threads", "4", "--requests", "64", "--kv-cache-gib", "8",
+                "--model", ctx.engine_model or engine_checkpoint()]
+    r = run(ctx, "engine", [PY, "-m", "splitserve.cli", "bench", "engine", *args, "--out", str(out)],
+            300 if ctx.dry_run else 900)
+    result = _load(out)
+    if result is None:
+        return {"ok": False, "reason": "splitserve bench engine wrote no result", **r}
+    ratio = result["ratio_vs_best_transformers"]
+    figures = {"model": Path(result["model"]).name, "dtype": result["dtype"],
+               "engine_output_tok_s": result["best_engine"]["output_tokens_per_s"],
+               "transformers_output_tok_s": result["best_transformers"]["output_tokens_per_s"],
+               "transformers_batch_size": result["best_transformers"]["batch_size"], "ratio": ratio}
+    target = _target("engine / transformers output tok/s at batch 32", 5.0, ratio, not ctx.dry_run)
+    return {"ok": r["exit_code"] == 0, "reason": f"ratio {ratio:.2f}x", "figures": figures,
+            "targets": [target], **r}
+
+
+STAGES = {"kernels": kernels, "fidelity": fidelity, "graphs": graphs, "mbu_mfu": mbu_mfu, "serve": serve,
+          "engine": engine}
