@@ -113,9 +113,11 @@ def test_padded_step_gives_the_eager_logits(make_ckpt, family, n):
     assert (scratch[:, :, 0] != 1000.0).all() == padding
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "phi3", "qwen3_moe"])
 def test_generation_through_the_padded_path_matches_eager(make_ckpt, family):
-    """Whole generations, batches shrinking as requests finish (each step a new bucket)."""
+    """Whole generations, batches shrinking as requests finish (each step a new bucket);
+    Phi-3's sequences pass its 64-token longrope switch (long-factor rope rows), Qwen3-MoE
+    routes padding rows through its experts too."""
     path = str(make_ckpt(family))
     eager = LLM(path, num_kv_blocks=160, max_num_seqs=MAX_SEQS)
     padded = LLM(path, num_kv_blocks=160, max_num_seqs=MAX_SEQS)
