@@ -21,6 +21,7 @@ import signal
 import sys
 import time
 
+from splitserve.core.cpus import available_cpus, threads_per_worker
 from splitserve.core.model_dir import checkpoint_problem
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.logs import configure_logging
@@ -39,10 +40,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-workers", type=int, default=1)
     ap.add_argument("--redis-url", help="use Redis as the cluster bus (default: in-process)")
     ap.add_argument("--kv-backend", choices=["grpc", "mooncake"], default="grpc")
+    ap.add_argument("--cpus", type=int, help="CPUs the workers' engines share (default: those this process may "
+                    "use); each worker gets an equal share of torch threads unless --torch-threads is given")
     add_worker_health_args(ap)
     add_engine_args(ap)
     ap.add_argument("--log-level", default="INFO")
     return ap
+
+
+def worker_threads(args: argparse.Namespace) -> int:
+    """Torch threads per worker: --torch-threads, else an equal share of --cpus (all this
+    process may use): no oversubscription, and the machine used (docs/operations.md)."""
+    if args.torch_threads is not None:
+        return args.torch_threads
+    cpus = available_cpus() if args.cpus is None else args.cpus
+    return threads_per_worker(cpus, args.prefill_workers + args.decode_workers)
 
 
 async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
@@ -87,15 +99,16 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
         print(f"splitserve: embedded bus bridge on {worker_bus} ({security.describe()})", flush=True)
 
     opts = {"num_cpus": 0}  # workers share the machine; torch threads are set per worker
+    threads = worker_threads(args)
     actors = []
     common = dict(bus_url=worker_bus, kv_backend=args.kv_backend, admin_port=0, security=security,
                   engine_stall_timeout_s=args.engine_stall_timeout)
     for i in range(args.decode_workers):
         cfg = DecodeWorkerConfig(engine, worker_id=f"decode-{i}", **common)
-        actors.append(WorkerActor.options(name=f"decode-{i}", **opts).remote(DecodeWorker, cfg, args.torch_threads))
+        actors.append(WorkerActor.options(name=f"decode-{i}", **opts).remote(DecodeWorker, cfg, threads))
     for i in range(args.prefill_workers):
         cfg = PrefillWorkerConfig(engine, worker_id=f"prefill-{i}", **common)
-        actors.append(WorkerActor.options(name=f"prefill-{i}", **opts).remote(PrefillWorker, cfg, args.torch_threads))
+        actors.append(WorkerActor.options(name=f"prefill-{i}", **opts).remote(PrefillWorker, cfg, threads))
 
     runner = dispatcher = None
     try:
@@ -111,7 +124,8 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
             await dispatcher.sync.refresh()
             await asyncio.sleep(0.1)
         print(f"splitserve: serving {served!r} on http://{args.host}:{args.port}/v1 "
-              f"({args.prefill_workers} prefill + {args.decode_workers} decode workers, "
+              f"({args.prefill_workers} prefill + {args.decode_workers} decode workers, {threads} torch "
+              f"thread(s) each, "
               f"bus: {args.redis_url or 'in-process'}, KV transfer: {args.kv_backend})", flush=True)
         await stop.wait()
     finally:
@@ -159,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     if args.prefill_workers < 0 or args.decode_workers < 1:
         print("splitserve serve: need --decode-workers >= 1 and --prefill-workers >= 0", file=sys.stderr)
+        return 2
+    if any(v is not None and v < 1 for v in (args.cpus, args.stream_interval)):
+        print("splitserve serve: --cpus and --stream-interval must be >= 1", file=sys.stderr)
         return 2
     if args.model is not None:  # checked before Ray or any process starts: one line, exit 2
         problem = checkpoint_problem(args.model)

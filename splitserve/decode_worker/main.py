@@ -12,6 +12,7 @@ import socket
 
 import torch
 
+from splitserve.core.cpus import available_cpus
 from splitserve.core.ports import ADMIN_PORT, DECODE_GRPC_PORT, DRAIN_PORT
 from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     add_security_args(ap)
     args = ap.parse_args(argv)
     configure_logging()
-    torch.set_num_threads(args.torch_threads)
+    torch.set_num_threads(args.torch_threads or available_cpus())
     model, served = resolve_model(args)
     advertise = args.advertise_host or (None if args.host == "0.0.0.0" else args.host) or socket.gethostname()
     config = DecodeWorkerConfig(engine_config_from_args(args, model, served), worker_id=args.worker_id,

@@ -9,6 +9,13 @@ from splitserve.core.model_dir import resolve_model as core_resolve_model
 from splitserve.engine.config import EngineConfig
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("engine")
     g.add_argument("--model", help="Hugging Face checkpoint directory (default: the random-weight demo model)")
@@ -22,7 +29,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int)
-    g.add_argument("--torch-threads", type=int, help="intra-op CPU threads of each engine (default: the CPUs "
+    g.add_argument("--torch-threads", type=positive_int, help="intra-op CPU threads of each engine (default: the CPUs "
                    "this process may use, i.e. its affinity set capped by the container's CPU limit; "
                    "`serve` splits them among its workers, see --cpus)")
     g.add_argument("--no-cuda-graphs", action="store_true",

@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from splitserve.core.cpus import available_cpus
 from splitserve.core.ports import PREFILL_ADMIN_PORT
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.logs import configure_logging
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, worker_class: type[PrefillWorker] = PrefillWorker) -> int:
     args = build_parser().parse_args(argv)
     configure_logging()
-    torch.set_num_threads(args.torch_threads)
+    torch.set_num_threads(args.torch_threads or available_cpus())
     model, served = resolve_model(args)
     config = PrefillWorkerConfig(engine_config_from_args(args, model, served), worker_id=args.worker_id,
                                  host=args.host, port=args.port, advertise_host=args.advertise_host,

@@ -98,10 +98,11 @@ def main(argv: list[str] | None = None) -> int:
                                   advertise_host=None, bus_url=args.redis_url, cluster=args.cluster,
                                   admin_port=args.worker_metrics_port, kv_protocol=args.kv_protocol,
                                   rdma_device=args.rdma_device, security=security)
+        # Ray reserves one CPU per actor (num_cpus=1): one torch thread unless --torch-threads says more
         placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)} if node_id else {}
         return WorkerActor.options(name=f"prefill-{slot}", lifetime="detached", get_if_exists=True, num_cpus=1,
                                    num_gpus=args.gpus_per_worker, **placement).remote(PrefillWorker, cfg,
-                                                                                      args.torch_threads)
+                                                                                      args.torch_threads or 1)
 
     serve_metrics(args.metrics_port, metrics.registry, lambda: bool(actors))
     while True:  # reconcile the actors against the slots
