@@ -37,7 +37,8 @@ class Metrics:
             "splitserve_time_to_first_token_seconds", "Time from request arrival to first token.",
             ["model"], buckets=TTFT_BUCKETS, registry=r)
         self.inter_token_latency = Histogram(
-            "splitserve_inter_token_latency_seconds", "Time between consecutive output tokens.",
+            "splitserve_inter_token_latency_seconds", "Time between consecutive output tokens "
+            "(a chunk of n tokens under --stream-interval counts as n gaps of a n-th of its wait).",
             ["model"], buckets=ITL_BUCKETS, registry=r)
         self.e2e_request_latency = Histogram(
             "splitserve_e2e_request_latency_seconds", "Time from request arrival to its last token.",

@@ -102,7 +102,10 @@ def served(model: str, requests, concurrency: int, serve_args: list[str]) -> dic
         step_cpu = d.get("splitserve_engine_step_cpu_seconds_total", 0.0)
         cpu[who] = {"process_cpu_s_per_token": d.get("process_cpu_seconds_total", 0.0) / tokens,
                     "engine_step_cpu_s_per_token": step_cpu / tokens,
-                    "outside_steps_cpu_s_per_token": (d.get("process_cpu_seconds_total", 0.0) - step_cpu) / tokens}
+                    "outside_steps_cpu_s_per_token": (d.get("process_cpu_seconds_total", 0.0) - step_cpu) / tokens,
+                    # share of the run the engine spent inside steps: well below 1 under load means
+                    # the engine waited (for the GIL, for work) rather than computed
+                    "engine_busy_fraction": d.get("splitserve_engine_step_seconds_total", 0.0) / outcome.duration_s}
     return {"output_tokens": tokens, "seconds": outcome.duration_s, "output_tok_s": m.output_throughput,
             "ttft_ms": m.ttft_ms, "itl_ms": m.itl_ms, "failed": m.failed, "cpu": cpu,
             "serve_args": serve_args}

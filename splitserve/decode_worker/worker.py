@@ -173,6 +173,8 @@ class DecodeWorker(RemotePrefill, WorkerBase, DecodeWorkerServicer):
             if first is None:
                 await self.engine.add_request(rid, prompt, params, num_draws_done=len(resume))
             header = True
+            held = pb.GenerateChunk()  # tokens held back until the stream interval is reached
+            interval = max(1, request.stream_interval)
             while True:
                 out = first if first is not None else await queue.get()
                 first = None
@@ -181,8 +183,13 @@ class DecodeWorker(RemotePrefill, WorkerBase, DecodeWorkerServicer):
                 if out.error is not None:  # a failed engine step: the router retries elsewhere
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
                                         f"request {rid}: decode worker {self.worker_id}: {out.error}")
-                chunk = pb.GenerateChunk(token_ids=out.new_token_ids, finish_reason=out.finish_reason or "",
-                                         logprobs=[logprob_to_proto(lp) for lp in out.new_logprobs])
+                held.token_ids.extend(out.new_token_ids)
+                if out.new_logprobs:
+                    held.logprobs.extend(logprob_to_proto(lp) for lp in out.new_logprobs)
+                if not (header or out.finished or len(held.token_ids) >= interval):
+                    continue
+                chunk, held = held, pb.GenerateChunk()
+                chunk.finish_reason = out.finish_reason or ""
                 if header:
                     chunk.num_prompt_tokens = len(request.prompt_token_ids)
                     chunk.num_cached_tokens = out.num_cached_tokens

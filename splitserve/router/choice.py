@@ -29,6 +29,7 @@ class ChoiceRun:
     async def events(self):
         """(text delta, new logprobs, finish_reason) per worker chunk."""
         m, model = self.server.metrics, self.server.config.served_model_name
+        itl = m.inter_token_latency.labels(model=model)  # looked up once, not per token
         sub_id = self.rid if self.index == 0 else f"{self.rid}-{self.index}"
         last = None
         async for ev in self.server.dispatcher.generate(sub_id, self.prompt, self.params, self.decision):
@@ -39,8 +40,10 @@ class ChoiceRun:
             if last is None:
                 self.cached_tokens = ev.num_cached_tokens
                 m.time_to_first_token.labels(model=model).observe(now - self.start)
-            elif ev.token_ids:
-                m.inter_token_latency.labels(model=model).observe(now - last)
+            elif ev.token_ids:  # a chunk of n tokens (--stream-interval): n gaps of a n-th of its wait
+                gap = (now - last) / len(ev.token_ids)
+                for _ in ev.token_ids:
+                    itl.observe(gap)
             last = now
             delta = self.text.add(ev.token_ids, final=ev.finish_reason is not None)
             self.logprobs.extend(ev.logprobs)

@@ -46,6 +46,7 @@ class DispatchConfig:
     mode: str = "prefix"  # prefix | round-robin | random (baselines for benchmarks)
     index_max_blocks: int = 1_000_000
     security: LinkSecurity = NO_SECURITY  # cluster token / mutual TLS to the decode workers
+    stream_interval: int = 1  # tokens per worker chunk after the first (--stream-interval)
 
 
 @dataclass
@@ -164,7 +165,7 @@ class Dispatcher:
             try:
                 req = pb.GenerateRequest(request_id=f"{request_id}/{attempt}" if attempt else request_id,
                                          prompt_token_ids=prompt, sampling=sampling_to_proto(params),
-                                         resume_token_ids=produced)
+                                         resume_token_ids=produced, stream_interval=self.config.stream_interval)
                 if decision.prefill_worker:
                     info = self.sync.workers.get(decision.prefill_worker)
                     if info is not None:

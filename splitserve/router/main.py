@@ -47,6 +47,10 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--routing-seed", type=int, help="seed the router's tie-breaking (reproducible routing)")
     ap.add_argument("--routing-mode", choices=["prefix", "round-robin", "random"], default="prefix",
                     help="decode-worker choice; round-robin and random are baselines for benchmarks")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="tokens per streamed chunk after the first (vLLM's --stream-interval): 1 sends every "
+                         "token as it is generated; N sends N at a time, for less CPU per token; the first "
+                         "token and the finish are never held back (default: %(default)s)")
     ap.add_argument("--max-queued-requests", type=int,
                     help="requests this router keeps in flight; beyond it: 429 with Retry-After (default: no bound)")
     ap.add_argument("--request-timeout", type=float,
@@ -83,13 +87,15 @@ async def start_router(args: argparse.Namespace, model: str, served: str, bus: C
                        sock: socket.socket | None = None) -> tuple[web.AppRunner, Dispatcher]:
     """The router on `sock` if given (bound early by the caller), else on --host/--port."""
     try:
+        if args.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
         admission = AdmissionConfig(args.max_queued_requests, args.request_timeout)
         limits = HTTPLimits(args.max_request_body_mb, args.body_read_timeout, args.http_idle_timeout)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     dispatcher = Dispatcher(DispatchConfig(
         model_id=served, block_size=block_size, seed=args.routing_seed, max_migrations=args.max_migrations,
-        mode=args.routing_mode, security=security or security_from_args(args),
+        mode=args.routing_mode, security=security or security_from_args(args), stream_interval=args.stream_interval,
         policy=PolicyConfig(disagg_min_uncached_tokens=args.disagg_min_uncached_tokens)), bus, metrics)
     await dispatcher.start()
     gc.freeze()  # the index is long-lived: keep it out of collections (routing-latency spikes)

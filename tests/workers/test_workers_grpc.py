@@ -136,3 +136,30 @@ async def test_drain_only_from_loopback_and_the_drain_command(make_ckpt):
         assert bad.returncode == 1 and "cannot reach http://127.0.0.1:1/drain" in bad.stderr
     finally:
         await decode.stop()
+
+
+async def test_stream_interval_groups_tokens_without_changing_them(make_ckpt, prompts):
+    """--stream-interval N: the first token alone (TTFT), then N tokens per chunk, the rest with
+    the finish; the tokens and logprobs are those of interval 1, in order."""
+    path = make_ckpt("llama")
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=2)
+    decode = DecodeWorker(DecodeWorkerConfig(engine_config(path), worker_id="d2"), bus=InProcBus())
+    await decode.start()
+    try:
+        runs = {}
+        async with grpc.aio.insecure_channel(decode.address) as ch:
+            for interval in (0, 1, 4, 100):
+                req = pb.GenerateRequest(request_id=f"r{interval}", prompt_token_ids=prompts[1],
+                                         sampling=sampling_to_proto(params), stream_interval=interval)
+                runs[interval] = [c async for c in DecodeWorkerStub(ch).Generate(req)]
+    finally:
+        await decode.stop()
+    sizes = {k: [len(c.token_ids) for c in chunks] for k, chunks in runs.items()}
+    assert sizes == {0: [1] * 14, 1: [1] * 14, 4: [1, 4, 4, 4, 1], 100: [1, 13]}
+    tokens = {k: [t for c in chunks for t in c.token_ids] for k, chunks in runs.items()}
+    logprobs = {k: [(lp.token_id, lp.logprob) for c in chunks for lp in c.logprobs] for k, chunks in runs.items()}
+    assert tokens[4] == tokens[100] == tokens[1] == tokens[0] and len(set(tokens[1])) > 1
+    assert logprobs[4] == logprobs[100] == logprobs[1] and len(logprobs[1]) == 14
+    for chunks in runs.values():  # the header rides on the first chunk, the finish on the last only
+        assert chunks[0].worker_id == "d2" and chunks[0].num_prompt_tokens == len(prompts[1])
+        assert [c.finish_reason for c in chunks] == [""] * (len(chunks) - 1) + ["length"]
