@@ -39,13 +39,15 @@ def workload(n: int, input_len: tuple[int, int], output_len: tuple[int, int], vo
             for _ in range(n)]
 
 
-def offline(model: str, requests, threads: int) -> dict:
+def offline(model: str, requests, threads: int, max_num_seqs: int | None = None) -> dict:
+    """The engine alone: every request at once, or at most `max_num_seqs` in a batch (the
+    served run's concurrency, so both decode in batches of the same size)."""
     import torch
 
     from splitserve.engine import LLM, SamplingParams
 
     torch.set_num_threads(threads)
-    llm = LLM(model, num_kv_blocks=None)
+    llm = LLM(model, num_kv_blocks=None, **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}))
     llm.generate([requests[0][0]], SamplingParams(max_tokens=4, temperature=0))  # warm-up
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in requests]
     cpu0, t0 = time.process_time(), time.perf_counter()
@@ -53,7 +55,7 @@ def offline(model: str, requests, threads: int) -> dict:
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     tokens = sum(len(o.token_ids) for o in outs)
     return {"output_tokens": tokens, "seconds": wall, "output_tok_s": tokens / wall,
-            "cpu_s_per_token": cpu / tokens, "torch_threads": threads}
+            "cpu_s_per_token": cpu / tokens, "torch_threads": threads, "max_num_seqs": llm.engine.config.max_num_seqs}
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -137,8 +139,11 @@ def main(argv: list[str] | None = None) -> int:
            "command": "splitserve bench serve-overhead " + " ".join(argv or sys.argv[1:]),
            "requests": ns.requests, "concurrency": ns.concurrency, "input_len": ns.input_len,
            "output_len": ns.output_len, "offline": offline(ns.model, requests, ns.threads),
+           "offline_at_concurrency": offline(ns.model, requests, ns.threads, ns.concurrency),
            "served": served(ns.model, requests, ns.concurrency, ns.serve_args.split())}
     doc["served_over_offline"] = doc["served"]["output_tok_s"] / doc["offline"]["output_tok_s"]
+    doc["served_over_offline_at_concurrency"] = (doc["served"]["output_tok_s"]
+                                                 / doc["offline_at_concurrency"]["output_tok_s"])
     print(json.dumps(doc, indent=2))
     if ns.json:
         ns.json.parent.mkdir(parents=True, exist_ok=True)

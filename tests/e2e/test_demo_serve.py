@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import socket
 import struct
@@ -61,6 +62,21 @@ def test_bench_sends_prompts_of_exactly_input_len_tokens(serve, endpoint, tmp_pa
     (run,) = json.loads(out.read_text())["runs"]
     assert run["input_token_source"] == "usage"  # the server's usage.prompt_tokens, not our count
     assert [(r["success"], r["prompt_tokens"]) for r in run["requests"]] == [(True, 32)] * 6
+
+
+def test_workers_take_an_equal_share_of_the_cpus_at_normal_priority(serve):
+    """One prefill + one decode worker share the machine's CPUs (the banner says how), and
+    run at nice 0: Ray's default 15 would let any other process on the host take their CPU."""
+    from splitserve.core.cpus import available_cpus
+
+    threads = max(1, available_cpus() // 2)
+    assert f"(1 prefill + 1 decode workers, {threads} torch thread(s) each, " in serve.log()
+    deadline = time.monotonic() + 30  # workers' lines, relayed by Ray, may come after the banner
+    while len(pids := {int(p) for p in re.findall(r"\(WorkerActor pid=(\d+)\)", serve.log())}) < 2:
+        assert time.monotonic() < deadline, serve.log()[-2000:]
+        time.sleep(0.2)
+    assert len(pids) == 2
+    assert {pid: os.getpriority(os.PRIO_PROCESS, pid) for pid in pids} == dict.fromkeys(pids, 0)
 
 
 def body(i: int) -> tuple[str, bytes]:
