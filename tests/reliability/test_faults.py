@@ -99,6 +99,37 @@ def test_decode_worker_killed_during_16_concurrent_streams(cluster, reference):
     cluster.wait_all_blocks_free()
 
 
+def test_decode_worker_killed_under_a_stream_interval(cluster, reference):
+    """A router with --stream-interval 5: a decode worker dies holding tokens it has not sent
+    yet; its streams resume from the tokens the router has, with no token lost or doubled."""
+    router = cluster.start_router(["--stream-interval", "5"])
+    cluster.wait_registered(router)
+    batch = prompts(4, 8, 20)
+    expected = reference(batch, MAX)
+    migrations = metric(router.base_url, "splitserve_request_migrations_total")
+    victim = {}
+
+    def kill_one(results):
+        on = {}
+        for r in results:
+            on.setdefault(r.decode_worker, []).append(r)
+        victim.update(name=max(on, key=lambda w: len(on[w])), spread=sorted(on))
+        victim["streams"] = len(on[victim["name"]])
+        cluster.decode[victim["name"]].kill()
+
+    results = asyncio.run(streams_with_fault(router.base_url, batch, MAX, kill_one, min_chunks=3))
+    assert_identical(results, expected, MAX)
+    # grouped: a first chunk, then about MAX / 5 (more where a migration restarted the count)
+    assert all(r.chunks < MAX // 2 for r in results), [r.chunks for r in results]
+    assert metric(router.base_url, "splitserve_request_migrations_total") - migrations == victim["streams"]
+    router.stop()
+    cluster.routers.remove(router)
+    cluster.decode.pop(victim["name"])
+    cluster.start_decode(victim["name"])
+    cluster.wait_registered(cluster.router)
+    cluster.wait_all_blocks_free()
+
+
 def test_prefill_worker_killed_during_prefills(cluster, reference):
     """The prefill worker dies holding computed KV that it has not pushed yet (`slow-`
     requests wait 2 s before pushing): the decode workers prefill locally."""
