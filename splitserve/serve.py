@@ -53,7 +53,11 @@ def worker_threads(args: argparse.Namespace) -> int:
     process may use): no oversubscription, and the machine used (docs/operations.md)."""
     if args.torch_threads is not None:
         return args.torch_threads
-    cpus = available_cpus() if args.cpus is None else args.cpus
+    usable = available_cpus()
+    if args.cpus is not None and args.cpus > usable:  # allowed (the user may know better), but said
+        log.warning("--cpus %d is more than the %d CPU(s) this process may use: the workers' threads "
+                    "will outnumber the cores and wait for each other", args.cpus, usable)
+    cpus = usable if args.cpus is None else args.cpus
     return threads_per_worker(cpus, args.prefill_workers + args.decode_workers)
 
 

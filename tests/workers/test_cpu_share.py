@@ -36,6 +36,13 @@ def test_threads_per_worker(cpus, workers, threads):
     assert threads_per_worker(cpus, workers) == threads
 
 
+def test_more_cpus_than_the_process_may_use_is_said(caplog):
+    args = build_parser().parse_args(["--cpus", str(available_cpus() + 6), "--decode-workers", "2",
+                                      "--prefill-workers", "0"])
+    assert worker_threads(args) == (available_cpus() + 6) // 2
+    assert "more than the" in caplog.text and "outnumber the cores" in caplog.text
+
+
 def test_serve_splits_cpus_among_its_workers_unless_told():
     parse = build_parser().parse_args
     assert worker_threads(parse(["--cpus", "8", "--prefill-workers", "1", "--decode-workers", "3"])) == 2
