@@ -21,6 +21,7 @@ import signal
 import sys
 import time
 
+from splitserve.core.cli_types import positive_int
 from splitserve.core.cpus import available_cpus, threads_per_worker
 from splitserve.core.model_dir import checkpoint_problem
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-workers", type=int, default=1)
     ap.add_argument("--redis-url", help="use Redis as the cluster bus (default: in-process)")
     ap.add_argument("--kv-backend", choices=["grpc", "mooncake"], default="grpc")
-    ap.add_argument("--cpus", type=int, help="CPUs the workers' engines share (default: those this process may "
+    ap.add_argument("--cpus", type=positive_int, help="CPUs the workers' engines share (default: those this process may "
                     "use); each worker gets an equal share of torch threads unless --torch-threads is given")
     add_worker_health_args(ap)
     add_engine_args(ap)
@@ -181,9 +182,6 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     if args.prefill_workers < 0 or args.decode_workers < 1:
         print("splitserve serve: need --decode-workers >= 1 and --prefill-workers >= 0", file=sys.stderr)
-        return 2
-    if any(v is not None and v < 1 for v in (args.cpus, args.stream_interval)):
-        print("splitserve serve: --cpus and --stream-interval must be >= 1", file=sys.stderr)
         return 2
     if args.model is not None:  # checked before Ray or any process starts: one line, exit 2
         problem = checkpoint_problem(args.model)

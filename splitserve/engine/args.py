@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from splitserve.core.cli_types import positive_int
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.core.model_dir import resolve_model as core_resolve_model
 from splitserve.engine.config import EngineConfig
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ import socket
 from aiohttp import web
 
 from splitserve.cluster.bus import ClusterBus
+from splitserve.core.cli_types import positive_int
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.logs import configure_logging
 from splitserve.metrics import Metrics
@@ -47,7 +48,7 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--routing-seed", type=int, help="seed the router's tie-breaking (reproducible routing)")
     ap.add_argument("--routing-mode", choices=["prefix", "round-robin", "random"], default="prefix",
                     help="decode-worker choice; round-robin and random are baselines for benchmarks")
-    ap.add_argument("--stream-interval", type=int, default=1,
+    ap.add_argument("--stream-interval", type=positive_int, default=1,
                     help="tokens per streamed chunk after the first (vLLM's --stream-interval): 1 sends every "
                          "token as it is generated; N sends N at a time, for less CPU per token; the first "
                          "token and the finish are never held back (default: %(default)s)")
@@ -87,8 +88,6 @@ async def start_router(args: argparse.Namespace, model: str, served: str, bus: C
                        sock: socket.socket | None = None) -> tuple[web.AppRunner, Dispatcher]:
     """The router on `sock` if given (bound early by the caller), else on --host/--port."""
     try:
-        if args.stream_interval < 1:
-            raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
         admission = AdmissionConfig(args.max_queued_requests, args.request_timeout)
         limits = HTTPLimits(args.max_request_body_mb, args.body_read_timeout, args.http_idle_timeout)
     except ValueError as exc:
