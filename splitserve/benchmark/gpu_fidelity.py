@@ -94,17 +94,26 @@ def hf_outputs(path: Path, batch: list[list[int]], new_tokens: int, dtype: str, 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).to(device).eval()
     outs = []
     for prompt in batch:
-        ids = torch.tensor([prompt], device=device)
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                                 pad_token_id=model.generation_config.eos_token_id[0], output_logits=True,
-                                 return_dict_in_generate=True)
-        logprobs = torch.log_softmax(torch.stack([lg[0].float() for lg in out.logits]), dim=-1)
+        tokens, logprobs = generate_with_logprobs(model, prompt, new_tokens)
         top = logprobs.topk(TOP)
         tops = [list(zip(i, v, strict=True)) for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)]
-        outs.append((out.sequences[0, len(prompt):].tolist(), tops))
+        outs.append((tokens, tops))
     return outs
+
+
+def generate_with_logprobs(model, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Exactly `new_tokens` greedy tokens from transformers' generate (batch of one, on the
+    model's device) and the log-softmax of the raw logits at each step ([new_tokens, vocab]).
+    generate itself, not one forward pass: for longrope models it recomputes the cache when
+    a sequence passes the original length. The CPU fidelity tests use it too."""
+    ids = torch.tensor([prompt_ids], device=model.device)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=model.generation_config.eos_token_id[0], output_logits=True,
+                             return_dict_in_generate=True)
+    logprobs = torch.log_softmax(torch.stack([lg[0].float() for lg in out.logits]), dim=-1)
+    return out.sequences[0, len(prompt_ids):].tolist(), logprobs
 
 
 def fidelity(device: str, dtypes: list[str], names: list[str], lengths: list[int], new_tokens: int) -> dict:

@@ -42,12 +42,6 @@ def hf_generate_logprobs(model_dir, prompt_ids: list[int], max_new_tokens: int,
     ([max_new_tokens, vocab]) from transformers' generate itself: for longrope models
     generate recomputes the cache when a sequence passes the original length, which a
     single forward pass over the whole sequence does not show."""
-    model = hf_model(str(model_dir), dtype)
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
-                             pad_token_id=model.generation_config.eos_token_id[0], output_logits=True,
-                             return_dict_in_generate=True)
-    logprobs = torch.log_softmax(torch.stack([lg[0].float() for lg in out.logits]), dim=-1)
-    return out.sequences[0, len(prompt_ids):].tolist(), logprobs
+    from splitserve.benchmark.gpu_fidelity import generate_with_logprobs
+
+    return generate_with_logprobs(hf_model(str(model_dir), dtype), prompt_ids, max_new_tokens)
