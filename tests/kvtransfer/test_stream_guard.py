@@ -32,8 +32,11 @@ def test_idle_and_flooding_streams_cannot_keep_real_pushes_out():
     try:
         with grpc.insecure_channel(decode.address) as channel:  # one connection: one peer
             push = frames.push_stub(channel)
-            calls = [push.future(silent_stream(stop), timeout=30) for _ in range(18)]
+            # Before the calls: no stream can start earlier, so a cancel before opened + IDLE_S is
+            # early. (Taken after them, CI once spent 2 s creating the 18 calls while the
+            # in-process server already ran their idle clocks.)
             opened = time.monotonic()
+            calls = [push.future(silent_stream(stop), timeout=30) for _ in range(18)]
             # Every stream reached the guard (4 in, 14 refused) before the idle timeout frees
             # the 4: a stream arriving after that would rightly be let in (CI's slow machine).
             guard = decode.receiver.streams
