@@ -83,6 +83,10 @@ class Metrics:
             "splitserve_engine_step_cpu_seconds_total", "CPU time of the engine thread in steps (torch's extra "
             "intra-op threads not included); process_cpu_seconds_total minus this is the worker's serving "
             "overhead.", ["role", "worker"], registry=r)
+        self.engine_process_cpu_seconds = Gauge(
+            "splitserve_engine_process_cpu_seconds", "CPU seconds used so far by the worker's engine process "
+            "(--engine-loop process; absent with an engine thread): process_cpu_seconds_total covers the worker "
+            "process only, so a worker's CPU is the sum of both.", ["role", "worker"], registry=r)
         self.engine_step_failures = Counter(
             "splitserve_engine_step_failures_total",
             "Engine steps that raised; their requests were failed and retried elsewhere.",

@@ -28,7 +28,7 @@ from splitserve.engine.args import add_engine_args, engine_config_from_args, res
 from splitserve.logs import configure_logging
 from splitserve.router.main import add_router_args, bind_http, start_router
 from splitserve.security.links import LinkSecurity, security_from_args
-from splitserve.worker_base.config import add_worker_health_args
+from splitserve.worker_base.config import ENGINE_LOOPS, add_worker_health_args
 
 log = logging.getLogger("splitserve.serve")
 
@@ -107,7 +107,8 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
     threads = worker_threads(args)
     actors = []
     common = dict(bus_url=worker_bus, kv_backend=args.kv_backend, admin_port=0, security=security,
-                  engine_stall_timeout_s=args.engine_stall_timeout)
+                  engine_stall_timeout_s=args.engine_stall_timeout,
+                  engine_process=ENGINE_LOOPS[args.engine_loop])
     for i in range(args.decode_workers):
         cfg = DecodeWorkerConfig(engine, worker_id=f"decode-{i}", **common)
         actors.append(WorkerActor.options(name=f"decode-{i}", **opts).remote(DecodeWorker, cfg, threads))

@@ -64,7 +64,7 @@ def scrape(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
         for name in ("process_cpu_seconds_total", "splitserve_engine_step_cpu_seconds_total",
-                     "splitserve_engine_step_seconds_total"):
+                     "splitserve_engine_step_seconds_total", "splitserve_engine_process_cpu_seconds"):
             if line.startswith(name):
                 out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
@@ -102,9 +102,11 @@ def served(model: str, requests, concurrency: int, serve_args: list[str]) -> dic
     for who in before:
         d = {k: after[who].get(k, 0.0) - before[who].get(k, 0.0) for k in after[who]}
         step_cpu = d.get("splitserve_engine_step_cpu_seconds_total", 0.0)
-        cpu[who] = {"process_cpu_s_per_token": d.get("process_cpu_seconds_total", 0.0) / tokens,
+        # a worker's engine process (--engine-loop process) is not in its process_cpu_seconds_total
+        process_cpu = d.get("process_cpu_seconds_total", 0.0) + d.get("splitserve_engine_process_cpu_seconds", 0.0)
+        cpu[who] = {"process_cpu_s_per_token": process_cpu / tokens,
                     "engine_step_cpu_s_per_token": step_cpu / tokens,
-                    "outside_steps_cpu_s_per_token": (d.get("process_cpu_seconds_total", 0.0) - step_cpu) / tokens,
+                    "outside_steps_cpu_s_per_token": (process_cpu - step_cpu) / tokens,
                     # share of the run the engine spent inside steps: well below 1 under load means
                     # the engine waited (for the GIL, for work) rather than computed
                     "engine_busy_fraction": d.get("splitserve_engine_step_seconds_total", 0.0) / outcome.duration_s}

@@ -12,13 +12,13 @@ import socket
 
 import torch
 
-from splitserve.core.cpus import available_cpus
+from splitserve.core.cpus import available_cpus, threads_per_worker
 from splitserve.core.ports import ADMIN_PORT, DECODE_GRPC_PORT, DRAIN_PORT
 from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.logs import configure_logging
 from splitserve.security.links import add_security_args, security_from_args
-from splitserve.worker_base.config import add_worker_health_args
+from splitserve.worker_base.config import ENGINE_LOOPS, add_worker_health_args
 from splitserve.worker_base.process import run_worker_process
 
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     add_security_args(ap)
     args = ap.parse_args(argv)
     configure_logging()
-    torch.set_num_threads(args.torch_threads or available_cpus())
+    torch.set_num_threads(args.torch_threads or threads_per_worker(available_cpus()))
     model, served = resolve_model(args)
     advertise = args.advertise_host or (None if args.host == "0.0.0.0" else args.host) or socket.gethostname()
     config = DecodeWorkerConfig(engine_config_from_args(args, model, served), worker_id=args.worker_id,
@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
                                 cluster=args.cluster, kv_backend=args.kv_backend, kv_protocol=args.kv_protocol,
                                 rdma_device=args.rdma_device, admin_port=args.admin_port,
                                 drain_port=args.drain_port, drain_timeout_s=args.drain_timeout,
-                                security=security_from_args(args), engine_stall_timeout_s=args.engine_stall_timeout)
+                                security=security_from_args(args), engine_stall_timeout_s=args.engine_stall_timeout,
+                                engine_process=ENGINE_LOOPS[args.engine_loop])
     worker = DecodeWorker(config)
     return run_worker_process(
         worker, lambda: f"splitserve decode-worker: {worker.worker_id} serving gRPC on {worker.address}, KV receiver "

@@ -24,8 +24,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--torch-threads", type=positive_int, help="intra-op CPU threads of each engine (default: the CPUs "
-                   "this process may use, i.e. its affinity set capped by the container's CPU limit; "
-                   "`serve` splits them among its workers, see --cpus)")
+                   "this process may use, i.e. its affinity set capped by the container's CPU limit, less "
+                   "one left to the serving threads when there are two or more; `serve` splits them among "
+                   "its workers, see --cpus)")
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="run decode steps eagerly on CUDA (by default they replay CUDA graphs; off on CPU)")
 

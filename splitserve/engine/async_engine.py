@@ -55,9 +55,13 @@ class AsyncEngine:
                  on_dead: Callable[[BaseException], None] | None = None, name: str = "engine",
                  max_step_failures: int = 3, stall_timeout_s: float = 120.0,
                  on_step_failure: Callable[[list[str], BaseException], None] | None = None,
-                 on_step_timing: Callable[[float, float], None] | None = None):
+                 on_step_timing: Callable[[float, float], None] | None = None,
+                 deliver: Callable[..., None] | None = None):
         self.engine = engine
         self.loop = loop
+        # How a callback reaches its caller: on the event loop by default; an engine process
+        # (engine/engine_process.py) passes its own, which sends it to the parent.
+        self._deliver = deliver or loop.call_soon_threadsafe
         self.on_outputs = on_outputs
         self.on_events = on_events
         self.on_dead = on_dead
@@ -109,12 +113,16 @@ class AsyncEngine:
     async def call(self, fn: Callable, *args, **kwargs):
         """Run fn(*args) on the engine thread (between steps) and return its result.
         Raises EngineDeadError once the engine has died."""
+        return await asyncio.wrap_future(self.submit(fn, *args, **kwargs), loop=self.loop)
+
+    def submit(self, fn: Callable, *args, **kwargs) -> Future:
+        """Queue fn(*args) for the engine thread; its Future holds the result (from any thread)."""
         fut: Future = Future()
         with self._dead_lock:
             if self.dead:
                 raise EngineDeadError(f"engine {self.name} is dead: {self.error!r}")
             self._commands.put((fn, args, kwargs, fut))
-        return await asyncio.wrap_future(fut, loop=self.loop)
+        return fut
 
     # ---- the calls workers make (each runs on the engine thread) -----------------------------
     async def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -174,7 +182,7 @@ class AsyncEngine:
                         self._step_started = None
                     self.steps += 1
                     if outputs:
-                        self.loop.call_soon_threadsafe(self.on_outputs, outputs)
+                        self._deliver(self.on_outputs, outputs)
                 self._flush_events()
                 self.stats = self.engine.stats(self.steps)
         except BaseException as exc:  # noqa: BLE001 - anything escaping kills the engine: say so
@@ -217,11 +225,11 @@ class AsyncEngine:
         log.error("engine %s: step failed (%d in a row; requests %s): %r", self.name, in_a_row, rids, exc,
                   exc_info=exc)
         if self.on_step_failure is not None:
-            self.loop.call_soon_threadsafe(self.on_step_failure, rids, exc)
+            self._deliver(self.on_step_failure, rids, exc)
         outputs = self.engine.fail_all(f"engine step failed on {self.name}: {exc!r}")
         if in_a_row >= self.max_step_failures:
             if outputs:  # their callers hear of it before the engine is declared dead
-                self.loop.call_soon_threadsafe(self.on_outputs, outputs)
+                self._deliver(self.on_outputs, outputs)
             raise EngineDeadError(f"{in_a_row} engine steps failed in a row, last: {exc!r}") from exc
         return outputs
 
@@ -230,7 +238,7 @@ class AsyncEngine:
             return
         events = self.engine.drain_block_events()
         if events:
-            self.loop.call_soon_threadsafe(self.on_events, events)
+            self._deliver(self.on_events, events)
 
     def _die(self) -> None:
         """The thread is ending: nothing queued may wait forever."""
@@ -244,8 +252,8 @@ class AsyncEngine:
                 break
             if item is not None and item[3].set_running_or_notify_cancel():
                 item[3].set_exception(error)
-        if self.error is not None and self.on_dead is not None and not self.loop.is_closed():
+        if self.error is not None and self.on_dead is not None and not (self.loop and self.loop.is_closed()):
             try:
-                self.loop.call_soon_threadsafe(self.on_dead, self.error)
+                self._deliver(self.on_dead, self.error)
             except RuntimeError:  # the loop closed meanwhile: nobody is left to tell
                 pass

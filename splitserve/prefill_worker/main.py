@@ -15,13 +15,13 @@ import sys
 
 import torch
 
-from splitserve.core.cpus import available_cpus
+from splitserve.core.cpus import available_cpus, threads_per_worker
 from splitserve.core.ports import PREFILL_ADMIN_PORT
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.logs import configure_logging
 from splitserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from splitserve.security.links import add_security_args, security_from_args
-from splitserve.worker_base.config import add_worker_health_args
+from splitserve.worker_base.config import ENGINE_LOOPS, add_worker_health_args
 from splitserve.worker_base.process import run_worker_process
 
 
@@ -44,12 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, worker_class: type[PrefillWorker] = PrefillWorker) -> int:
     args = build_parser().parse_args(argv)
     configure_logging()
-    torch.set_num_threads(args.torch_threads or available_cpus())
+    torch.set_num_threads(args.torch_threads or threads_per_worker(available_cpus()))
     model, served = resolve_model(args)
     config = PrefillWorkerConfig(engine_config_from_args(args, model, served), worker_id=args.worker_id,
                                  host=args.host, port=args.port, advertise_host=args.advertise_host,
                                  bus_url=args.redis_url, cluster=args.cluster, admin_port=args.metrics_port,
-                                 security=security_from_args(args), engine_stall_timeout_s=args.engine_stall_timeout)
+                                 security=security_from_args(args), engine_stall_timeout_s=args.engine_stall_timeout,
+                                 engine_process=ENGINE_LOOPS[args.engine_loop])
     worker = worker_class(config)
     return run_worker_process(worker, lambda: f"splitserve prefill-worker: {worker.worker_id} serving gRPC on "
                                               f"{worker.address}, metrics {worker.admin_url}")

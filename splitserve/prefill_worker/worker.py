@@ -156,10 +156,12 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
             self.waiters.pop(rid, None)
             # Shielded: a second cancellation of this handler must not leave the blocks held.
             await asyncio.shield(asyncio.ensure_future(self._release(rid, abort=not fut.done())))
-        reply = pb.PrefillReply(first_token_id=first.token_ids[0], num_cached_tokens=first.num_cached_tokens,
+        # the step's part only (the first output's new token is its only one): an engine in its
+        # own process sends no cumulative fields (engine/engine_process.py)
+        reply = pb.PrefillReply(first_token_id=first.new_token_ids[0], num_cached_tokens=first.num_cached_tokens,
                                 worker_id=self.worker_id)
-        if first.logprobs:
-            reply.first_logprob.CopyFrom(logprob_to_proto(first.logprobs[0]))
+        if first.new_logprobs:
+            reply.first_logprob.CopyFrom(logprob_to_proto(first.new_logprobs[0]))
             reply.has_logprob = True
         if result is not None:
             reply.kv_bytes, reply.kv_seconds = result.nbytes, result.seconds

@@ -30,6 +30,10 @@ class WorkerConfig:
     # worker leaves the registry until it recovers. Long enough for a first CUDA step that
     # compiles kernels; lower it where steps are known to be short.
     engine_stall_timeout_s: float = 120.0
+    # The engine loop in a child process (engine/engine_process.py): True, False, or None for
+    # the default (on the CPU: yes; on CUDA: a thread). The CLIs and `serve` leave it None;
+    # tests that reach into the engine object pin it to False.
+    engine_process: bool | None = False
 
     role = ""  # set by each subclass
 
@@ -55,8 +59,16 @@ def advertised_host(host: str, advertise: str | None) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+ENGINE_LOOPS = {"auto": None, "process": True, "thread": False}
+
+
 def add_worker_health_args(ap: argparse.ArgumentParser) -> None:
-    """Flags of a worker's health checks, the same for every command that starts workers."""
+    """Flags of a worker's engine loop and health checks, the same for every command that
+    starts workers."""
+    ap.add_argument("--engine-loop", choices=tuple(ENGINE_LOOPS), default="auto",
+                    help="where the engine loop runs: 'process' (its own process, free of the worker's GIL), "
+                         "'thread' (a thread of the worker); auto: process on the CPU, thread on CUDA "
+                         "(default: %(default)s)")
     ap.add_argument("--engine-stall-timeout", type=float, default=WorkerConfig.engine_stall_timeout_s,
                     help="seconds one engine step may run before its worker reports itself stalled (503 on "
                          "/health and /livez, out of the registry); twice that and it exits to be restarted "

@@ -21,6 +21,7 @@ from splitserve.cluster.messages import LoadReport, WorkerInfo
 from splitserve.cluster.presence import WorkerPresence
 from splitserve.cluster.remote_bus import open_bus
 from splitserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineStalledError
+from splitserve.engine.engine_process import EngineProcess, use_engine_process
 from splitserve.engine.llm_engine import LLMEngine, RequestOutput
 from splitserve.engine.stats import EngineStats
 from splitserve.metrics import Metrics
@@ -46,7 +47,7 @@ class WorkerBase(abc.ABC):
         self.draining = False
         self.failed: str | None = None  # why this worker can no longer serve (its engine died)
         self.fatal = asyncio.Event()  # set once failed: the host process should exit and be restarted
-        self.engine: AsyncEngine | None = None
+        self.engine: AsyncEngine | EngineProcess | None = None
         self.presence: WorkerPresence | None = None
         self._admin = None
         self._self_channel: grpc.aio.Channel | None = None
@@ -63,13 +64,23 @@ class WorkerBase(abc.ABC):
         self._admin, port = await start_admin(app, cfg.host, cfg.admin_port)
         self.admin_url = f"http://{advertised_host(cfg.host, cfg.advertise_host)}:{port}"
 
-    async def _start_engine(self) -> LLMEngine:
-        engine = await asyncio.to_thread(LLMEngine, self.config.engine)
-        self.engine = AsyncEngine(engine, asyncio.get_running_loop(), self._dispatch, self._on_block_events,
-                                  on_dead=self._engine_died, on_step_failure=self._engine_step_failed,
-                                  on_step_timing=self._count_step,
-                                  name=self.worker_id, stall_timeout_s=self.config.engine_stall_timeout_s)
+    async def _start_engine(self) -> LLMEngine | EngineProcess:
+        """The engine on a thread of this process, or in a child process (engine_process.py);
+        either way what is returned has `kv_pool`, `model_id` and `num_total_blocks`."""
+        callbacks = dict(on_dead=self._engine_died, on_step_failure=self._engine_step_failed,
+                         on_step_timing=self._count_step, name=self.worker_id,
+                         stall_timeout_s=self.config.engine_stall_timeout_s)
+        loop = asyncio.get_running_loop()
+        if use_engine_process(self.config.engine, self.config.engine_process):
+            proc = EngineProcess(self.config.engine, loop, self._dispatch, self._on_block_events, **callbacks)
+            self.engine = engine = await asyncio.to_thread(proc.launch)
+        else:
+            engine = await asyncio.to_thread(LLMEngine, self.config.engine)
+            self.engine = AsyncEngine(engine, loop, self._dispatch, self._on_block_events, **callbacks)
         self.engine.start()
+        if isinstance(self.engine, EngineProcess):
+            self.metrics.engine_process_cpu_seconds.labels(role=self.role, worker=self.worker_id).set_function(
+                self.engine.cpu_seconds)
         self.metrics.engine_alive.labels(role=self.role, worker=self.worker_id).set(1)
         self._watchdog = asyncio.get_running_loop().create_task(self._watch_engine())
         return engine
@@ -212,7 +223,8 @@ class WorkerBase(abc.ABC):
         """On the event loop, once: the engine thread is gone for good."""
         if self.failed is not None:
             return
-        self.failed = f"engine stalled: {exc}" if isinstance(exc, EngineStalledError) else f"engine thread died: {exc!r}"
+        where = "process" if isinstance(self.engine, EngineProcess) else "thread"
+        self.failed = f"engine stalled: {exc}" if isinstance(exc, EngineStalledError) else f"engine {where} died: {exc!r}"
         self.metrics.engine_alive.labels(role=self.role, worker=self.worker_id).set(0)
         log.critical("%s worker %s: %s; leaving the registry, failing its in-flight requests (%s) so they are "
                      "retried elsewhere, and exiting to be restarted", self.role, self.worker_id, self.failed,

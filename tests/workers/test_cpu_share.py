@@ -31,7 +31,9 @@ def test_available_cpus_of_this_process_is_positive():
     assert available_cpus() >= 1
 
 
-@pytest.mark.parametrize(("cpus", "workers", "threads"), [(2, 2, 1), (2, 1, 2), (16, 3, 5), (2, 5, 1), (1, 1, 1)])
+# one CPU is left to the serving threads once there are two: 2 CPUs, one worker -> 1 thread
+@pytest.mark.parametrize(("cpus", "workers", "threads"), [(2, 2, 1), (2, 1, 1), (16, 3, 5), (16, 1, 15), (2, 5, 1),
+                                                         (1, 1, 1), (4, 1, 3), (8, 2, 3)])
 def test_threads_per_worker(cpus, workers, threads):
     assert threads_per_worker(cpus, workers) == threads
 
@@ -39,17 +41,17 @@ def test_threads_per_worker(cpus, workers, threads):
 def test_more_cpus_than_the_process_may_use_is_said(caplog):
     args = build_parser().parse_args(["--cpus", str(available_cpus() + 6), "--decode-workers", "2",
                                       "--prefill-workers", "0"])
-    assert worker_threads(args) == (available_cpus() + 6) // 2
+    assert worker_threads(args) == (available_cpus() + 6 - 1) // 2
     assert "more than the" in caplog.text and "outnumber the cores" in caplog.text
 
 
 def test_serve_splits_cpus_among_its_workers_unless_told():
     parse = build_parser().parse_args
-    assert worker_threads(parse(["--cpus", "8", "--prefill-workers", "1", "--decode-workers", "3"])) == 2
+    assert worker_threads(parse(["--cpus", "9", "--prefill-workers", "1", "--decode-workers", "3"])) == 2
     assert worker_threads(parse(["--cpus", "8", "--torch-threads", "3"])) == 3
     default = parse([])
     assert (default.prefill_workers, default.decode_workers) == (1, 1)
-    assert worker_threads(default) == max(1, available_cpus() // 2)
+    assert worker_threads(default) == max(1, (available_cpus() - 1) // 2)
     assert isinstance(default, argparse.Namespace)
 
 

@@ -26,13 +26,15 @@ async def health(url: str) -> tuple[int, dict]:
         return r.status, await r.json()
 
 
-async def test_a_hung_engine_step_is_reported_withdrawn_then_given_up(make_ckpt, monkeypatch):
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
+async def test_a_hung_engine_step_is_reported_withdrawn_then_given_up(make_ckpt, monkeypatch, engine_process):
     monkeypatch.setenv(ENV, json.dumps([{"engine": "d-stall", "fault": "hang", "at_step": 3}]))
     bus = InProcBus()
     worker = DecodeWorker(DecodeWorkerConfig(EngineConfig(model=str(make_ckpt("llama")), num_kv_blocks=64,
                                                           model_id="test-model"),
                                              worker_id="d-stall", admin_port=0, heartbeat_ttl_s=0.9,
-                                             engine_stall_timeout_s=STALL_S), bus=bus)
+                                             engine_stall_timeout_s=STALL_S, engine_process=engine_process),
+                          bus=bus)
     await worker.start()
     try:
         status, body = await health(worker.admin_url + "/health")

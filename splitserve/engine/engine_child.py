@@ -1,0 +1,187 @@
+"""The child side of engine/engine_process.py: an ordinary `AsyncEngine` in a process of its
+own, whose callbacks, stats and step clock go to the worker over a pipe.
+
+What it sends, one batch per loop iteration (one pickle, one write): ("outputs", [...]),
+("events", [...]), ("timing", wall, cpu), ("step_failed", request ids, exc),
+("result", call id, exc or None, value), ("stats", EngineStats) when they changed,
+("dead", exc). First of all ("ready", model id, total blocks, KV pool, stats), or
+("start_failed", exc). What it reads: ("call", id, method, args, result wanted),
+("cancel", id), ("stop",); the pipe's end means the worker is gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import os
+import pickle
+import signal
+import threading
+from concurrent.futures import Future
+
+import torch
+import torch.multiprocessing  # noqa: F401 - the KV pool's tensor crosses as shared memory
+
+from splitserve.engine.async_engine import AsyncEngine, EngineDeadError
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.stats import EngineStats
+
+log = logging.getLogger(__name__)
+
+
+def step_part(out):
+    """What crosses the pipe of a RequestOutput: this step's part (see the module docstring)."""
+    return dataclasses.replace(out, prompt_token_ids=[], token_ids=[], logprobs=[], text="")
+
+
+# ---- the child ------------------------------------------------------------------------------
+class _ChildEngine(AsyncEngine):
+    """AsyncEngine whose callbacks, stats and step clock go to the parent."""
+
+    def __init__(self, engine, send, step_clock, **kwargs):
+        self._send = send
+        self._pending: list[tuple] = []
+        self._sent_stats: EngineStats | None = None
+        self._clock = step_clock
+        super().__init__(engine, None, self._out, self._events, on_dead=self._dead,
+                         on_step_failure=self._step_failed, on_step_timing=self._timing,
+                         deliver=lambda fn, *args: fn(*args), **kwargs)
+
+    # every assignment of the base class goes through these two
+    @property
+    def _step_started(self):
+        value = self._clock.value
+        return value or None
+
+    @_step_started.setter
+    def _step_started(self, value):
+        self._clock.value = value or 0.0
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._sent_stats
+
+    @stats.setter
+    def stats(self, value: EngineStats) -> None:
+        """Set once per loop iteration: the moment to send what the iteration produced."""
+        if value != self._sent_stats:
+            self._pending.append(("stats", value))
+            self._sent_stats = value
+        self.flush()
+
+    def start(self) -> None:
+        self._pending.clear()  # the stats of __init__: the ready message carries them
+        super().start()
+
+    def flush(self) -> None:
+        if self._pending and self._thread.is_alive():
+            batch, self._pending = self._pending, []
+            try:
+                self._send(batch)
+            except (TypeError, AttributeError, pickle.PicklingError) as exc:  # a bug, not the engine's death
+                log.error("engine %s: a message to the worker cannot be pickled (%r); sending the rest", self.name,
+                          exc)
+                for msg in batch:
+                    try:
+                        self._send([msg])
+                    except (TypeError, AttributeError, pickle.PicklingError):
+                        if msg[0] == "result":  # its caller hears of it rather than waiting forever
+                            self._send([("result", msg[1], RuntimeError(f"unpicklable result: {exc!r}"), None)])
+
+    def _out(self, outputs) -> None:
+        self._pending.append(("outputs", [step_part(o) for o in outputs]))
+
+    def _events(self, events) -> None:
+        self._pending.append(("events", events))
+
+    def _timing(self, wall: float, cpu: float) -> None:
+        self._pending.append(("timing", wall, cpu))
+
+    def _step_failed(self, rids, exc) -> None:
+        self._pending.append(("step_failed", rids, _picklable(exc)))
+
+    def _dead(self, error) -> None:
+        self._pending.append(("dead", _picklable(error)))
+        self.flush()
+
+    def answer(self, call_id: int, fut: Future, wanted: bool) -> None:
+        """A command's result, sent with the iteration that ran it (on the engine thread);
+        None unless `wanted` (add_request returns its Sequence, which stays here)."""
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        value = fut.result() if wanted and exc is None else None
+        if isinstance(value, RequestOutput):
+            value = step_part(value)
+        self._pending.append(("result", call_id, _picklable(exc) if exc else None, value))
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    """`exc` if it survives the pipe (InvalidPromptError must reach the worker as itself)."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any exception type a library defines
+        return RuntimeError(repr(exc))
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (Linux), even if the pipe reader is stuck."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def child_main(config: EngineConfig, conn, step_clock, name: str, torch_threads: int, log_level: int,
+                kwargs: dict) -> None:
+    _die_with_parent()
+    from splitserve.logs import configure_logging
+
+    configure_logging(log_level)  # the worker's stderr, the worker's format: one log per worker
+    torch.set_num_threads(torch_threads)
+    from splitserve.engine.llm_engine import LLMEngine  # the model runtime: the child only
+
+    try:
+        engine = LLMEngine(config)
+        engine.kv_pool.data.share_memory_()  # in place: the engine's views follow it
+    except Exception as exc:  # noqa: BLE001 - the parent says why the worker cannot start
+        conn.send([("start_failed", _picklable(exc))])
+        return
+    lock = threading.Lock()
+
+    def send(batch) -> None:
+        with lock:
+            conn.send(batch)
+
+    child = _ChildEngine(engine, send, step_clock, name=name, **kwargs)
+    send([("ready", engine.model_id, engine.num_total_blocks, engine.kv_pool, child.stats)])  # the pool's
+    # tensor crosses as a handle on the shared memory (torch.multiprocessing), not as a copy
+    child.start()
+    calls: dict[int, Future] = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the parent is gone: nothing to serve
+            os._exit(0)
+        kind = msg[0]
+        if kind == "call":
+            _, call_id, method, args, wanted = msg
+            try:
+                fut = child.submit(getattr(engine, method), *args)
+            except EngineDeadError as exc:
+                send([("result", call_id, exc, None)])
+                continue
+            calls[call_id] = fut
+            fut.add_done_callback(lambda f, i=call_id, w=wanted: (calls.pop(i, None), child.answer(i, f, w)))
+        elif kind == "cancel":
+            fut = calls.pop(msg[1], None)
+            if fut is not None:
+                fut.cancel()  # only if it has not run yet; then nothing is answered
+        elif kind == "stop":
+            child._stopped.set()
+            child._commands.put(None)
+            child._thread.join(2)  # a step that hangs must not hold the worker's shutdown
+            os._exit(0)
