@@ -35,7 +35,8 @@ def test_default_is_a_process_on_the_cpu_and_a_thread_on_cuda(make_ckpt):
     assert use_engine_process(EngineConfig(model=path), False) is False
 
 
-async def test_disaggregated_generation_through_engine_processes_matches_one_engine(make_ckpt):
+@pytest.mark.parametrize("kv_backend", ["grpc", "mooncake"])
+async def test_disaggregated_generation_through_engine_processes_matches_one_engine(make_ckpt, kv_backend):
     path = make_ckpt("llama")
     rng = random.Random(3)
     shared = [rng.randrange(5, 1000) for _ in range(48)]
@@ -43,12 +44,14 @@ async def test_disaggregated_generation_through_engine_processes_matches_one_eng
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     expected = LLM(str(path), num_kv_blocks=64).generate(prompts, params)
     bus = InProcBus()
-    decode = DecodeWorker(DecodeWorkerConfig(engine_config(path), worker_id="d0", engine_process=True), bus=bus)
+    decode = DecodeWorker(DecodeWorkerConfig(engine_config(path), worker_id="d0", engine_process=True,
+                                             kv_backend=kv_backend), bus=bus)
     prefill = PrefillWorker(PrefillWorkerConfig(engine_config(path), worker_id="p0", engine_process=True), bus=bus)
     await asyncio.gather(decode.start(), prefill.start())
     try:
         assert isinstance(decode.engine, EngineProcess) and decode.engine.pid != os.getpid()
-        # prefill in p0's process, KV read from its shared pool, pushed into d0's, decoded in d0's process
+        # prefill in p0's process, KV read from its shared pool, pushed into d0's (Mooncake: into the
+        # shared pages the worker registered), decoded in d0's process
         chunks = await generate(decode.address, "r0", prompts[0], params, prefill)
         assert [t for c in chunks for t in c.token_ids] == expected[0].token_ids
         got = [(lp.token_id, round(lp.logprob, 4)) for c in chunks for lp in c.logprobs]
