@@ -127,6 +127,26 @@ def _picklable(exc: BaseException) -> BaseException:
         return RuntimeError(repr(exc))
 
 
+SHM_DIR = "/dev/shm"
+
+
+def check_shared_memory(nbytes: int, shm_dir: str = SHM_DIR) -> None:
+    """The KV pool goes to shared memory (a tmpfs at /dev/shm): refuse to start, saying what
+    to do, when it does not fit, rather than die of SIGBUS while copying it there (Docker's
+    default /dev/shm is 64 MiB)."""
+    try:
+        st = os.statvfs(shm_dir)
+    except OSError:
+        return  # no /dev/shm to ask: torch will say what it can
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise RuntimeError(f"the KV pool ({nbytes / 2**30:.2f} GiB) does not fit in {shm_dir} ({free / 2**30:.2f} GiB "
+                           "free), where the engine process shares it with its worker: give the container a larger "
+                           "/dev/shm (docker run --shm-size; a memory-backed emptyDir in Kubernetes, which the "
+                           "operator mounts), lower --kv-cache-memory, or run the engine on a thread "
+                           "(--engine-loop thread)")
+
+
 def _die_with_parent() -> None:
     """SIGKILL this process when its parent dies (Linux), even if the pipe reader is stuck."""
     try:
@@ -146,6 +166,7 @@ def child_main(config: EngineConfig, conn, step_clock, name: str, torch_threads:
 
     try:
         engine = LLMEngine(config)
+        check_shared_memory(engine.kv_pool.nbytes)
         engine.kv_pool.data.share_memory_()  # in place: the engine's views follow it
     except Exception as exc:  # noqa: BLE001 - the parent says why the worker cannot start
         conn.send([("start_failed", _picklable(exc))])

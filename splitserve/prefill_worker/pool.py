@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = PrefillWorkerConfig(engine, worker_id=f"{args.cluster}-prefill-{slot}", host="0.0.0.0", port=args.port,
                                   advertise_host=None, bus_url=args.redis_url, cluster=args.cluster,
                                   admin_port=args.worker_metrics_port, kv_protocol=args.kv_protocol,
-                                  rdma_device=args.rdma_device, security=security)
+                                  rdma_device=args.rdma_device, security=security,
+                                  engine_process=None)  # the CPU default: its own process (engine_process.py)
         # Ray reserves one CPU per actor (num_cpus=1): one torch thread unless --torch-threads says more
         placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)} if node_id else {}
         return WorkerActor.options(name=f"prefill-{slot}", lifetime="detached", get_if_exists=True, num_cpus=1,

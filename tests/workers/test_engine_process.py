@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +27,28 @@ from tests.workers.test_workers_grpc import generate
 
 def engine_config(path):
     return EngineConfig(model=str(path), num_kv_blocks=64, model_id="test-model")
+
+
+def test_a_kv_pool_larger_than_dev_shm_is_refused_with_what_to_do(tmp_path):
+    from splitserve.engine.engine_child import check_shared_memory
+
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    check_shared_memory(free // 2, str(tmp_path))  # fits: nothing said
+    with pytest.raises(RuntimeError, match=r"does not fit in .* --shm-size.*--engine-loop thread"):
+        check_shared_memory(free + 2**30, str(tmp_path))
+
+
+async def test_an_engine_process_that_cannot_start_says_why(make_ckpt, tmp_path):
+    """The child's start-up error reaches the worker's start as itself (a clear CLI line)."""
+    broken = tmp_path / "broken"
+    shutil.copytree(make_ckpt("llama"), broken)
+    (broken / "config.json").write_text('{"model_type": "llama", "hidden_size": "wide"}')
+    proc = EngineProcess(EngineConfig(model=str(broken), num_kv_blocks=64), asyncio.get_running_loop(),
+                         lambda outputs: None, name="bad")
+    with pytest.raises(Exception) as err:
+        await asyncio.to_thread(proc.launch)
+    assert "exited while starting" not in str(err.value)  # the child's own reason, not a guess
+    assert not proc.alive
 
 
 def test_default_is_a_process_on_the_cpu_and_a_thread_on_cuda(make_ckpt):
