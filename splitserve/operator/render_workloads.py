@@ -38,6 +38,8 @@ def render_router(spec: InferenceSpec) -> list[dict]:
             "--model", c.tokenizer_dir(spec) or c.model_dir(spec),
             "--served-model-name", spec.model.served_name, *c.common_args(spec),
             "--block-size", str(spec.block_size)]
+    if spec.router.stream_interval != 1:  # 1 is the router's own default
+        args += ["--stream-interval", str(spec.router.stream_interval)]
     if spec.model.max_model_len:
         args += ["--max-model-len", str(spec.model.max_model_len)]
     container = {

@@ -60,6 +60,7 @@ class RouterSpec:
     replicas: int = 2
     resources: dict = field(default_factory=dict)
     service_type: str = "ClusterIP"
+    stream_interval: int = 1  # the router's --stream-interval
     pod: PodSettings = field(default_factory=PodSettings)
 
 
@@ -153,6 +154,7 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
     router = RouterSpec(replicas=int_field(router_d, "replicas", 2, "spec.router", problems, minimum=1),
                         resources=router_d.get("resources", {}) or {},
                         service_type=str(router_d.get("serviceType", "ClusterIP")),
+                        stream_interval=int_field(router_d, "streamInterval", 1, "spec.router", problems, minimum=1),
                         pod=parse_pod_settings(router_d, "spec.router", problems))
     if router.service_type not in ("ClusterIP", "NodePort", "LoadBalancer"):
         problems.append(f"spec.router.serviceType must be ClusterIP, NodePort or LoadBalancer, got {router.service_type!r}")

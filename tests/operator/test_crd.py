@@ -79,6 +79,8 @@ INVALID_BY_SCHEMA = [
     ("replicas as string", {"router": {"replicas": "two"}}, "'two' is not of type 'integer'", "must be an integer"),
     ("negative kv cache", {"decode": {"kvCacheMemoryGiB": -1}}, "-1 is less than the minimum of 0", "kvCacheMemoryGiB must be > 0"),
     ("unknown dtype", {"model": {"dtype": "int4"}}, "'int4' is not one of", "dtype must be bfloat16, float16 or float32"),
+    ("zero stream interval", {"router": {"streamInterval": 0}}, "0 is less than the minimum of 1",
+     "spec.router.streamInterval must be >= 1"),
 ]
 INVALID_BY_CEL = [
     ("min > max", {"decode": {"minReplicas": 5, "maxReplicas": 2, "replicas": 2}},

@@ -130,6 +130,15 @@ def test_component_commands_follow_the_contracts():
     assert ray["spec"]["enableInTreeAutoscaling"] is False
 
 
+def test_router_stream_interval_reaches_the_router_pods(minimal_spec):
+    default = by_kind_name(render(parse_spec("q", "ns", minimal_spec, "img:1")))
+    args = default[("Deployment", "q-router")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--stream-interval" not in args  # 1: the router's own default, every token streamed
+    spec = parse_spec("q", "ns", {**minimal_spec, "router": {"streamInterval": 4}}, "img:1")
+    args = by_kind_name(render(spec))[("Deployment", "q-router")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--stream-interval") + 1] == "4"
+
+
 def test_rdma_and_image_source():
     m = by_kind_name(render(SPECS["mistral-image-rdma.yaml"]))
     decode_pod = m[("Deployment", "mistral-7b-decode")]["spec"]["template"]["spec"]
