@@ -158,6 +158,9 @@ def _die_with_parent() -> None:
 def child_main(config: EngineConfig, conn, step_clock, name: str, torch_threads: int, log_level: int,
                 kwargs: dict) -> None:
     _die_with_parent()
+    # Ctrl-C reaches the whole process group: the worker stops this process (or its end of the
+    # pipe closes), so a KeyboardInterrupt here would only print a traceback per engine.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from splitserve.logs import configure_logging
 
     configure_logging(log_level)  # the worker's stderr, the worker's format: one log per worker
