@@ -86,10 +86,10 @@ class AsyncEngine:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
         self._stopped.set()
         self._commands.put(None)
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout)
 
     @property
     def alive(self) -> bool:

@@ -42,7 +42,10 @@ class _ChildEngine(AsyncEngine):
 
     def __init__(self, engine, send, step_clock, **kwargs):
         self._send = send
+        # Filled by the engine thread, and by the pipe reader when a call was answered before
+        # the reader attached its callback: the lock keeps a result from missing every batch.
         self._pending: list[tuple] = []
+        self._pending_lock = threading.Lock()
         self._sent_stats: EngineStats | None = None
         self._clock = step_clock
         super().__init__(engine, None, self._out, self._events, on_dead=self._dead,
@@ -67,7 +70,7 @@ class _ChildEngine(AsyncEngine):
     def stats(self, value: EngineStats) -> None:
         """Set once per loop iteration: the moment to send what the iteration produced."""
         if value != self._sent_stats:
-            self._pending.append(("stats", value))
+            self._queue(("stats", value))
             self._sent_stats = value
         self.flush()
 
@@ -75,9 +78,14 @@ class _ChildEngine(AsyncEngine):
         self._pending.clear()  # the stats of __init__: the ready message carries them
         super().start()
 
+    def _queue(self, msg: tuple) -> None:
+        with self._pending_lock:
+            self._pending.append(msg)
+
     def flush(self) -> None:
         if self._pending and self._thread.is_alive():
-            batch, self._pending = self._pending, []
+            with self._pending_lock:
+                batch, self._pending = self._pending, []
             try:
                 self._send(batch)
             except (TypeError, AttributeError, pickle.PicklingError) as exc:  # a bug, not the engine's death
@@ -91,19 +99,19 @@ class _ChildEngine(AsyncEngine):
                             self._send([("result", msg[1], RuntimeError(f"unpicklable result: {exc!r}"), None)])
 
     def _out(self, outputs) -> None:
-        self._pending.append(("outputs", [step_part(o) for o in outputs]))
+        self._queue(("outputs", [step_part(o) for o in outputs]))
 
     def _events(self, events) -> None:
-        self._pending.append(("events", events))
+        self._queue(("events", events))
 
     def _timing(self, wall: float, cpu: float) -> None:
-        self._pending.append(("timing", wall, cpu))
+        self._queue(("timing", wall, cpu))
 
     def _step_failed(self, rids, exc) -> None:
-        self._pending.append(("step_failed", rids, _picklable(exc)))
+        self._queue(("step_failed", rids, _picklable(exc)))
 
     def _dead(self, error) -> None:
-        self._pending.append(("dead", _picklable(error)))
+        self._queue(("dead", _picklable(error)))
         self.flush()
 
     def answer(self, call_id: int, fut: Future, wanted: bool) -> None:
@@ -115,7 +123,7 @@ class _ChildEngine(AsyncEngine):
         value = fut.result() if wanted and exc is None else None
         if isinstance(value, RequestOutput):
             value = step_part(value)
-        self._pending.append(("result", call_id, _picklable(exc) if exc else None, value))
+        self._queue(("result", call_id, _picklable(exc) if exc else None, value))
 
 
 def _picklable(exc: BaseException) -> BaseException:
@@ -205,7 +213,5 @@ def child_main(config: EngineConfig, conn, step_clock, name: str, torch_threads:
             if fut is not None:
                 fut.cancel()  # only if it has not run yet; then nothing is answered
         elif kind == "stop":
-            child._stopped.set()
-            child._commands.put(None)
-            child._thread.join(2)  # a step that hangs must not hold the worker's shutdown
+            child.stop(timeout=2)  # a step that hangs must not hold the worker's shutdown
             os._exit(0)

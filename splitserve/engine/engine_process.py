@@ -34,6 +34,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.multiprocessing  # noqa: F401 - registers the shared-memory pickling of tensors
@@ -134,7 +135,7 @@ class EngineProcess:
     def cpu_seconds(self) -> float:
         """CPU time of the child so far (all its threads), for /metrics; 0 once it is gone."""
         try:
-            fields = open(f"/proc/{self._process.pid}/stat").read().rsplit(")", 1)[1].split()
+            fields = Path(f"/proc/{self._process.pid}/stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, TypeError):
             return 0.0
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
@@ -170,8 +171,11 @@ class EngineProcess:
             return await fut
         except asyncio.CancelledError:
             if self._calls.pop(call_id, None) is not None:
-                with self._send_lock:  # skipped if it has not run; its cleanup comes after it
-                    self._conn.send(("cancel", call_id))
+                try:
+                    with self._send_lock:  # skipped if it has not run; its cleanup comes after it
+                        self._conn.send(("cancel", call_id))
+                except (OSError, ValueError):  # the child is gone: nothing left to skip
+                    pass
             raise
 
     async def add_request(self, request_id, prompt, params, hold_kv=False, num_draws_done=0) -> None:
