@@ -49,9 +49,11 @@ def _gather_kv(cache: torch.Tensor, block_row: torch.Tensor, length: int, purpos
 
 
 def _attend(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
-    """softmax(scores) @ v with q [b, heads, n, d], k/v [b, kv_heads, T, d], mask [b|1, 1, n, T]."""
+    """softmax(scores) @ v with q [b, heads, n, d], k/v [b, kv_heads, T, d], mask [b|1, 1, n, T];
+    mask None: plain causal over a square n == T (SDPA then skips the blocks above the
+    diagonal: bit for bit the masked result, half the work for a long prompt)."""
     if not softcap:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=mask is None,
                                               enable_gqa=q.shape[1] != k.shape[1])
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -138,13 +140,16 @@ def paged_prefill_attention(
             continue
         k = _gather_kv(k_cache, block_tables[b], length, "k")
         v = _gather_kv(v_cache, block_tables[b], length, "v")
-        q_pos = torch.arange(length - n, length, device=q.device)
-        keys = torch.arange(length, device=q.device)[None, :]
-        mask = keys <= q_pos[:, None]  # [n, L]
-        if window:
-            mask &= keys > q_pos[:, None] - window
+        mask = None  # a whole prompt at once, no window, no soft-cap: SDPA's own causal mask
+        if n != length or window or softcap:
+            q_pos = torch.arange(length - n, length, device=q.device)
+            keys = torch.arange(length, device=q.device)[None, :]
+            mask = keys <= q_pos[:, None]  # [n, L]
+            if window:
+                mask &= keys > q_pos[:, None] - window
+            mask = mask[None, None]
         o = _attend(q[s:e].transpose(0, 1).unsqueeze(0),  # [1, heads, n, dim]
-                    k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), mask[None, None], scale, softcap)
+                    k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), mask, scale, softcap)
         out[s:e] = o[0].transpose(0, 1)
     return out
 
