@@ -48,6 +48,17 @@ class EngineStalledError(EngineDeadError):
     """One engine step has run so long that the engine is given up for dead."""
 
 
+def engine_health(kind: str, alive: bool, error: BaseException | None, running_s: float | None,
+                  stall_timeout_s: float) -> tuple[bool, str]:
+    """(healthy, why not) of an engine loop (`kind`: thread or process): dead, or one step
+    running longer than `stall_timeout_s`."""
+    if not alive:
+        return False, f"engine {kind} is dead: {error!r}" if error else f"engine {kind} is not running"
+    if running_s is not None and running_s > stall_timeout_s:
+        return False, f"engine step running for {running_s:.0f}s (> {stall_timeout_s:.0f}s): the engine is stalled"
+    return True, ""
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
                  on_outputs: Callable[[list[RequestOutput]], None],
@@ -102,12 +113,7 @@ class AsyncEngine:
 
     def health(self) -> tuple[bool, str]:
         """(healthy, why not): dead, or a step running longer than `stall_timeout_s`."""
-        if not self.alive:
-            return False, f"engine thread is dead: {self.error!r}" if self.error else "engine thread is not running"
-        running = self.step_running_s()
-        if running is not None and running > self.stall_timeout_s:
-            return False, f"engine step running for {running:.0f}s (> {self.stall_timeout_s:.0f}s): the engine is stalled"
-        return True, ""
+        return engine_health("thread", self.alive, self.error, self.step_running_s(), self.stall_timeout_s)
 
     # ---- calls from the event loop -------------------------------------------------------
     async def call(self, fn: Callable, *args, **kwargs):

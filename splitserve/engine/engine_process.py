@@ -21,7 +21,7 @@ adds 10%). In its own process the engine has its interpreter to itself.
 - outputs crossing the pipe carry this step's part only (new tokens and logprobs, finish,
   error): the cumulative fields (`prompt_token_ids`, `token_ids`, `logprobs`, `text`) are
   left empty, so a step's message grows with the batch, not with the context. Workers read
-  only the new part (tests/engine/test_engine_process.py holds them to it).
+  only the new part (tests/workers/test_engine_process.py holds them to it).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing  # noqa: F401 - registers the shared-memory pickling of tensors
 
-from splitserve.engine.async_engine import EngineDeadError
+from splitserve.engine.async_engine import EngineDeadError, engine_health
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_child import child_main
 from splitserve.engine.stats import EngineStats
@@ -146,13 +146,7 @@ class EngineProcess:
 
     def health(self) -> tuple[bool, str]:
         """AsyncEngine.health, for the child."""
-        if not self.alive:
-            return False, (f"engine process is dead: {self.error!r}" if self.error
-                           else "engine process is not running")
-        running = self.step_running_s()
-        if running is not None and running > self.stall_timeout_s:
-            return False, f"engine step running for {running:.0f}s (> {self.stall_timeout_s:.0f}s): the engine is stalled"
-        return True, ""
+        return engine_health("process", self.alive, self.error, self.step_running_s(), self.stall_timeout_s)
 
     # ---- calls --------------------------------------------------------------------------
     async def _call(self, method: str, *args, result: bool = True):
