@@ -1,9 +1,11 @@
 """Kernel dispatch: the engine calls these; each goes to Triton or to the torch reference.
 
 Backend choice, in order: `set_backend()`, the SPLITSERVE_KERNELS environment
-variable (auto | triton | reference), then auto = Triton for CUDA tensors and the
-reference on CPU. Forcing `triton` on CPU tensors needs TRITON_INTERPRET=1
-(Triton's interpreter), which is how CI runs the kernels without a GPU.
+variable (auto | triton | native | reference), then auto = Triton for CUDA tensors and
+native on CPU. Native is the C++ CPU decode attention (cpu_native.py); every other op, and
+decode attention where it cannot run (no compiler, a dtype it lacks), takes the reference.
+Forcing `triton` on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter), which is
+how CI runs the kernels without a GPU.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from splitserve.kernels import reference
 
-_BACKENDS = ("auto", "triton", "reference")
+_BACKENDS = ("auto", "triton", "native", "reference")
 _backend: str | None = None
 
 
@@ -31,7 +33,7 @@ def backend_for(t: torch.Tensor) -> str:
     if name not in _BACKENDS:
         raise ValueError(f"SPLITSERVE_KERNELS={name!r} is not one of {_BACKENDS}")
     if name == "auto":
-        return "triton" if t.is_cuda else "reference"
+        return "triton" if t.is_cuda else "native"
     return name
 
 
@@ -43,7 +45,13 @@ def _triton():
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None, window=0,
                            softcap=0.0):
-    impl = _triton() if backend_for(q) == "triton" else reference
+    backend = backend_for(q)
+    impl = _triton() if backend == "triton" else reference
+    if backend == "native":
+        from splitserve.kernels import cpu_native  # lazily: the first call builds it
+
+        if cpu_native.supports(q, k_cache, v_cache):
+            impl = cpu_native
     return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, window,
                                        softcap)
 

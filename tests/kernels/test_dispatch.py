@@ -55,8 +55,8 @@ def test_environment_variable_selects_the_backend(monkeypatch, device):
     assert triton_calls == ["pack_blocks"]
 
 
-def test_auto_uses_triton_for_cuda_tensors_and_the_reference_on_cpu():
-    assert ops.backend_for(torch.zeros(1)) == "reference"
+def test_auto_uses_triton_for_cuda_tensors_and_native_on_cpu():
+    assert ops.backend_for(torch.zeros(1)) == "native"
     if torch.cuda.is_available():
         assert ops.backend_for(torch.zeros(1, device="cuda")) == "triton"
 

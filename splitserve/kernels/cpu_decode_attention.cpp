@@ -1,0 +1,146 @@
+// Paged decode attention for CPUs: one new query token per sequence, read in place from the
+// block-paged KV pool. The torch reference gathers every sequence's blocks into a padded
+// buffer each layer and step and masks the padding; this reads each K/V row once and never
+// touches padding. Built and loaded by splitserve/kernels/cpu_native.py: plain C++ with a C
+// entry point and no Python API, called through ctypes, which runs it without the GIL.
+//
+// Layout (strides in elements): the K/V row of (block b, slot s, kv head h) starts at
+// b * block_stride + s * slot_stride + h * head_stride; its head_dim elements are contiguous.
+// q and out are contiguous [batch, num_heads, head_dim]; query heads h*G .. h*G+G-1 share kv
+// head h (grouped-query attention). Scores, softmax and sums are float32 whatever the storage
+// type, and the softmax is exact (max, exp, sum over the whole context), as SDPA's.
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kMaxDim = 512;
+
+struct Bf16 { uint16_t bits; };
+
+inline float load(float x) { return x; }
+inline float load(Bf16 x) {
+    uint32_t bits = uint32_t(x.bits) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+inline void store(float* dst, float x) { *dst = x; }
+inline void store(Bf16* dst, float x) {  // round to nearest even, as torch's float -> bfloat16
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) { dst->bits = uint16_t((bits >> 16) | 0x40); return; }  // NaN
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    dst->bits = uint16_t(bits >> 16);
+}
+
+struct Geometry {
+    int heads, kv_heads, group, dim, block_size;
+    int64_t block_stride, slot_stride, head_stride;
+    float scale, softcap;
+};
+
+constexpr int kMaxHeads = 256;
+
+// One sequence, all heads, context positions [start, len). Position t's K (and V) rows of all
+// kv heads are adjacent in a block, so the context is read as it lies in memory, once. DIM > 0
+// is a compile-time copy of g.dim (the dot products unroll); 0 reads it from g.
+template <typename T, int DIM>
+void attend_sequence(const T* q, const T* k, const T* v, T* out, const int32_t* blocks, int start, int len,
+                     const Geometry& g, float* scores, float* acc) {
+    const int n = len - start, dim = DIM > 0 ? DIM : g.dim, heads = g.heads;
+    alignas(64) float kv_row[DIM > 0 ? DIM : kMaxDim];
+    float maxes[kMaxHeads], sums[kMaxHeads];
+    float* qf = acc;  // the query (scaled) lives where the output accumulates, until it is used
+    for (int i = 0; i < heads * dim; i++) qf[i] = load(q[i]) * g.scale;
+    for (int h = 0; h < heads; h++) maxes[h] = -FLT_MAX;
+    for (int t = start; t < len; t++) {  // scores
+        const T* kr = k + blocks[t / g.block_size] * g.block_stride + int64_t(t % g.block_size) * g.slot_stride;
+        for (int kh = 0; kh < g.kv_heads; kh++) {
+            for (int d = 0; d < dim; d++) kv_row[d] = load(kr[kh * g.head_stride + d]);
+            for (int h = kh * g.group; h < (kh + 1) * g.group; h++) {
+                const float* qh = qf + h * dim;
+                float s = 0.f;
+#pragma omp simd reduction(+ : s)
+                for (int d = 0; d < dim; d++) s += qh[d] * kv_row[d];
+                if (g.softcap > 0.f) s = g.softcap * std::tanh(s / g.softcap);
+                scores[int64_t(h) * n + (t - start)] = s;
+                maxes[h] = s > maxes[h] ? s : maxes[h];
+            }
+        }
+    }
+    for (int h = 0; h < heads; h++) {  // softmax numerators and their sum
+        float* r = scores + int64_t(h) * n;
+        const float m = maxes[h];
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int i = 0; i < n; i++) { r[i] = std::exp(r[i] - m); sum += r[i]; }
+        sums[h] = sum;
+    }
+    for (int i = 0; i < heads * dim; i++) acc[i] = 0.f;
+    for (int t = start; t < len; t++) {  // weighted sum of V
+        const T* vr = v + blocks[t / g.block_size] * g.block_stride + int64_t(t % g.block_size) * g.slot_stride;
+        for (int kh = 0; kh < g.kv_heads; kh++) {
+            for (int d = 0; d < dim; d++) kv_row[d] = load(vr[kh * g.head_stride + d]);
+            for (int h = kh * g.group; h < (kh + 1) * g.group; h++) {
+                const float p = scores[int64_t(h) * n + (t - start)];
+                float* ah = acc + h * dim;
+#pragma omp simd
+                for (int d = 0; d < dim; d++) ah[d] += p * kv_row[d];
+            }
+        }
+    }
+    for (int h = 0; h < heads; h++) {
+        const float inv = 1.f / sums[h];
+        for (int d = 0; d < dim; d++) store(out + h * dim + d, acc[h * dim + d] * inv);
+    }
+}
+
+template <typename T>
+int decode(const void* q_, const void* k_, const void* v_, void* out_, const int32_t* block_tables,
+           const int32_t* seq_lens, int first_seq, int end_seq, int num_heads, int num_kv_heads, int head_dim,
+           int block_size, int max_blocks, int64_t block_stride, int64_t slot_stride, int64_t head_stride,
+           float scale, int window, float softcap) {
+    const T *q = static_cast<const T*>(q_), *k = static_cast<const T*>(k_), *v = static_cast<const T*>(v_);
+    T* out = static_cast<T*>(out_);
+    const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
+    if (group < 1 || num_heads > kMaxHeads || head_dim > kMaxDim || group * num_kv_heads != num_heads) return 1;
+    const Geometry g{num_heads, num_kv_heads, group, head_dim, block_size, block_stride, slot_stride, head_stride,
+                     scale, softcap};
+    int longest = 1;
+    for (int b = first_seq; b < end_seq; b++) {
+        if (seq_lens[b] <= 0 || seq_lens[b] > max_blocks * block_size) return 3;
+        longest = seq_lens[b] > longest ? seq_lens[b] : longest;
+    }
+    std::vector<float> scores(size_t(num_heads) * size_t(longest)), acc(size_t(num_heads) * head_dim);
+    auto attend = attend_sequence<T, 0>;  // common head sizes get an unrolled copy
+    if (head_dim == 32) attend = attend_sequence<T, 32>;
+    if (head_dim == 64) attend = attend_sequence<T, 64>;
+    if (head_dim == 128) attend = attend_sequence<T, 128>;
+    if (head_dim == 256) attend = attend_sequence<T, 256>;
+    for (int b = first_seq; b < end_seq; b++) {
+        const int len = seq_lens[b];
+        const int start = (window > 0 && len > window) ? len - window : 0;
+        const int64_t qo = int64_t(b) * num_heads * head_dim;
+        attend(q + qo, k, v, out + qo, block_tables + int64_t(b) * max_blocks, start, len, g, scores.data(),
+               acc.data());
+    }
+    return 0;
+}
+
+}  // namespace
+
+// 0 on success; 1: unsupported head geometry; 3: a sequence length outside its block table.
+extern "C" int splitserve_decode_attention(int dtype_code, const void* q, const void* k_cache,
+                                           const void* v_cache, void* out, const int32_t* block_tables,
+                                           const int32_t* seq_lens, int first_seq, int end_seq, int num_heads,
+                                           int num_kv_heads, int head_dim, int block_size, int max_blocks,
+                                           int64_t block_stride, int64_t slot_stride, int64_t head_stride,
+                                           float scale, int window, float softcap) {
+    auto run = dtype_code == 0 ? decode<float> : decode<Bf16>;
+    return run(q, k_cache, v_cache, out, block_tables, seq_lens, first_seq, end_seq, num_heads, num_kv_heads,
+               head_dim, block_size, max_blocks, block_stride, slot_stride, head_stride, scale, window, softcap);
+}

@@ -1,0 +1,142 @@
+"""Native CPU kernels: cpu_decode_attention.cpp, compiled for this machine on first use.
+
+Why compiled here and not shipped: `-march=native` is where the speed comes from (AVX-512 on
+a server, NEON on Arm), and a binary built for one CPU faults on an older one. The build is
+one C++ file with no Python or torch headers (about a second with g++), cached under
+$SPLITSERVE_CACHE/kernels keyed by the source, the compiler and this CPU's feature flags, and
+called through ctypes, which releases the GIL for the call. Without a C++ compiler, or if the
+build fails, the engine falls back to the torch reference and says so once, with what to do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from splitserve.core.model_dir import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode_attention.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+ERRORS = {1: "unsupported head geometry (heads not a multiple of kv heads, > 256 heads or head_dim > 512)",
+          3: "a sequence length is outside its block table"}
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_problem: str | None = None  # why there is no library, once a build was tried
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), platform.machine(),
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"cpu_decode_attention-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: another process building the same key is harmless
+    return target
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, built on first call; None (and one warning) where it cannot be."""
+    global _library, _problem
+    if _library is not None or _problem is not None:
+        return _library
+    with _lock:
+        if _library is None and _problem is None:
+            compiler = _compiler()
+            try:
+                if compiler is None:
+                    raise RuntimeError("no C++ compiler found (c++, g++ or clang++ on PATH, or $CXX)")
+                lib = ctypes.CDLL(str(_build(compiler)))
+                fn = lib.splitserve_decode_attention
+                fn.restype = ctypes.c_int
+                fn.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7
+                               + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int, ctypes.c_float])
+                _library = lib
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                _problem = str(exc)
+                log.warning("native CPU decode attention unavailable, using the slower torch reference: %s. "
+                            "Install g++ (apt-get install g++) for it, or set SPLITSERVE_KERNELS=reference "
+                            "to choose the reference and silence this.", _problem)
+    return _library
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the native kernel takes these tensors (else the caller uses the reference)."""
+    return (q.device.type == "cpu" and q.dtype in DTYPE_CODES and k_cache.dtype == q.dtype
+            and v_cache.dtype == q.dtype and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+            and library() is not None)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None, window=0,
+                           softcap=0.0) -> torch.Tensor:
+    """Same contract as reference.paged_decode_attention; call supports() first."""
+    fn = library().splitserve_decode_attention
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    tables = block_tables.to(device="cpu", dtype=torch.int32).contiguous()
+    lens = seq_lens.to(device="cpu", dtype=torch.int32).contiguous()
+    batch, heads, dim = q.shape
+    args = (DTYPE_CODES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+            tables.data_ptr(), lens.data_ptr())
+    shape = (heads, k_cache.shape[2], dim, k_cache.shape[1], tables.shape[1], k_cache.stride(0),
+             k_cache.stride(1), k_cache.stride(2), float(scale), int(window), float(softcap))
+
+    def run(first: int, end: int) -> int:
+        return fn(*args, first, end, *shape)
+
+    threads = min(torch.get_num_threads(), batch)
+    if threads <= 1:
+        codes = [run(0, batch)]
+    else:  # ctypes drops the GIL: slices of the batch run in parallel, as torch's own ops would
+        step = -(-batch // threads)
+        codes = list(_executor().map(lambda s: run(s, min(s + step, batch)), range(0, batch, step)))
+    bad = next((c for c in codes if c), 0)
+    if bad:
+        raise ValueError(f"native decode attention refused its input: {ERRORS.get(bad, bad)}")
+    return out
+
+
+def _executor() -> ThreadPoolExecutor:
+    threads = torch.get_num_threads()
+    with _lock:
+        if threads not in _pools:
+            _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="decode-attention")
+        return _pools[threads]
