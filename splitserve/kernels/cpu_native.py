@@ -126,12 +126,20 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, n
     if threads <= 1:
         codes = [run(0, batch)]
     else:  # ctypes drops the GIL: slices of the batch run in parallel, as torch's own ops would
-        step = -(-batch // threads)
-        codes = list(_executor().map(lambda s: run(s, min(s + step, batch)), range(0, batch, step)))
+        bounds = _balanced_bounds(lens, threads)
+        codes = list(_executor().map(run, bounds[:-1], bounds[1:]))
     bad = next((c for c in codes if c), 0)
     if bad:
         raise ValueError(f"native decode attention refused its input: {ERRORS.get(bad, bad)}")
     return out
+
+
+def _balanced_bounds(lens: torch.Tensor, parts: int) -> list[int]:
+    """Split points of the batch into `parts` slices of about equal context (the work)."""
+    total = lens.to(torch.int64).cumsum(0)
+    targets = total[-1] * torch.arange(1, parts, dtype=torch.int64) // parts
+    cuts = (torch.searchsorted(total, targets) + 1).clamp(max=len(lens)).tolist()  # after the one that crosses
+    return [0, *cuts, len(lens)]
 
 
 def _executor() -> ThreadPoolExecutor:

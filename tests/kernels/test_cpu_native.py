@@ -58,7 +58,7 @@ def test_several_threads_give_the_same_bits_as_one():
 def test_padding_and_other_blocks_are_never_read():
     """NaN everywhere a sequence does not own: any stray read would show in the output."""
     q, kv = _case(4, 2, 32, torch.float32, lens=[3, 20])
-    owned = {int(b) for row, n in zip(kv.block_tables, kv.seq_lens.tolist()) for b in row[: (n + 15) // 16]}
+    owned = {int(b) for row, n in zip(kv.block_tables, kv.seq_lens.tolist(), strict=True) for b in row[: (n + 15) // 16]}
     poisoned = kv.pool.clone()
     for block in range(poisoned.shape[0]):
         if block not in owned:
@@ -116,3 +116,9 @@ def test_the_build_is_cached_per_source_and_machine(monkeypatch, tmp_path):
     assert cpu_native._build(compiler) == built and built.stat().st_mtime_ns == stamp  # not rebuilt
     monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: "another cpu")
     assert cpu_native._build(compiler) != built
+
+
+def test_threads_split_the_batch_by_context_not_by_count():
+    lens = torch.tensor([5, 300, 17, 64, 129, 2, 90], dtype=torch.int32)
+    assert cpu_native._balanced_bounds(lens, 3) == [0, 2, 5, 7]  # 305 / 210 / 92 tokens, not 322 / 195 / 90
+    assert cpu_native._balanced_bounds(torch.tensor([7]), 2) == [0, 1, 1]  # an empty slice is a no-op
