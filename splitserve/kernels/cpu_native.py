@@ -29,7 +29,10 @@ from splitserve.core.model_dir import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode_attention.cpp")
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]
+# -fassociative-math (with the two flags it needs) lets sums be vectorised in any order, as
+# SDPA's blocked sums are; no -ffast-math: NaN and infinity keep their meaning.
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+         "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 ERRORS = {1: "unsupported head geometry (heads not a multiple of kv heads, > 256 heads or head_dim > 512)",
           3: "a sequence length is outside its block table"}

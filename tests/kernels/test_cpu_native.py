@@ -122,3 +122,12 @@ def test_threads_split_the_batch_by_context_not_by_count():
     lens = torch.tensor([5, 300, 17, 64, 129, 2, 90], dtype=torch.int32)
     assert cpu_native._balanced_bounds(lens, 3) == [0, 2, 5, 7]  # 305 / 210 / 92 tokens, not 322 / 195 / 90
     assert cpu_native._balanced_bounds(torch.tensor([7]), 2) == [0, 1, 1]  # an empty slice is a no-op
+
+
+def test_a_peaked_softmax_matches_the_reference():
+    """Scores hundreds apart: the kernel's own exp must still give ~0 and ~1 where libm does."""
+    q, kv = _case(8, 4, 32, torch.float32, lens=[40, 300, 3])
+    q = q * 60  # score gaps of several hundred
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 32 ** -0.5)
+    torch.testing.assert_close(cpu_native.paged_decode_attention(*args), reference.paged_decode_attention(*args),
+                               **TOLERANCES[torch.float32])
