@@ -94,6 +94,9 @@ class StreamWriter:
         self.total = layout.region_nbytes * len(self.dest)
         self.received = 0
         self._bytes = pool_bytes(pool)
+        # On the CPU a chunk's bytes go in by the buffer protocol (a memcpy): a tensor over
+        # the received bytes would be a view of a read-only buffer, which torch warns about.
+        self._host = memoryview(self._bytes.numpy()) if self._bytes.device.type == "cpu" else None
         self._hashers: dict[int, xxhash.xxh3_64] = {}
 
     def write(self, offset: int, data: memoryview) -> list[tuple[int, int]]:
@@ -129,7 +132,7 @@ class StreamWriter:
             # Full blocks into a GPU pool: one host-to-device copy, then the unpack kernel
             # scatters them. On CPU a plain memcpy per block is faster than index_copy_.
             start = whole[0][1]
-            src = torch.frombuffer(data[start:start + size * len(whole)], dtype=torch.uint8)
+            src = _read_only_tensor(data[start:start + size * len(whole)])
             src = src.to(self.pool.data.device).view(self.pool.data.dtype)
             ids = torch.tensor([self.dest[i] for i, _ in whole], dtype=torch.long)
             ops.unpack_blocks(src, self.pool.data, ids)
@@ -138,5 +141,15 @@ class StreamWriter:
             self._copy(self.layout.offset(self.dest[index]), data[at:at + size])
 
     def _copy(self, pool_offset: int, piece: memoryview) -> None:
-        src = torch.frombuffer(piece, dtype=torch.uint8)
-        self._bytes[pool_offset:pool_offset + len(piece)].copy_(src)
+        if self._host is not None:
+            self._host[pool_offset:pool_offset + len(piece)] = piece
+        else:
+            self._bytes[pool_offset:pool_offset + len(piece)].copy_(_read_only_tensor(piece))
+
+
+def _read_only_tensor(buf: memoryview) -> torch.Tensor:
+    """A uint8 tensor over received bytes, no copy. torch warns that the buffer is not
+    writable; it is only ever read here (copied to the device)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(buf, dtype=torch.uint8)
