@@ -153,8 +153,8 @@ void attend_sequence(const T* q, const T* k, const T* v, T* out, const int32_t* 
 template <typename T>
 int decode(const void* q_, const void* k_, const void* v_, void* out_, const int32_t* block_tables,
            const int32_t* seq_lens, int first_seq, int end_seq, int num_heads, int num_kv_heads, int head_dim,
-           int block_size, int max_blocks, int64_t block_stride, int64_t slot_stride, int64_t head_stride,
-           float scale, int window, float softcap) {
+           int block_size, int max_blocks, int num_blocks, int64_t block_stride, int64_t slot_stride,
+           int64_t head_stride, float scale, int window, float softcap) {
     const T *q = static_cast<const T*>(q_), *k = static_cast<const T*>(k_), *v = static_cast<const T*>(v_);
     T* out = static_cast<T*>(out_);
     const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
@@ -164,6 +164,9 @@ int decode(const void* q_, const void* k_, const void* v_, void* out_, const int
     int longest = 1;
     for (int b = first_seq; b < end_seq; b++) {
         if (seq_lens[b] <= 0 || seq_lens[b] > max_blocks * block_size) return 3;
+        const int32_t* row = block_tables + int64_t(b) * max_blocks;  // every block read must be in the pool
+        for (int i = 0; i < (seq_lens[b] + block_size - 1) / block_size; i++)
+            if (row[i] < 0 || row[i] >= num_blocks) return 4;
         longest = seq_lens[b] > longest ? seq_lens[b] : longest;
     }
     std::vector<float> scores(size_t(num_heads) * size_t(longest)), acc(size_t(num_heads) * head_dim);
@@ -184,14 +187,16 @@ int decode(const void* q_, const void* k_, const void* v_, void* out_, const int
 
 }  // namespace
 
-// 0 on success; 1: unsupported head geometry; 3: a sequence length outside its block table.
+// 0 on success; 1: unsupported head geometry; 3: a sequence length outside its block table;
+// 4: a block id outside the pool. Nothing is read before these checks pass.
 extern "C" int splitserve_decode_attention(int dtype_code, const void* q, const void* k_cache,
                                            const void* v_cache, void* out, const int32_t* block_tables,
                                            const int32_t* seq_lens, int first_seq, int end_seq, int num_heads,
                                            int num_kv_heads, int head_dim, int block_size, int max_blocks,
-                                           int64_t block_stride, int64_t slot_stride, int64_t head_stride,
-                                           float scale, int window, float softcap) {
+                                           int num_blocks, int64_t block_stride, int64_t slot_stride,
+                                           int64_t head_stride, float scale, int window, float softcap) {
     auto run = dtype_code == 0 ? decode<float> : decode<Bf16>;
     return run(q, k_cache, v_cache, out, block_tables, seq_lens, first_seq, end_seq, num_heads, num_kv_heads,
-               head_dim, block_size, max_blocks, block_stride, slot_stride, head_stride, scale, window, softcap);
+               head_dim, block_size, max_blocks, num_blocks, block_stride, slot_stride, head_stride, scale, window,
+               softcap);
 }

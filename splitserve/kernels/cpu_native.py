@@ -35,7 +35,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fassociat
          "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 ERRORS = {1: "unsupported head geometry (heads not a multiple of kv heads, > 256 heads or head_dim > 512)",
-          3: "a sequence length is outside its block table"}
+          3: "a sequence length is outside its block table", 4: "a block id is outside the KV pool"}
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -90,7 +90,7 @@ def library() -> ctypes.CDLL | None:
                 lib = ctypes.CDLL(str(_build(compiler)))
                 fn = lib.splitserve_decode_attention
                 fn.restype = ctypes.c_int
-                fn.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7
+                fn.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 8
                                + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int, ctypes.c_float])
                 _library = lib
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
@@ -119,8 +119,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, n
     batch, heads, dim = q.shape
     args = (DTYPE_CODES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
             tables.data_ptr(), lens.data_ptr())
-    shape = (heads, k_cache.shape[2], dim, k_cache.shape[1], tables.shape[1], k_cache.stride(0),
-             k_cache.stride(1), k_cache.stride(2), float(scale), int(window), float(softcap))
+    shape = (heads, k_cache.shape[2], dim, k_cache.shape[1], tables.shape[1], k_cache.shape[0],
+             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), float(scale), int(window), float(softcap))
 
     def run(first: int, end: int) -> int:
         return fn(*args, first, end, *shape)

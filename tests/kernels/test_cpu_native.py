@@ -79,6 +79,20 @@ def test_a_length_beyond_the_block_table_is_refused_not_read():
         cpu_native.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, lens, 0.2)
 
 
+@pytest.mark.parametrize("bad_id", [-1, 10 ** 6])
+def test_a_block_id_outside_the_pool_is_refused_not_read(bad_id):
+    """An engine bug must raise, not read (or crash on) memory outside the pool."""
+    q, kv = _case(4, 2, 32, torch.float32, lens=[20, 40])
+    tables = kv.block_tables.clone()
+    tables[1, 2] = bad_id  # position 32.. of sequence 1
+    with pytest.raises(ValueError, match="block id is outside the KV pool"):
+        cpu_native.paged_decode_attention(q, kv.k_cache, kv.v_cache, tables, kv.seq_lens, 0.2)
+    tables[1, 2], tables[0, 2] = kv.block_tables[1, 2], bad_id  # padding past sequence 0's 2 blocks: never read
+    torch.testing.assert_close(cpu_native.paged_decode_attention(q, kv.k_cache, kv.v_cache, tables, kv.seq_lens, 0.2),
+                               reference.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables,
+                                                                kv.seq_lens, 0.2))
+
+
 def test_ops_dispatch_uses_native_on_cpu_and_the_reference_where_it_cannot(monkeypatch):
     monkeypatch.delenv("SPLITSERVE_KERNELS", raising=False)
     calls = []
