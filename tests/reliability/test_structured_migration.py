@@ -16,15 +16,15 @@ from tests.reliability.cluster import SERVED
 from tests.reliability.conftest import metric, wait_for
 
 
-class Inventory(BaseModel):  # long enough (about 150 tokens) to be cut in the middle
+class Inventory(BaseModel):  # several hundred tokens: still mid-stream at the kill with a fast engine
     owner: str = Field(max_length=8)
-    items: list[Annotated[str, Field(min_length=5, max_length=5)]] = Field(min_length=24, max_length=24)
+    items: list[Annotated[str, Field(min_length=5, max_length=5)]] = Field(min_length=64, max_length=64)
     count: int = Field(ge=0, le=999)
 
 
 def parse_kwargs(i: int) -> dict:
     return dict(model=SERVED, messages=[{"role": "user", "content": f"List the stock of shop {i}."}],
-                response_format=Inventory, temperature=0, max_completion_tokens=600)
+                response_format=Inventory, temperature=0, max_completion_tokens=1500)
 
 
 def streams_of(cluster) -> dict[str, int]:
