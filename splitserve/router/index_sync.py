@@ -95,6 +95,11 @@ class IndexSync:
                 log.info("worker %s (%s at %s) joined; replaying its KV events", worker_id,
                          info.role, info.address)
             else:
+                if (info.started_at, info.address) != (st.info.started_at, st.info.address):
+                    # a restart under the same id (crashed container, replacement pod): its
+                    # `cleared` event resets its index entries; requests now dial the new address
+                    log.info("worker %s (%s) restarted: now at %s (was %s)", worker_id, info.role,
+                             info.address, st.info.address)
                 st.info = info
         self.loads = {w: r for w, r in (await self.bus.loads()).items() if w in self.workers}
         if self.metrics is not None:

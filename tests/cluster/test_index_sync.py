@@ -147,6 +147,22 @@ async def test_restarted_worker_starts_with_cleared_and_is_not_a_gap(bus_factory
     assert sync.index.match(PROMPTS[0]) == {}
 
 
+async def test_worker_restarted_at_a_new_address_is_dialled_there_and_logged(bus_factory, caplog):
+    """A replacement process under the same id re-registers before the old registration
+    expires: the router's next refresh takes the new address and says so once."""
+    bus = bus_factory()
+    await bus.register(WorkerInfo("d1", "decode", "127.0.0.1:1", "demo", BS, 64, started_at=100.0), 30)
+    sync = IndexSync(bus_factory(), RadixIndex())
+    await sync.catch_up()
+    await bus.register(WorkerInfo("d1", "decode", "127.0.0.1:2", "demo", BS, 64, started_at=200.0), 30)
+    with caplog.at_level("INFO", logger="splitserve.router.index_sync"):
+        await sync.refresh()
+        await sync.refresh()
+    assert sync.workers["d1"].info.address == "127.0.0.1:2"
+    restarts = [r.getMessage() for r in caplog.records if "restarted" in r.getMessage()]
+    assert restarts == ["worker d1 (decode) restarted: now at 127.0.0.1:2 (was 127.0.0.1:1)"]
+
+
 async def test_heartbeat_expiry_removes_the_worker_and_return_replays_it(bus_factory):
     d1, d2 = Publisher(bus_factory(), "d1"), Publisher(bus_factory(), "d2")
     await d1.register(ttl=0.4)

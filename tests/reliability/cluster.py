@@ -60,6 +60,11 @@ class Proc:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
 
+    def freeze(self) -> None:
+        """SIGSTOP the process group: nothing it holds progresses or finishes until killed."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -154,12 +159,17 @@ class Cluster:
 
     # ---- state ------------------------------------------------------------------------
     def wait_registered(self, router: Proc, timeout: float = 60) -> dict:
-        """Until the router sees exactly the live worker processes."""
+        """Until the router sees exactly the live worker processes, at their current addresses:
+        a worker restarted under the same id is listed before the router has read its new
+        registration (its log names each address it learns)."""
         want_d, want_p = sorted(self.live(self.decode)), sorted(self.live(self.prefill))
+        addresses = [p.match.group(1) for p in [*self.live(self.decode).values(), *self.live(self.prefill).values()]]
         deadline = time.monotonic() + timeout
         while True:
             body = requests.get(router.base_url + "/health", timeout=10).json()
-            if body["decode_workers"] == want_d and body["prefill_workers"] == want_p:
+            learned = router.log()
+            if (body["decode_workers"] == want_d and body["prefill_workers"] == want_p
+                    and all(f"at {a}" in learned for a in addresses)):
                 return body
             if time.monotonic() > deadline:
                 raise AssertionError(f"router sees {body['decode_workers']} + {body['prefill_workers']}, "
