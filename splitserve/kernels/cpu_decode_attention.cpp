@@ -16,51 +16,22 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_scalar.h"
+
 namespace {
 
 constexpr int kMaxDim = 512;
 
-struct Bf16 { uint16_t bits; };
-
-inline float load(float x) { return x; }
-inline float load(Bf16 x) {
-    uint32_t bits = uint32_t(x.bits) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
-inline void store(float* dst, float x) { *dst = x; }
-inline void store(Bf16* dst, float x) {  // round to nearest even, as torch's float -> bfloat16
-    uint32_t bits;
-    std::memcpy(&bits, &x, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) { dst->bits = uint16_t((bits >> 16) | 0x40); return; }  // NaN
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    dst->bits = uint16_t(bits >> 16);
-}
-
-// exp(x) for x <= 0 (softmax numerators), Cephes' expf polynomial: within 2 ulp of std::exp,
-// and, unlike the libm call, the compiler vectorises the loop around it (scalar expf was a
-// quarter of the kernel's time with the KV in cache). Below -87.3 it gives ~1e-38, not 0.
-inline float exp_nonpositive(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    const float n = std::floor(x * 1.44269504088896341f + 0.5f);  // x = n ln2 + r, |r| <= ln2 / 2
-    const float r = x - n * 0.693359375f - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const int32_t bits = (int32_t(n) + 127) << 23;  // 2^n, n >= -126
-    return p * __builtin_bit_cast(float, bits);
-}
+using splitserve::Bf16;
+using splitserve::exp_approx;
+using splitserve::load;
+using splitserve::store;
 
 // r[i] = exp(r[i] - m) for i < n; returns their sum.
 inline float exp_shifted(float* __restrict r, int n, float m) {
     float sum = 0.f;
     for (int i = 0; i < n; i++) {
-        const float e = exp_nonpositive(r[i] - m);
+        const float e = exp_approx(r[i] - m);
         r[i] = e;
         sum += e;
     }

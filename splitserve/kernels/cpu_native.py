@@ -1,8 +1,9 @@
-"""Native CPU kernels: cpu_decode_attention.cpp, compiled for this machine on first use.
+"""Native CPU kernels: cpu_decode_attention.cpp (here) and cpu_fused_ops.cpp (cpu_fused.py),
+compiled together into one library for this machine on first use.
 
 Why compiled here and not shipped: `-march=native` is where the speed comes from (AVX-512 on
 a server, NEON on Arm), and a binary built for one CPU faults on an older one. The build is
-one C++ file with no Python or torch headers (about a second with g++), cached under
+two C++ files with no Python or torch headers (about a second with g++), cached under
 $SPLITSERVE_CACHE/kernels keyed by the source, the compiler and this CPU's feature flags, and
 called through ctypes, which releases the GIL for the call. Without a C++ compiler, or if the
 build fails, the engine falls back to the torch reference and says so once, with what to do.
@@ -28,14 +29,25 @@ from splitserve.core.model_dir import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode_attention.cpp")
+_HERE = Path(__file__).parent
+SOURCES = [_HERE / "cpu_decode_attention.cpp", _HERE / "cpu_fused_ops.cpp"]
+HEADERS = [_HERE / "cpu_scalar.h"]
 # -fassociative-math (with the two flags it needs) lets sums be vectorised in any order, as
 # SDPA's blocked sums are; no -ffast-math: NaN and infinity keep their meaning.
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-ERRORS = {1: "unsupported head geometry (heads not a multiple of kv heads, > 256 heads or head_dim > 512)",
+ERRORS = {1: "unsupported head geometry (heads not a multiple of kv heads, > 256 heads, head_dim > 512 or an "
+             "odd rotary dim)",
           3: "a sequence length is outside its block table", 4: "a block id is outside the KV pool"}
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+SIGNATURES = {  # C entry point -> argument types (all return int: 0 or an ERRORS code)
+    "splitserve_decode_attention": [_I] + [_P] * 6 + [_I] * 8 + [_I64] * 3 + [_F, _I, _F],
+    "splitserve_rms_norm": [_I, _P, _I64, _P, _P, _I, _I, _F, _I],
+    "splitserve_rotary_store": [_I, _P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I, _P, _P, _P, _P, _I, _I, _I, _I,
+                                _I64, _I, _I64, _I64, _I64],
+    "splitserve_act_and_mul": [_I, _P, _I64, _P, _I, _I, _I],
+}
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -60,16 +72,17 @@ def _compiler() -> str | None:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), platform.machine(),
+    texts = [f.read_text() for f in [*SOURCES, *HEADERS]]
+    key = hashlib.sha256("\0".join([*texts, version, " ".join(FLAGS), platform.machine(),
                                     _cpu_flags()]).encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"cpu_decode_attention-{key}.so"
+    target = cache_root() / "kernels" / f"splitserve_cpu-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True,
-                              timeout=300)
+        done = subprocess.run([compiler, *FLAGS, "-o", str(built), *map(str, SOURCES)], capture_output=True,
+                              text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
         os.replace(built, target)  # atomic: another process building the same key is harmless
@@ -88,14 +101,13 @@ def library() -> ctypes.CDLL | None:
                 if compiler is None:
                     raise RuntimeError("no C++ compiler found (c++, g++ or clang++ on PATH, or $CXX)")
                 lib = ctypes.CDLL(str(_build(compiler)))
-                fn = lib.splitserve_decode_attention
-                fn.restype = ctypes.c_int
-                fn.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 8
-                               + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int, ctypes.c_float])
+                for name, argtypes in SIGNATURES.items():
+                    fn = getattr(lib, name)
+                    fn.restype, fn.argtypes = ctypes.c_int, argtypes
                 _library = lib
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _problem = str(exc)
-                log.warning("native CPU decode attention unavailable, using the slower torch reference: %s. "
+                log.warning("native CPU kernels unavailable, using the slower torch reference: %s. "
                             "Install g++ (apt-get install g++) for it, or set SPLITSERVE_KERNELS=reference "
                             "to choose the reference and silence this.", _problem)
     return _library

@@ -2,8 +2,9 @@
 
 Backend choice, in order: `set_backend()`, the SPLITSERVE_KERNELS environment
 variable (auto | triton | native | reference), then auto = Triton for CUDA tensors and
-native on CPU. Native is the C++ CPU decode attention (cpu_native.py); every other op, and
-decode attention where it cannot run (no compiler, a dtype it lacks), takes the reference.
+native on CPU. Native is C++ for CPUs: decode attention (cpu_native.py) and the small
+per-layer ops (cpu_fused.py: RMSNorm, rotary + KV write, activation * up); the other ops,
+and these where native cannot run (no compiler, a dtype it lacks), take the reference.
 Forcing `triton` on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter), which is
 how CI runs the kernels without a GPU.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 from splitserve.kernels import reference
 
@@ -78,14 +80,50 @@ def unpack_blocks(buffer, pool, block_ids):
     return impl.unpack_blocks(buffer, pool, block_ids)
 
 
-def rms_norm(x, weight, eps):
-    impl = _triton() if backend_for(x) == "triton" else reference
+def _fused():
+    from splitserve.kernels import cpu_fused  # lazily: the first call builds the library
+
+    return cpu_fused
+
+
+def rms_norm(x, weight, eps, gemma: bool = False):
+    """Llama's RMSNorm; with `gemma`, Gemma's: x * (1 + w), all in float32, then cast."""
+    backend = backend_for(x)
+    if backend == "native" and _fused().supports(x, weight):
+        return _fused().rms_norm(x, weight, eps, gemma)
+    impl = _triton() if backend == "triton" else reference
+    if gemma:
+        return impl.rms_norm(x.float(), weight.float() + 1.0, eps).to(x.dtype)
     return impl.rms_norm(x, weight, eps)
 
 
 def apply_rotary(q, k, cos, sin):
     impl = _triton() if backend_for(q) == "triton" else reference
     return impl.apply_rotary(q, k, cos, sin)
+
+
+def rotary_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+    """Neox rotary on the first cos.shape[-1] dims of each q and k head (all of them unless the
+    model rotates only part: Phi-4-mini's partial_rotary_factor), then k and v written to
+    their slots; returns the rotated q."""
+    if backend_for(q) == "native" and _fused().rotary_store_supported(q, k, v, cos, sin, k_cache, v_cache):
+        return _fused().rotary_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    rot = cos.shape[-1]
+    if rot == q.shape[-1]:
+        q, k = apply_rotary(q, k, cos, sin)
+    else:
+        q_rot, k_rot = apply_rotary(q[..., :rot].contiguous(), k[..., :rot].contiguous(), cos, sin)
+        q, k = torch.cat([q_rot, q[..., rot:]], dim=-1), torch.cat([k_rot, k[..., rot:]], dim=-1)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def act_and_mul(x, gelu: bool = False):
+    """The gated MLP's act(gate) * up over x = [gate | up] (SiLU; GELU-tanh with `gelu`)."""
+    if backend_for(x) == "native" and _fused().supports(x):
+        return _fused().act_and_mul(x, gelu)
+    gate, up = x.split(x.shape[-1] // 2, dim=-1)
+    return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
 
 
 def fused_moe(hidden, w13, w2, topk_weights, topk_ids):

@@ -207,7 +207,7 @@ def test_serves_a_chat_request_from_a_read_only_root_as_non_root(image, tmp_path
             demo = tmp / "cache" / "splitserve" / DEMO_NAME / "config.json"
             assert demo.is_file() and demo.stat().st_uid == UID
             # The native decode attention was compiled there for this CPU (the image has g++).
-            assert list((tmp / "cache" / "splitserve" / "kernels").glob("cpu_decode_attention-*.so")), serve.log()
+            assert list((tmp / "cache" / "splitserve" / "kernels").glob("splitserve_cpu-*.so")), serve.log()
             assert "native CPU decode attention unavailable" not in serve.log()
         finally:
             run("mount", "-o", "remount,rw", rootfs)

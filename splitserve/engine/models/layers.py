@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from splitserve.core.model_config import ModelConfig
@@ -42,9 +41,7 @@ class RMSNorm(nn.Module):
         self.gemma = gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemma:
-            return ops.rms_norm(x.float(), self.weight.float() + 1.0, self.eps).to(x.dtype)
-        return ops.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps, gemma=self.gemma)
 
 
 class Attention(nn.Module):
@@ -72,8 +69,7 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, k, *ropes[self.rope_kind])
-        ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = ops.rotary_and_store_kv(q, k, v, *ropes[self.rope_kind], k_cache, v_cache, meta.slot_mapping)
         p = meta.num_prefill_tokens
         opts = dict(window=self.window, softcap=self.softcap)
         if p:
@@ -87,16 +83,6 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(n, self.q_size))
 
 
-def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Neox rotary embedding on the leading cos.shape[-1] dims of each head (all of them
-    unless the model rotates only part: Phi-4-mini's partial_rotary_factor)."""
-    rot = cos.shape[-1]
-    if rot == q.shape[-1]:
-        return ops.apply_rotary(q, k, cos, sin)
-    q_rot, k_rot = ops.apply_rotary(q[..., :rot].contiguous(), k[..., :rot].contiguous(), cos, sin)
-    return torch.cat([q_rot, q[..., rot:]], dim=-1), torch.cat([k_rot, k[..., rot:]], dim=-1)
-
-
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), gate and up as one matmul (SwiGLU; GeGLU for Gemma)."""
 
@@ -108,6 +94,4 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(act * up)
+        return self.down_proj(ops.act_and_mul(self.gate_up_proj(x), gelu=self.gelu))

@@ -1,0 +1,72 @@
+"""The decode step's small ops on CPU, native (cpu_fused_ops.cpp, built by cpu_native.py).
+
+Same contracts as the torch reference (reference.rms_norm, apply_rotary + store_kv, the gated
+MLP's activation * up); each is one C call over rows already in memory. Callers ask
+`supports()` first and take the reference where it says no (another device or dtype, an
+fp8/fp16 KV cache, strides the kernel does not walk, no compiler).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from splitserve.kernels import cpu_native
+from splitserve.kernels.cpu_native import DTYPE_CODES
+
+
+def supports(*tensors: torch.Tensor) -> bool:
+    """All on CPU in one dtype the kernels store, last dim contiguous, and the library built."""
+    dtype = tensors[0].dtype
+    return (dtype in DTYPE_CODES and all(t.device.type == "cpu" and t.dtype == dtype and t.stride(-1) == 1
+                                         for t in tensors) and cpu_native.library() is not None)
+
+
+def _check(code: int) -> None:
+    if code:
+        raise ValueError(f"native CPU kernel refused its input: {cpu_native.ERRORS.get(code, code)}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim of rows x [..., hidden] (Gemma's (1 + w) form with `gemma`)."""
+    rows = x.reshape(-1, x.shape[-1])  # a view where it can be: rows `stride(0)` apart
+    weight = weight.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _check(cpu_native.library().splitserve_rms_norm(DTYPE_CODES[x.dtype], rows.data_ptr(), rows.stride(0),
+                                                     weight.data_ptr(), out.data_ptr(), rows.shape[0],
+                                                     rows.shape[1], float(eps), int(gemma)))
+    return out
+
+
+def heads_walkable(t: torch.Tensor) -> bool:
+    """[n, heads, dim] with heads `dim` apart inside a row (a reshaped slice of the qkv output)."""
+    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
+def rotary_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    """Neox rotary on the first cos.shape[-1] dims of q and k; k (rotated) and v written to
+    their slots of the paged cache; returns the rotated q, contiguous [n, heads, dim]."""
+    n, heads, dim = q.shape
+    slots = slot_mapping.to(torch.int64).contiguous()
+    out = torch.empty((n, heads, dim), dtype=q.dtype)
+    code = cpu_native.library().splitserve_rotary_store(
+        DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.shape[-1], out.data_ptr(), k_cache.data_ptr(),
+        v_cache.data_ptr(), slots.data_ptr(), n, heads, k.shape[1], dim, k_cache.shape[0], k_cache.shape[1],
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    _check(code)
+    return out
+
+
+def rotary_store_supported(q, k, v, cos, sin, k_cache, v_cache) -> bool:
+    return (supports(q, k, v, cos, sin, k_cache, v_cache) and all(map(heads_walkable, (q, k, v)))
+            and k_cache.stride() == v_cache.stride() and cos.stride() == sin.stride() and cos.shape[-1] % 2 == 0)
+
+
+def act_and_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """act(x[..., :inter]) * x[..., inter:] for rows x [..., 2 * inter]; act = SiLU or GELU-tanh."""
+    rows = x.reshape(-1, x.shape[-1])
+    inter = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype)
+    _check(cpu_native.library().splitserve_act_and_mul(DTYPE_CODES[x.dtype], rows.data_ptr(), rows.stride(0),
+                                                        out.data_ptr(), rows.shape[0], inter, int(gelu)))
+    return out

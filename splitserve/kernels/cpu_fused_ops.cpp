@@ -1,0 +1,158 @@
+// The small per-layer ops of a CPU decode step, each one pass over its rows instead of the
+// five to ten torch ops (and temporaries) of the reference: RMSNorm, rotary embedding fused
+// with the KV-cache write, and the gated MLP's activation times up. At decode batch sizes
+// these rows are a few KB, so the reference's time was per-op dispatch, not arithmetic.
+// Built with cpu_decode_attention.cpp into one library by splitserve/kernels/cpu_native.py.
+//
+// Numerics follow splitserve/kernels/reference.py: statistics in float32, and with bfloat16
+// storage each step is rounded where the reference's op-by-op bfloat16 arithmetic rounds.
+// Every function returns 0, or an error code cpu_native.py explains.
+#include <cmath>
+#include <cstdint>
+
+#include "cpu_scalar.h"
+
+namespace {
+
+using splitserve::Bf16;
+using splitserve::exp_approx;
+using splitserve::load;
+using splitserve::rounded;
+using splitserve::store;
+
+// RMSNorm of each row. Llama form: out = w * T(x * rsqrt(mean(x^2) + eps)). Gemma form
+// (gemma != 0): out = T((1 + w) * x * rsqrt(...)), all in float32.
+template <typename T>
+void rms_norm(const T* x, int64_t x_row, const T* w, T* out, int rows, int hidden, float eps, int gemma) {
+    for (int r = 0; r < rows; r++) {
+        const T* xr = x + r * x_row;
+        T* o = out + int64_t(r) * hidden;
+        float sum = 0.f;
+        for (int i = 0; i < hidden; i++) {
+            const float v = load(xr[i]);
+            sum += v * v;
+        }
+        const float inv = 1.f / std::sqrt(sum / hidden + eps);
+        if (gemma) {
+            for (int i = 0; i < hidden; i++) store(o + i, (load(w[i]) + 1.f) * (load(xr[i]) * inv));
+        } else {
+            for (int i = 0; i < hidden; i++) store(o + i, load(w[i]) * rounded<T>(load(xr[i]) * inv));
+        }
+    }
+}
+
+// Neox rotary on the first `rot` dims of one head (x1 = first half, x2 = second half):
+// out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin, rounded as the reference's
+// q * cos + rotate_half(q) * sin; dims from `rot` on are copied.
+template <typename T>
+inline void rotate_head(const T* x, const T* cos, const T* sin, T* out, int rot, int dim) {
+    const int half = rot / 2;
+    for (int i = 0; i < half; i++) {
+        const float x1 = load(x[i]), x2 = load(x[i + half]);
+        store(out + i, rounded<T>(x1 * load(cos[i])) + rounded<T>(-x2 * load(sin[i])));
+        store(out + i + half, rounded<T>(x2 * load(cos[i + half])) + rounded<T>(x1 * load(sin[i + half])));
+    }
+    for (int i = rot; i < dim; i++) out[i] = x[i];
+}
+
+struct Pool {
+    int64_t num_blocks, block_stride, slot_stride, head_stride;
+    int block_size;
+};
+
+// Rotates q into q_out [n, heads, dim] and k into the cache at each token's slot; copies v
+// there too. Rows of q, k, v are `*_row` elements apart, heads `dim` apart within a row.
+template <typename T>
+int rotary_store(const T* q, int64_t q_row, const T* k, int64_t k_row, const T* v, int64_t v_row,
+                 const T* cos, const T* sin, int64_t cs_row, int rot, T* q_out, T* k_cache, T* v_cache,
+                 const int64_t* slots, int n, int heads, int kv_heads, int dim, const Pool& p) {
+    for (int t = 0; t < n; t++) {  // every slot checked before anything is written
+        if (slots[t] < 0 || slots[t] / p.block_size >= p.num_blocks) return 4;
+    }
+    for (int t = 0; t < n; t++) {
+        const T* c = cos + t * cs_row;
+        const T* s = sin + t * cs_row;
+        for (int h = 0; h < heads; h++) {
+            rotate_head(q + t * q_row + h * dim, c, s, q_out + (int64_t(t) * heads + h) * dim, rot, dim);
+        }
+        const int64_t base = slots[t] / p.block_size * p.block_stride + slots[t] % p.block_size * p.slot_stride;
+        for (int h = 0; h < kv_heads; h++) {
+            rotate_head(k + t * k_row + h * dim, c, s, k_cache + base + h * p.head_stride, rot, dim);
+            const T* vr = v + t * v_row + h * dim;
+            T* vd = v_cache + base + h * p.head_stride;
+            for (int i = 0; i < dim; i++) vd[i] = vr[i];
+        }
+    }
+    return 0;
+}
+
+inline float silu(float g) { return g / (1.f + exp_approx(-g)); }
+
+inline float gelu_tanh(float g) {  // 0.5 g (1 + tanh(u)) = g sigmoid(2u): no cancellation near tanh = -1
+    const float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    return g / (1.f + exp_approx(-2.f * u));
+}
+
+// out[r] = act(x[r, :inter]) * x[r, inter:], act = SiLU (or GELU-tanh, gelu != 0); the
+// activation is rounded to T before the product, as the reference's two ops round.
+template <typename T>
+void act_and_mul(const T* x, int64_t x_row, T* out, int rows, int inter, int gelu) {
+    for (int r = 0; r < rows; r++) {
+        const T* gate = x + r * x_row;
+        const T* up = gate + inter;
+        T* o = out + int64_t(r) * inter;
+        if (gelu) {
+            for (int i = 0; i < inter; i++) store(o + i, rounded<T>(gelu_tanh(load(gate[i]))) * load(up[i]));
+        } else {
+            for (int i = 0; i < inter; i++) store(o + i, rounded<T>(silu(load(gate[i]))) * load(up[i]));
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 float32, 1 bfloat16 (as cpu_native.DTYPE_CODES).
+int splitserve_rms_norm(int dtype, const void* x, int64_t x_row, const void* w, void* out, int rows, int hidden,
+                        float eps, int gemma) {
+    if (dtype == 0) {
+        rms_norm(static_cast<const float*>(x), x_row, static_cast<const float*>(w), static_cast<float*>(out), rows,
+                 hidden, eps, gemma);
+    } else {
+        rms_norm(static_cast<const Bf16*>(x), x_row, static_cast<const Bf16*>(w), static_cast<Bf16*>(out), rows,
+                 hidden, eps, gemma);
+    }
+    return 0;
+}
+
+int splitserve_rotary_store(int dtype, const void* q, int64_t q_row, const void* k, int64_t k_row, const void* v,
+                            int64_t v_row, const void* cos, const void* sin, int64_t cs_row, int rot, void* q_out,
+                            void* k_cache, void* v_cache, const int64_t* slots, int n, int heads, int kv_heads,
+                            int dim, int64_t num_blocks, int block_size, int64_t block_stride, int64_t slot_stride,
+                            int64_t head_stride) {
+    if (rot > dim || rot % 2) return 1;
+    const Pool p{num_blocks, block_stride, slot_stride, head_stride, block_size};
+    if (dtype == 0) {
+        return rotary_store(static_cast<const float*>(q), q_row, static_cast<const float*>(k), k_row,
+                            static_cast<const float*>(v), v_row, static_cast<const float*>(cos),
+                            static_cast<const float*>(sin), cs_row, rot, static_cast<float*>(q_out),
+                            static_cast<float*>(k_cache), static_cast<float*>(v_cache), slots, n, heads, kv_heads,
+                            dim, p);
+    }
+    return rotary_store(static_cast<const Bf16*>(q), q_row, static_cast<const Bf16*>(k), k_row,
+                        static_cast<const Bf16*>(v), v_row, static_cast<const Bf16*>(cos),
+                        static_cast<const Bf16*>(sin), cs_row, rot, static_cast<Bf16*>(q_out),
+                        static_cast<Bf16*>(k_cache), static_cast<Bf16*>(v_cache), slots, n, heads, kv_heads, dim, p);
+}
+
+int splitserve_act_and_mul(int dtype, const void* x, int64_t x_row, void* out, int rows, int inter, int gelu) {
+    if (dtype == 0) {
+        act_and_mul(static_cast<const float*>(x), x_row, static_cast<float*>(out), rows, inter, gelu);
+    } else {
+        act_and_mul(static_cast<const Bf16*>(x), x_row, static_cast<Bf16*>(out), rows, inter, gelu);
+    }
+    return 0;
+}
+
+}  // extern "C"
