@@ -15,10 +15,15 @@ from splitserve.kernels.cpu_native import DTYPE_CODES
 
 
 def supports(*tensors: torch.Tensor) -> bool:
-    """All on CPU in one dtype the kernels store, last dim contiguous, and the library built."""
+    """All on CPU in one dtype the kernels store, last dim contiguous, and the library built.
+    Called several times a layer: a plain loop, no generator (it showed in profiles)."""
     dtype = tensors[0].dtype
-    return (dtype in DTYPE_CODES and all(t.device.type == "cpu" and t.dtype == dtype and t.stride(-1) == 1
-                                         for t in tensors) and cpu_native.library() is not None)
+    if dtype not in DTYPE_CODES:
+        return False
+    for t in tensors:
+        if t.dtype != dtype or t.device.type != "cpu" or t.stride(-1) != 1:
+            return False
+    return cpu_native.library() is not None
 
 
 def _check(code: int) -> None:
