@@ -64,3 +64,8 @@ bench-simulator-speed: $(STAMP)
 .PHONY: bench-structured
 bench-structured: $(STAMP)
 	$(BIN)/python -m bench.experiments.structured_overhead
+
+# Native CPU small ops against the torch reference: decode step time, batch 1..32 (docs/benchmarks.md)
+.PHONY: bench-cpu-small-ops
+bench-cpu-small-ops: $(STAMP)
+	$(BIN)/python -m bench.experiments.cpu_small_ops
