@@ -64,7 +64,9 @@ def rotary_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> to
 
 def rotary_store_supported(q, k, v, cos, sin, k_cache, v_cache) -> bool:
     return (supports(q, k, v, cos, sin, k_cache, v_cache) and all(map(heads_walkable, (q, k, v)))
-            and k_cache.stride() == v_cache.stride() and cos.stride() == sin.stride() and cos.shape[-1] % 2 == 0)
+            and k.shape == v.shape and k.shape[1:] == k_cache.shape[2:] and q.shape[2] == k.shape[2]
+            and k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+            and cos.stride() == sin.stride() and cos.shape[-1] % 2 == 0 and cos.shape[-1] <= q.shape[2])
 
 
 def act_and_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:

@@ -120,3 +120,13 @@ def test_ops_dispatch_native_on_cpu_and_the_reference_for_float16(monkeypatch):
     monkeypatch.setenv("SPLITSERVE_KERNELS", "reference")
     ops.act_and_mul(gen(2, 16))
     assert calls == ["native"]  # the reference, as asked
+
+
+def test_rotary_store_declines_a_cache_of_another_geometry():
+    """The kernel trusts the geometry it is given, so the check before it must not."""
+    q, k, v = gen(3, 4, 32), gen(3, 2, 32, seed=1), gen(3, 2, 32, seed=2)
+    cos, sin = gen(3, 32, seed=3), gen(3, 32, seed=4)
+    assert cpu_fused.rotary_store_supported(q, k, v, cos, sin, *_pool(8, 4, 2, 32, torch.float32))
+    assert not cpu_fused.rotary_store_supported(q, k, v, cos, sin, *_pool(8, 4, 1, 32, torch.float32))
+    assert not cpu_fused.rotary_store_supported(q, k, v, cos, sin, *_pool(8, 4, 2, 64, torch.float32))
+    assert not cpu_fused.rotary_store_supported(q, k, v, gen(3, 64), gen(3, 64), *_pool(8, 4, 2, 32, torch.float32))
