@@ -20,7 +20,7 @@ as "everything before this is gone"); deregister on clean shutdown.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from splitserve.cluster.messages import KVEvent, LoadReport, WorkerInfo
@@ -86,6 +86,14 @@ class ClusterBus(abc.ABC):
     @abc.abstractmethod
     async def publish_kv(self, event: KVEvent, maxlen: int = DEFAULT_MAXLEN) -> str:
         """Append to the worker's stream; returns the new entry's position."""
+
+    async def publish_kv_batch(self, events: Sequence[KVEvent], maxlen: int = DEFAULT_MAXLEN) -> str | None:
+        """Append several events, in order; the last one's position (None for none). A bus
+        that can do it in one round trip overrides this (a worker publishes a step's worth)."""
+        position = None
+        for event in events:
+            position = await self.publish_kv(event, maxlen)
+        return position
 
     @abc.abstractmethod
     async def read_kv(self, positions: Mapping[str, str], block: float | None = None,

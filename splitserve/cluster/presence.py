@@ -14,6 +14,8 @@ from splitserve.core.block_events import BlockEvent
 
 log = logging.getLogger(__name__)
 
+PUBLISH_BATCH = 256  # KV events in one bus call, at most
+
 
 class WorkerPresence:
     def __init__(self, bus: ClusterBus, info: WorkerInfo, load: Callable[[], LoadReport],
@@ -132,17 +134,21 @@ class WorkerPresence:
             await asyncio.sleep(self.load_interval)
 
     async def _publish_events(self) -> None:
-        pending: KVEvent | None = None
+        """Everything queued goes in one bus call (a step's events, or what piled up while
+        the last call was out): one message per batch, not per event, for every router."""
+        pending: list[KVEvent] = []
         while True:
-            event = pending or await self._events.get()
+            if not pending:
+                pending.append(await self._events.get())
+            while len(pending) < PUBLISH_BATCH and not self._events.empty():
+                pending.append(self._events.get_nowait())
             try:
-                await self.bus.publish_kv(event)
-                pending = None
+                await self.bus.publish_kv_batch(pending)
+                pending = []
             except BusError as exc:
-                # Keep order and ids: retry the same event; routers resync on any gap anyway.
-                log.warning("worker %s: KV event %d not published: %s; retrying", self.info.worker_id,
-                            event.event_id, exc)
-                pending = event
+                # Keep order and ids: retry the same events; routers resync on any gap anyway.
+                log.warning("worker %s: KV events %d-%d not published: %s; retrying", self.info.worker_id,
+                            pending[0].event_id, pending[-1].event_id, exc)
                 await asyncio.sleep(0.5)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
@@ -106,6 +106,17 @@ class RedisBus(ClusterBus):
             entry = await self._redis.xadd(self._key("kv", event.worker_id), {"m": encode(event)},
                                            maxlen=maxlen, approximate=True)
         return entry.decode()
+
+    async def publish_kv_batch(self, events: Sequence[KVEvent], maxlen: int = DEFAULT_MAXLEN) -> str | None:
+        if not events:
+            return None
+        first, last = events[0], events[-1]
+        async with self._call(f"publish KV events {first.event_id}-{last.event_id} of worker {first.worker_id}"):
+            pipe = self._redis.pipeline(transaction=False)  # one round trip, applied in order
+            for event in events:
+                pipe.xadd(self._key("kv", event.worker_id), {"m": encode(event)}, maxlen=maxlen, approximate=True)
+            entries = await pipe.execute()
+        return entries[-1].decode()
 
     async def read_kv(self, positions: Mapping[str, str], block: float | None = None,
                       count: int = 1000) -> list[KVRecord]:

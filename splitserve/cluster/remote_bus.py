@@ -13,7 +13,7 @@ miss every prefix-cache lookup and answer with the wrong model.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import fields
 
 import grpc
@@ -74,6 +74,11 @@ class RemoteBus(ClusterBus):
     async def publish_kv(self, event: KVEvent, maxlen: int = DEFAULT_MAXLEN) -> str:
         return await self._call("publish_kv", encode(event))
 
+    async def publish_kv_batch(self, events: Sequence[KVEvent], maxlen: int = DEFAULT_MAXLEN) -> str | None:
+        if not events:
+            return None
+        return await self._call("publish_kv_batch", msgpack.packb([encode(e) for e in events], use_bin_type=True))
+
     def _router_only(self, what: str):
         raise BusError(f"{what} is read by routers from the embedded bus itself, not through {self.address}")
 
@@ -130,6 +135,14 @@ class BusServicer(pb_grpc.BusServicer):
                 result = await self.bus.publish_load(checked(LoadReport, payload), ttl)
             elif m == "publish_kv":
                 result = await self.bus.publish_kv(checked(KVEvent, payload))
+            elif m == "publish_kv_batch":
+                items = msgpack.unpackb(payload, raw=False)
+                if not isinstance(items, list) or not 0 < len(items) <= MAX_KV_BATCH:
+                    raise ValueError(f"a KV event batch must be a list of 1 to {MAX_KV_BATCH} events")
+                if not all(isinstance(item, bytes) for item in items):
+                    raise TypeError("a KV event batch holds encoded events")
+                events = [checked(KVEvent, item) for item in items]  # all checked before any is applied
+                result = await self.bus.publish_kv_batch(events)
             else:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown bus method {m!r}")
                 return pb.BusReply()
@@ -143,6 +156,7 @@ class BusServicer(pb_grpc.BusServicer):
 
 
 MAX_TTL_S = 3600.0
+MAX_KV_BATCH = 1024  # events in one publish_kv_batch call (workers send at most PUBLISH_BATCH)
 
 _FIELD_TYPES = {"str": str, "int": int, "float": (int, float), "Role": str, "list[int]": list,
                 "int | None": (int, type(None)), "bool": bool}

@@ -66,9 +66,17 @@ class BlockManager:
             self.block_hash[b] = None
             if self.hash_to_block.get(h) == b:
                 del self.hash_to_block[h]
-                self.events.append(BlockEvent("removed", [h]))
+                self._removed(h)
         self.ref_counts[b] = 1
         return b
+
+    def _removed(self, h: int) -> None:
+        """One event for a run of evictions (a prompt taking 18 blocks evicts 18): each event
+        is a message to every router, and order is kept, as only adjacent ones merge."""
+        if self.events and self.events[-1].kind == "removed":
+            self.events[-1].block_hashes.append(h)
+        else:
+            self.events.append(BlockEvent("removed", [h]))
 
     def _take_cached(self, b: int) -> None:
         if self.ref_counts[b] == 0:
@@ -157,4 +165,4 @@ class BlockManager:
                 self.block_hash[b] = None
                 if self.hash_to_block.get(h) == b:
                     del self.hash_to_block[h]
-                    self.events.append(BlockEvent("removed", [h]))
+                    self._removed(h)

@@ -50,6 +50,8 @@ def test_the_bus_bridge_refuses_register_deregister_and_publish(serve, metadata)
             "publish_load": pb.BusCall(method="publish_load", payload=encode(LoadReport("decode-0", "decode", 0, 0,
                                                                                         0.0)), ttl=6),
             "publish_kv": pb.BusCall(method="publish_kv", payload=encode(KVEvent("decode-0", 1, "cleared", []))),
+            "publish_kv_batch": pb.BusCall(method="publish_kv_batch", payload=msgpack.packb(
+                [encode(KVEvent("decode-0", 1, "cleared", []))], use_bin_type=True)),
         }
         for request in calls.values():
             refused(lambda request=request: bus.Call(request, timeout=5, metadata=metadata))

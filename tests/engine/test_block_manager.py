@@ -67,6 +67,27 @@ def test_lru_eviction_keeps_recently_used_prefixes():
     bm.release_blocks(taken)
 
 
+def test_a_run_of_evictions_is_one_removed_event_and_order_is_kept():
+    """Each event is a message to every router: a prompt that evicts 18 blocks sends one."""
+    bm = BlockManager(6, BS)
+    cached = []
+    for i in range(3):  # three 1-block prefixes cached, oldest first
+        s = seq(range(100 * i, 100 * i + 5), f"c{i}")
+        run_prefill(bm, s)
+        bm.free_sequence(s)
+        cached.append(block_hashes(range(100 * i, 100 * i + 4), BS)[0])
+    bm.drain_events()
+    taken = bm.allocate_blocks(4)  # the 3 unhashed blocks, then evicts the oldest prefix
+    new = seq(range(900, 905), "new")
+    run_prefill(bm, new)  # evicts the other two, then stores its block
+    bm.free_sequence(new)
+    again = bm.allocate_blocks(2)  # its partial block, then evicts its stored one
+    stored = block_hashes(range(900, 904), BS)
+    assert [(e.kind, e.block_hashes) for e in bm.drain_events()] == [
+        ("removed", cached), ("stored", stored), ("removed", stored)]  # merged only where adjacent
+    bm.release_blocks(taken + again)
+
+
 def test_events_describe_stored_chains_with_parents():
     bm = BlockManager(16, BS, hash_seed=7)
     s = seq(range(9))

@@ -157,7 +157,7 @@ def test_hostile_well_formed_messages(stack):
         "block_hashes", "parent", "waiting", "running", "kv_usage")})
 
     @settings(**FUZZ)
-    @given(method=st.sampled_from(["register", "heartbeat", "deregister", "publish_load", "publish_kv", "", "x"]),
+    @given(method=st.sampled_from(["register", "heartbeat", "deregister", "publish_load", "publish_kv", "publish_kv_batch", "", "x"]),
            payload=st.one_of(values, fields).map(msgpack.packb), ttl=st.floats(allow_nan=True))
     def bus(method, payload, ttl):
         code, details = peer.call("/splitserve.worker.Bus/Call",
