@@ -15,7 +15,6 @@ from splitserve.cluster.messages import KVEvent, LoadReport, WorkerInfo, encode
 from splitserve.cluster.presence import PUBLISH_BATCH, WorkerPresence
 from splitserve.cluster.remote_bus import MAX_KV_BATCH, BusServicer, RemoteBus
 from splitserve.core.block_events import BlockEvent
-from splitserve.proto import worker_pb2 as pb
 from splitserve.proto.worker_pb2_grpc import add_BusServicer_to_server
 
 
