@@ -17,12 +17,13 @@ def test_run_order_rotates_by_round():
 
 def test_summary_is_the_median_of_rounds_and_the_ratio_to_the_first():
     servers = [compare.Server("x", "u", "m"), compare.Server("y", "u", "m")]
-    runs = [{"round": r, "concurrency": 8, "server": s, "output_tok_s": v, "ttft_ms": 10.0, "itl_ms": 1.0,
-             "failed": 0} for r, (s, v) in enumerate([("x", 100.0), ("y", 50.0), ("x", 120.0), ("y", 90.0),
-                                                      ("x", 80.0), ("y", 60.0)])]
+    runs = [{"round": r, "concurrency": 8, "server": s, "output_tok_s": v, "ttft_ms": 10.0 * r,
+             "ttft_p50_ms": 5.0 * r, "itl_ms": 1.0, "failed": 0}
+            for r, (s, v) in enumerate([("x", 100.0), ("y", 50.0), ("x", 120.0), ("y", 90.0), ("x", 80.0),
+                                        ("y", 60.0)])]
     rows = compare.summarize(runs, servers)
-    assert [(r["server"], r["output_tok_s"], r["tok_s_ratio_to_first"]) for r in rows] == \
-        [("x", 100.0, 1.0), ("y", 60.0, 0.6)]
+    assert [(r["server"], r["output_tok_s"], r["tok_s_ratio_to_first"], r["ttft_ms"], r["ttft_p50_ms"])
+            for r in rows] == [("x", 100.0, 1.0, 20.0, 10.0), ("y", 60.0, 0.6, 30.0, 15.0)]
 
 
 def test_compare_runs_interleaved_against_real_servers(make_ckpt, tmp_path):
@@ -40,6 +41,6 @@ def test_compare_runs_interleaved_against_real_servers(make_ckpt, tmp_path):
     assert [(r["round"], r["concurrency"], r["server"]) for r in doc["runs"]] == [
         (0, 1, "first"), (0, 1, "second"), (0, 4, "first"), (0, 4, "second"),
         (1, 1, "second"), (1, 1, "first"), (1, 4, "second"), (1, 4, "first")]
-    assert all(r["failed"] == 0 and r["output_tok_s"] > 0 for r in doc["runs"])
+    assert all(r["failed"] == 0 and r["output_tok_s"] > 0 and 0 < r["ttft_p50_ms"] for r in doc["runs"])
     assert [r["tok_s_ratio_to_first"] for r in doc["summary"] if r["server"] == "first"] == [1.0, 1.0]
     assert doc["note"] == "one server under two names"
