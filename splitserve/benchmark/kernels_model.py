@@ -106,22 +106,27 @@ class BenchModel:
         scale = s.head_dim ** -0.5
         x = self.embed[step.tokens]
         cos, sin = self.cos[step.positions], self.sin[step.positions]
+        pending = None  # the last MLP output, added to x by the next norm (engine/models/llama.py)
         for i, layer in enumerate(self.layers):
-            h = ops.rms_norm(x, layer["in_norm"], s.rms_eps)
+            if pending is None:
+                h = ops.rms_norm(x, layer["in_norm"], s.rms_eps)
+            else:
+                x, h = ops.add_rms_norm(x, pending, layer["in_norm"], s.rms_eps)
             q, k, v = F.linear(h, layer["qkv"]).split([q_size, kv_size, kv_size], dim=-1)
-            q, k = ops.apply_rotary(q.view(n, s.num_heads, s.head_dim), k.view(n, s.num_kv_heads, s.head_dim),
-                                    cos, sin)
             k_cache, v_cache = self.kv.layer(i)
-            ops.store_kv(k, v.view(n, s.num_kv_heads, s.head_dim), k_cache, v_cache, step.slot_mapping)
+            q = ops.rotary_and_store_kv(q.view(n, s.num_heads, s.head_dim), k.view(n, s.num_kv_heads, s.head_dim),
+                                        v.view(n, s.num_kv_heads, s.head_dim), cos, sin, k_cache, v_cache,
+                                        step.slot_mapping)
             if step.cu_seqlens_q is None:
                 o = ops.paged_decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, scale)
             else:
                 o = ops.paged_prefill_attention(q, k_cache, v_cache, step.block_tables, step.cu_seqlens_q,
                                                 step.seq_lens, scale)
-            x = x + F.linear(o.reshape(n, q_size), layer["o"])
-            gate, up = F.linear(ops.rms_norm(x, layer["post_norm"], s.rms_eps), layer["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["down"])
-        return F.linear(ops.rms_norm(x[step.logit_rows], self.final_norm, s.rms_eps), self.lm_head)
+            # as the engine's layer: add + norm fused, act(gate) * up fused
+            x, h = ops.add_rms_norm(x, F.linear(o.reshape(n, q_size), layer["o"]), layer["post_norm"], s.rms_eps)
+            pending = F.linear(ops.act_and_mul(F.linear(h, layer["gate_up"])), layer["down"])
+        _, h = ops.add_rms_norm(x[step.logit_rows], pending[step.logit_rows], self.final_norm, s.rms_eps)
+        return F.linear(h, self.lm_head)
 
 
 def decode_inputs(shape: LlamaShape, batch: int, context: int, device: torch.device) -> StepInputs:

@@ -86,6 +86,12 @@ def _fused():
     return cpu_fused
 
 
+def _triton_fused():
+    from splitserve.kernels import triton_fused  # lazily, like _triton()
+
+    return triton_fused
+
+
 def rms_norm(x, weight, eps, gemma: bool = False):
     """Llama's RMSNorm; with `gemma`, Gemma's: x * (1 + w), all in float32, then cast."""
     backend = backend_for(x)
@@ -97,6 +103,16 @@ def rms_norm(x, weight, eps, gemma: bool = False):
     return impl.rms_norm(x, weight, eps)
 
 
+def add_rms_norm(x, delta, weight, eps, gemma: bool = False):
+    """(x + delta, rms_norm(x + delta)): a residual add and the norm that reads the sum, one
+    launch on the GPU (Llama form, one dtype); elsewhere the add, then rms_norm."""
+    if (not gemma and backend_for(x) == "triton" and x.dim() == 2 and delta.shape == x.shape
+            and delta.dtype == x.dtype):
+        return _triton_fused().add_rms_norm(x, delta, weight, eps)
+    total = x + delta
+    return total, rms_norm(total, weight, eps, gemma=gemma)
+
+
 def apply_rotary(q, k, cos, sin):
     impl = _triton() if backend_for(q) == "triton" else reference
     return impl.apply_rotary(q, k, cos, sin)
@@ -106,8 +122,11 @@ def rotary_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
     """Neox rotary on the first cos.shape[-1] dims of each q and k head (all of them unless the
     model rotates only part: Phi-4-mini's partial_rotary_factor), then k and v written to
     their slots; returns the rotated q."""
-    if backend_for(q) == "native" and _fused().rotary_store_supported(q, k, v, cos, sin, k_cache, v_cache):
+    backend = backend_for(q)
+    if backend == "native" and _fused().rotary_store_supported(q, k, v, cos, sin, k_cache, v_cache):
         return _fused().rotary_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    if backend == "triton" and _triton_fused().rotary_store_supported(q, k, v, cos, sin, k_cache, v_cache):
+        return _triton_fused().rotary_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
     rot = cos.shape[-1]
     if rot == q.shape[-1]:
         q, k = apply_rotary(q, k, cos, sin)
@@ -120,8 +139,11 @@ def rotary_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
 
 def act_and_mul(x, gelu: bool = False):
     """The gated MLP's act(gate) * up over x = [gate | up] (SiLU; GELU-tanh with `gelu`)."""
-    if backend_for(x) == "native" and _fused().supports(x):
+    backend = backend_for(x)
+    if backend == "native" and _fused().supports(x):
         return _fused().act_and_mul(x, gelu)
+    if backend == "triton" and x.dim() == 2:
+        return _triton_fused().act_and_mul(x, gelu)
     gate, up = x.split(x.shape[-1] // 2, dim=-1)
     return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
 

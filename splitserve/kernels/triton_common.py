@@ -11,6 +11,8 @@ with an error that says what to do, instead of Triton's driver errors.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
@@ -21,11 +23,21 @@ except ImportError:  # pragma: no cover - every Triton this project supports has
     InterpretedFunction = type("NoInterpreter", (), {})
 
 
+# do_not_specialize_on_alignment came with Triton 3.2; older ones specialize on alignment
+_ALIGNMENT_OPTION = "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters
+
+
 class Kernel:
     """A `triton.jit` kernel plus the device check its launches go through."""
 
-    def __init__(self, fn):
-        self.jit = triton.jit(fn)
+    def __init__(self, fn, do_not_specialize=(), do_not_specialize_on_alignment=()):
+        self.fn = fn
+        self.do_not_specialize = tuple(do_not_specialize)
+        self.do_not_specialize_on_alignment = tuple(do_not_specialize_on_alignment)
+        options = {"do_not_specialize": list(do_not_specialize)}
+        if do_not_specialize_on_alignment and _ALIGNMENT_OPTION:
+            options["do_not_specialize_on_alignment"] = list(do_not_specialize_on_alignment)
+        self.jit = triton.jit(fn, **options)
         self.__name__ = fn.__name__
         self.interpreted = isinstance(self.jit, InterpretedFunction)
 
@@ -51,9 +63,18 @@ class Kernel:
         return self.jit
 
 
-def kernel(fn) -> Kernel:
-    """Decorator used instead of @triton.jit for the kernels of this package."""
-    return Kernel(fn)
+def kernel(fn=None, *, do_not_specialize=(), do_not_specialize_on_alignment=()):
+    """Decorator used instead of @triton.jit for the kernels of this package.
+
+    Triton compiles one variant per combination of integer arguments equal to 1 or divisible
+    by 16 (and pointers aligned to 16 bytes). Arguments that change from step to step (the
+    number of sequences, a block table's width) would make a served engine compile new
+    variants in the middle of traffic, ~0.3 s each on an H200 (issue 20: 10 compilations
+    during the first 64 requests); they are named here so one variant serves every step."""
+    def wrap(f):
+        return Kernel(f, do_not_specialize, do_not_specialize_on_alignment)
+
+    return wrap(fn) if fn is not None else wrap
 
 
 @triton.jit

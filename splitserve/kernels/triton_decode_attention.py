@@ -29,7 +29,9 @@ from splitserve.kernels.triton_common import (
 )
 
 TILE_N = 64  # cache tokens per inner-loop step
-MIN_TOKENS_PER_SPLIT = 128  # below this a split's fixed cost outweighs the parallelism
+# one tile: where the batch leaves SMs idle (batch 1), a program's time is its chain of tile
+# loads, so more one-tile splits finish sooner than fewer longer ones (issue 20; was 128)
+MIN_TOKENS_PER_SPLIT = TILE_N
 MAX_SPLITS = 32
 LOG2E = 1.4426950408889634
 
@@ -44,7 +46,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, num_sms: i
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
-@kernel
+@kernel(do_not_specialize=["tokens_per_split", "num_splits", "window", "stride_btb"],
+        do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     scale_log2e, tokens_per_split, num_splits, window, softcap_log2e,
@@ -120,7 +123,7 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
-@kernel
+@kernel(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_splits,
     stride_ob, stride_oh, stride_od,
@@ -195,7 +198,7 @@ def paged_decode_attention(
     if not direct:
         _decode_merge_kernel.for_tensors(what, out)[(batch, num_heads)](
             part_out, part_lse, out, num_splits, *out.stride(),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=pow2(num_splits),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=pow2(num_splits, MAX_SPLITS),  # one variant
             num_warps=4,
         )
     return out

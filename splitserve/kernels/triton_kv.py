@@ -18,7 +18,7 @@ from splitserve.kernels.triton_common import as_raw_bits, kernel, pow2
 COPY_CHUNK = 4096  # elements per program when moving blocks
 
 
-@kernel
+@kernel(do_not_specialize_on_alignment=["slots_ptr"])
 def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
     stride_kt, stride_kh, stride_kd,

@@ -25,7 +25,8 @@ from splitserve.kernels.moe_reference import check_fused_moe_args
 from splitserve.kernels.triton_common import dot_precision, kernel, upcast_dot
 
 
-@kernel
+@kernel(do_not_specialize=["num_rows"],
+        do_not_specialize_on_alignment=["weights_ptr", "sorted_rows_ptr", "block_experts_ptr", "num_padded_ptr"])
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_rows_ptr, block_experts_ptr, num_padded_ptr,
     N, K, num_rows, a_row_divisor,

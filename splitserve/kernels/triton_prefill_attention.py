@@ -35,7 +35,8 @@ ROWS = {2: 128, 4: 32}
 LOG2E = 1.4426950408889634
 
 
-@kernel
+@kernel(do_not_specialize=["num_seqs", "window", "stride_btb"],
+        do_not_specialize_on_alignment=["block_tables_ptr", "cu_seqlens_ptr", "seq_lens_ptr"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, cu_seqlens_ptr, seq_lens_ptr,
     scale_log2e, num_seqs, window, softcap_log2e,
@@ -161,7 +162,9 @@ def paged_prefill_attention(
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0), *out.stride(),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim, 16),
-        BLOCK_SIZE=block_size, BLOCK_Q=block_q, TILE=TILE_N, SEQS_PAD=pow2(batch),
+        # at least 64: one compiled variant for every batch up to 64 (a pow2 per batch size
+        # compiled anew in the middle of traffic); a 64-wide search of cu_seqlens costs nothing
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, TILE=TILE_N, SEQS_PAD=pow2(batch, 64),
         PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype, q.device), SOFTCAP=bool(softcap),
         num_warps=8,
     )

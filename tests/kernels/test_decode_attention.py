@@ -69,9 +69,10 @@ def test_decode_reads_a_strided_query(device):
 
 
 def test_choose_num_splits():
-    # batch 1 on a 132-SM H100 with 8 KV heads and a 2048-token table: 16 splits of 128
-    assert choose_num_splits(1, 8, 2048, 132) == 16
-    assert choose_num_splits(1, 8, 100, 132) == 1  # too short to split
+    # batch 1 on a 132-SM H100 with 8 KV heads: two waves want 33 programs a head, one 64-token tile each at least
+    assert choose_num_splits(1, 8, 2048, 132) == 32  # one 64-token tile per split, 33 wanted
+    assert choose_num_splits(1, 8, 1040, 132) == 17
+    assert choose_num_splits(1, 8, 60, 132) == 1  # too short to split
     assert choose_num_splits(256, 8, 4096, 132) == 1  # the batch alone fills the GPU
     assert choose_num_splits(1, 1, 1 << 20, 132) == MAX_SPLITS
     assert choose_num_splits(0, 8, 0, 132) == 1

@@ -43,6 +43,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps, gemma=self.gemma)
 
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, self(x + delta)); one kernel on the GPU."""
+        return ops.add_rms_norm(x, delta, self.weight, self.eps, gemma=self.gemma)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):

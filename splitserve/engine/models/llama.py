@@ -36,9 +36,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, ropes, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), ropes, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, ropes, k_cache, v_cache, meta, pending=None):
+        """x is the residual stream; `pending` the previous layer's MLP output, not yet added
+        to it. Returns (x, this layer's MLP output): each residual add is fused with the norm
+        that reads the sum (one kernel on the GPU instead of two)."""
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_and_norm(x, pending)
+        attn = self.self_attn(h, ropes, k_cache, v_cache, meta)
+        x, h = self.post_attention_layernorm.add_and_norm(x, attn)
+        return x, self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -58,11 +66,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, ropes, kv_pool, meta: AttentionMetadata, logits_indices) -> torch.Tensor:
         """Logits (float32) of the tokens at `logits_indices` only: sampling needs no more."""
-        x = self.embed_tokens(input_ids)
+        x, pending = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_pool.layer(i)
-            x = layer(x, ropes, k_cache, v_cache, meta)
-        x = self.norm(x[logits_indices])
+            x, pending = layer(x, ropes, k_cache, v_cache, meta, pending)
+        _, x = self.norm.add_and_norm(x[logits_indices], pending[logits_indices])
         return self.lm_head(x).float()
 
     # ---- checkpoint names -------------------------------------------------------------
