@@ -29,6 +29,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                    "its workers, see --cpus)")
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="run decode steps eagerly on CUDA (by default they replay CUDA graphs; off on CPU)")
+    g.add_argument("--no-warm-up", action="store_true",
+                   help="skip the start-up warm-up on CUDA (two throwaway requests that compile the kernels "
+                        "before the first real one; off on CPU)")
 
 
 def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
@@ -45,4 +48,5 @@ def engine_config_from_args(args: argparse.Namespace, model: str, served: str) -
                         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=int(args.kv_cache_memory * 2**30),
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, model_id=served,
-                        cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None)
+                        cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None,
+                        warm_up=False if getattr(args, "no_warm_up", False) else None)

@@ -27,6 +27,7 @@ class EngineConfig:
     model_id: str | None = None  # seeds the block-hash space; default: the directory name
     seed: int = 0  # seed of the generator used by unseeded sampled requests
     cuda_graphs: bool | None = None  # decode steps replayed from CUDA graphs; None: on for CUDA, off on CPU
+    warm_up: bool | None = None  # throwaway requests at start-up compile the kernels (engine/warmup.py); None: CUDA
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -44,6 +45,10 @@ class EngineConfig:
         if self.cuda_graphs is None:
             return torch.device(self.device).type == "cuda"
         return self.cuda_graphs
+
+    @property
+    def use_warm_up(self) -> bool:
+        return torch.device(self.device).type == "cuda" if self.warm_up is None else self.warm_up
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -28,6 +28,7 @@ from splitserve.engine.sampler import sample
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.stats import EngineStats
+from splitserve.engine.warmup import warm_up
 
 
 class InvalidPromptError(ValueError):
@@ -53,6 +54,8 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # finished, blocks kept for a KV push
         self.remote: dict[str, Sequence] = {}  # waiting for KV from a prefill worker
+        if config.use_warm_up:
+            warm_up(self)
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
