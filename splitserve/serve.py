@@ -62,6 +62,22 @@ def worker_threads(args: argparse.Namespace) -> int:
     return threads_per_worker(cpus, args.prefill_workers + args.decode_workers)
 
 
+def gpus_per_worker(device: str, workers: int, gpus: float) -> float:
+    """The GPUs each worker actor asks Ray for. Ray hides every GPU from an actor that asks
+    for none (CUDA_VISIBLE_DEVICES=""), so a CUDA worker must ask: one GPU each where there
+    are enough, else an equal share with as few workers on one GPU as the count allows
+    (one GPU, a prefill and a decode worker: half each). CPU workers ask for none."""
+    if not device.startswith("cuda"):
+        return 0.0
+    if device != "cuda":
+        raise ValueError(f"--device {device}: serve gives each worker its GPU through Ray, inside which the "
+                         "worker's GPU is always device 0; pass --device cuda")
+    whole = int(gpus)
+    if whole < 1:
+        raise ValueError("--device cuda, but Ray sees no GPU on this machine (nvidia-smi; CUDA_VISIBLE_DEVICES)")
+    return 1.0 if whole >= workers else 1.0 / -(-workers // whole)
+
+
 async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
     import ray
 
@@ -103,7 +119,12 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await bridge.start()
         print(f"splitserve: embedded bus bridge on {worker_bus} ({security.describe()})", flush=True)
 
-    opts = {"num_cpus": 0}  # workers share the machine; torch threads are set per worker
+    try:
+        share = gpus_per_worker(engine.device, args.prefill_workers + args.decode_workers,
+                                ray.cluster_resources().get("GPU", 0))
+    except ValueError as exc:
+        raise SystemExit(f"splitserve serve: {exc}") from None
+    opts = {"num_cpus": 0, "num_gpus": share}  # CPUs shared; torch threads are set per worker
     threads = worker_threads(args)
     actors = []
     common = dict(bus_url=worker_bus, kv_backend=args.kv_backend, admin_port=0, security=security,
@@ -184,6 +205,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill_workers < 0 or args.decode_workers < 1:
         print("splitserve serve: need --decode-workers >= 1 and --prefill-workers >= 0", file=sys.stderr)
         return 2
+    if args.device.startswith("cuda:"):  # Ray numbers each worker's GPUs from 0: an index would mislead
+        print(f"splitserve serve: --device {args.device}: serve gives each worker its GPU through Ray; pass "
+              "--device cuda (CUDA_VISIBLE_DEVICES chooses which GPUs Ray may use)", file=sys.stderr)
+        return 2
+    if args.kv_backend == "mooncake":
+        from splitserve.kvtransfer.mooncake_endpoint import gpu_memory_problem
+
+        problem = gpu_memory_problem(args.device.split(":")[0])
+        if problem:
+            print(f"splitserve serve: --kv-backend mooncake: {problem}", file=sys.stderr)
+            return 2
     if args.model is not None:  # checked before Ray or any process starts: one line, exit 2
         problem = checkpoint_problem(args.model)
         if problem:

@@ -99,6 +99,31 @@ def _import_engine():
     return TransferEngine
 
 
+def gpu_memory_problem(device_type: str) -> str | None:
+    """Why this Mooncake build cannot move a KV pool on `device_type`, or None. The non-CUDA
+    build's transports read and write registered memory with plain CPU instructions (tcp:
+    socket send/recv straight from it): on an H200 every write from a GPU pool failed with
+    EFAULT and each request fell back to a local prefill (issue 20). The CUDA build stages
+    GPU memory through host buffers itself (not tried here: no CUDA build on this project's
+    machines)."""
+    if device_type != "cuda":
+        return None
+    from importlib import metadata
+
+    def installed(name: str) -> bool:
+        try:
+            metadata.version(name)
+            return True
+        except metadata.PackageNotFoundError:
+            return False
+
+    if installed("mooncake-transfer-engine-non-cuda") and not installed("mooncake-transfer-engine"):
+        return ("the KV pool is in GPU memory, which the installed Mooncake build (mooncake-transfer-engine-non-cuda) "
+                "cannot read or write: install the CUDA build (pip install mooncake-transfer-engine) or use "
+                "--kv-backend grpc")
+    return None
+
+
 def _transfer_timeout_s() -> float:
     try:  # Mooncake's own knob, with its floor of 5 s
         return max(5.0, float(os.environ.get("MC_TRANSFER_TIMEOUT", "30")))
@@ -125,8 +150,11 @@ class MooncakeEndpoint:
         self._lock = threading.Lock()
         self.pacer = PollPacer()
 
-    def register(self, addr: int, nbytes: int) -> None:
+    def register(self, addr: int, nbytes: int, device_type: str = "cpu") -> None:
         """Register a memory region once (the KV pool); later calls for it are no-ops."""
+        problem = gpu_memory_problem(device_type)
+        if problem:
+            raise MooncakeError(problem)
         with self._lock:
             if self._registered.get(addr) == nbytes:
                 return

@@ -104,7 +104,7 @@ class MooncakeSender(KVSender):
                 self._endpoint = MooncakeEndpoint(self.config.host, self.config.mooncake_protocol,
                                                   self.config.mooncake_device)
             endpoint = self._endpoint
-        endpoint.register(pool.data_ptr(), pool.nbytes)  # once per pool
+        endpoint.register(pool.data_ptr(), pool.nbytes, pool.data.device.type)  # once per pool
         return endpoint
 
     def _attempt(self, address: str, info: ReceiverInfo, header: TransferHeader, src_pool: KVCachePool,

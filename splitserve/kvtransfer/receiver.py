@@ -62,7 +62,8 @@ class KVReceiver:
         reuse_message_buffers(cfg.message_limit)
         if cfg.backend == "mooncake":
             self._mooncake = MooncakeEndpoint(cfg.host, cfg.mooncake_protocol, cfg.mooncake_device)
-            self._mooncake.register(self.pool.data_ptr(), self.pool.nbytes)  # once, for the pool's lifetime
+            self._mooncake.register(self.pool.data_ptr(), self.pool.nbytes,  # once, for the pool's lifetime
+                                    self.pool.data.device.type)
         slots = cfg.max_concurrent_pushes + 2  # + Describe and headroom
         server = cfg.security.sync_server(futures.ThreadPoolExecutor(max_workers=slots, thread_name_prefix="kv-recv"),
                                           options=cfg.grpc_options(), maximum_concurrent_rpcs=slots)

@@ -100,3 +100,23 @@ def test_poll_pacer_learns_from_large_transfers_only():
     assert pacer.rate == pytest.approx(3e9)
     pacer.observe(64 << 20, 0.0)
     assert pacer.rate == pytest.approx(3e9)
+
+
+def test_a_gpu_pool_is_refused_by_the_non_cuda_build(engines, monkeypatch):
+    """On an H200 the non-CUDA build failed every write from a GPU pool (EFAULT) and each
+    request fell back to a local prefill; registering such a pool now says what to do."""
+    from importlib import metadata
+
+    from splitserve.kvtransfer import mooncake_endpoint
+
+    assert mooncake_endpoint.gpu_memory_problem("cpu") is None
+    message = mooncake_endpoint.gpu_memory_problem("cuda")
+    assert "mooncake-transfer-engine-non-cuda" in message and "--kv-backend grpc" in message
+    target = engines[0]
+    with pytest.raises(MooncakeError, match="pip install mooncake-transfer-engine"):
+        target.register(1 << 40, 4096, "cuda")
+    assert (1 << 40) not in target._registered  # nothing was registered
+    real_version = metadata.version
+    monkeypatch.setattr(metadata, "version",  # the CUDA build beside it: allowed
+                        lambda name: "0.3" if name == "mooncake-transfer-engine" else real_version(name))
+    assert mooncake_endpoint.gpu_memory_problem("cuda") is None
