@@ -84,7 +84,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="stage logs and raw outputs (not committed)")
     ap.add_argument("--engine-model", help="checkpoint for the engine stage (default: a random Llama-3.2-1B shape)")
     ap.add_argument("--serve-model", help="checkpoint for the serve stage (default: the demo model)")
+    ap.add_argument("--stage-limit", type=float,
+                    help="seconds: caps each stage's own time limit (for a lease shorter than the ~44 min they add up to)")
+    ap.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
+                    help="combine the results of runs of separate stages (bench/gpu/run_short.sh) into one file")
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
     names = [s for s in args.stages.split(",") if s]
     unknown = [s for s in names if s not in stages.STAGES]
     if unknown:
@@ -98,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path("bench/results") / f"gpu_check_{device_slug(device)}.json"
     args.workdir.mkdir(parents=True, exist_ok=True)
     ctx = stages.Context(dry_run=args.dry_run, workdir=args.workdir, engine_model=args.engine_model,
-                         serve_model=args.serve_model)
+                         serve_model=args.serve_model, stage_limit=args.stage_limit)
     result = {"check": "splitserve bench gpu-check (issue 20)", "device": device,
               "mode": "cpu dry run: no GPU figure in this file" if args.dry_run else "cuda",
               "gpu": torch.cuda.get_device_name(0) if cuda else None, "versions": versions(),
@@ -111,12 +117,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu-check: {name}: {record['status']} ({record['reason'][:200]})", file=sys.stderr, flush=True)
         _write(result, out)  # after every stage: a crash later keeps what was measured
     result["finished"] = now()
+    return _finish(result, out)
+
+
+def _finish(result: dict, out: Path) -> int:
     result["summary"] = {s: sum(r["status"] == s for r in result["stages"]) for s in ("passed", "failed", "skipped")}
     result["summary"]["targets"] = [t for r in result["stages"] for t in r.get("targets", [])]
     _write(result, out)
     print(json.dumps(result["summary"], indent=2))
     print(f"gpu-check: results in {out}", file=sys.stderr)
     return 1 if result["summary"]["failed"] else 0
+
+
+def merge(paths: list[Path], out: Path | None) -> int:
+    """One result from several runs' files (each run's own stages), in the order given."""
+    parts = [json.loads(p.read_text()) for p in paths if p.exists()]
+    if not parts:
+        print(f"splitserve bench gpu-check: none of {[str(p) for p in paths]} exists", file=sys.stderr)
+        return 2
+    result = {**parts[0], "stages": [stage for part in parts for stage in part["stages"]],
+              "started": min(p["started"] for p in parts), "finished": max(p.get("finished", "") for p in parts),
+              "merged_from": [str(p) for p in paths if p.exists()]}
+    out = out or Path("bench/results") / f"gpu_check_{device_slug(result['device'])}.json"
+    return _finish(result, out)
 
 
 def _write(result: dict, out: Path) -> None:

@@ -108,7 +108,7 @@ def run_backend(backend: str, device: str, dtype: str, model: str | None, prompt
                 "--model", SERVED, "--num-prompts", str(prompts), "--input-len", str(input_len),
                 "--output-len", str(output_len), "--ignore-eos", "--max-concurrency", "8",
                 "--result-file", str(result), "--no-progress"]
-        proc = subprocess.run(load, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(load, capture_output=True, text=True, timeout=max(120.0, start_timeout))
         if proc.returncode != 0 or not result.exists():
             row.update(ok=False, reason=f"splitserve bench exited {proc.returncode}",
                        log_tail=(proc.stdout + proc.stderr)[-3000:])

@@ -80,3 +80,43 @@ def test_committed_dry_run_result_claims_no_gpu_result():
     assert [s["stage"] for s in result["stages"]] == list(gpu_check_stages.STAGES)
     assert all(s["status"] == "skipped" and s["reason"].startswith("no CUDA device") for s in result["stages"])
     assert all(t["value"] is None and t["met"] is None for t in result["summary"]["targets"])
+
+
+def test_parts_run_separately_merge_into_one_result(fake_stages, tmp_path):
+    """bench/gpu/run_short.sh runs stages in separate processes, side by side, then merges."""
+    parts = []
+    for i, stage in enumerate(("good", "bad")):
+        parts.append(tmp_path / f"part_{i}.json")
+        gpu_check.main(["--dry-run", "--stages", stage, "--out", str(parts[-1]), "--workdir", str(tmp_path)])
+    out = tmp_path / "merged.json"
+    assert gpu_check.main(["--merge", *map(str, parts), str(tmp_path / "missing.json"), "--out", str(out)]) == 1
+    merged = json.loads(out.read_text())
+    assert [s["stage"] for s in merged["stages"]] == ["good", "bad"]
+    assert merged["summary"] == {"passed": 0, "failed": 1, "skipped": 1, "targets": []}
+    assert merged["merged_from"] == [str(p) for p in parts]  # the missing part is named nowhere
+    firsts = [json.loads(p.read_text())["started"] for p in parts]
+    assert merged["started"] == min(firsts) and merged["device"] == "cpu-dry-run"
+    assert gpu_check.main(["--merge", str(tmp_path / "missing.json")]) == 2
+
+
+def test_stage_limit_caps_a_stage_and_kills_it(tmp_path):
+    ctx = gpu_check_stages.Context(dry_run=True, workdir=tmp_path, stage_limit=1)
+    r = gpu_check_stages.run(ctx, "slow", [gpu_check_stages.PY, "-c", "import time; time.sleep(30)"], timeout=600)
+    assert r["timed_out"] and r["exit_code"] is None and r["seconds"] < 10
+
+
+def test_serve_stage_needs_grpc_and_records_mooncake_it_cannot_run(monkeypatch, tmp_path):
+    from splitserve.benchmark import gpu_check_serve
+    from splitserve.kvtransfer import mooncake_endpoint
+
+    results = {"grpc": True}
+    monkeypatch.setattr(gpu_check_serve, "run_backend",
+                        lambda backend, **kw: {"backend": backend, "ok": results[backend], "reason": "ran"})
+    monkeypatch.setattr(mooncake_endpoint, "gpu_memory_problem", lambda device: "this build cannot")
+    stage = gpu_check_stages.serve(gpu_check_stages.Context(dry_run=True, workdir=tmp_path))
+    assert stage["ok"] and stage["backends"][1] == {"backend": "mooncake", "ok": None, "reason": "not run: this build cannot"}
+    results["grpc"] = False
+    assert not gpu_check_stages.serve(gpu_check_stages.Context(dry_run=True, workdir=tmp_path))["ok"]
+    monkeypatch.setattr(mooncake_endpoint, "gpu_memory_problem", lambda device: None)
+    results.update(grpc=True, mooncake=False)
+    assert not gpu_check_stages.serve(gpu_check_stages.Context(dry_run=True, workdir=tmp_path))["ok"]
