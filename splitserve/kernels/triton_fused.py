@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels.triton_common import kernel, pow2
+from splitserve.kernels.triton_norm_rope import rotate_heads
 
 ACT_BLOCK = 1024  # columns of the intermediate size per program
 
@@ -65,36 +66,19 @@ def _rotary_store_kernel(
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, HALF_PAD)
-    col_ok = cols < HALF
-    cos1 = tl.load(cos_ptr + tok * stride_cos + cols, mask=col_ok, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + tok * stride_cos + HALF + cols, mask=col_ok, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + tok * stride_sin + cols, mask=col_ok, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + tok * stride_sin + HALF + cols, mask=col_ok, other=0.0).to(tl.float32)
-    # q: rotated into q_out (neox: x * cos + [-x2, x1] * sin)
-    qh = tl.arange(0, Q_HEADS_PAD)
-    qmask = (qh[:, None] < NUM_HEADS) & col_ok[None, :]
-    src = q_ptr + tok * stride_qt + qh[:, None] * stride_qh + cols[None, :]
-    x1 = tl.load(src, mask=qmask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=qmask, other=0.0).to(tl.float32)
-    dst = q_out_ptr + tok * stride_qot + qh[:, None] * stride_qoh + cols[None, :]
-    tl.store(dst, (x1 * cos1[None, :] - x2 * sin1[None, :]).to(q_out_ptr.dtype.element_ty), mask=qmask)
-    tl.store(dst + HALF, (x2 * cos2[None, :] + x1 * sin2[None, :]).to(q_out_ptr.dtype.element_ty), mask=qmask)
-    # k rotated and v copied straight into the cache slot; a negative slot is padding
+    rotate_heads(q_ptr, q_out_ptr, cos_ptr, sin_ptr, tok, NUM_HEADS, stride_qt, stride_qh, stride_cos, stride_sin,
+                 stride_qot, stride_qoh, Q_HEADS_PAD, HALF, HALF_PAD)
+    # k rotated and v copied straight into the cache slot; a negative slot is padding (no head)
     slot = tl.load(slots_ptr + tok).to(tl.int64)
+    kv_heads = tl.where(slot >= 0, NUM_KV_HEADS, 0)
+    at = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
+    rotate_heads(k_ptr, k_cache_ptr + at, cos_ptr, sin_ptr, tok, kv_heads, stride_kt, stride_kh, stride_cos,
+                 stride_sin, 0, stride_ch, KV_HEADS_PAD, HALF, HALF_PAD)
     kh = tl.arange(0, KV_HEADS_PAD)
-    valid = (tl.zeros([KV_HEADS_PAD, HALF_PAD], tl.int64) + slot) >= 0
-    kmask = (kh[:, None] < NUM_KV_HEADS) & col_ok[None, :] & valid
-    at = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kh[:, None] * stride_ch + cols[None, :]
-    src = k_ptr + tok * stride_kt + kh[:, None] * stride_kh + cols[None, :]
-    k1 = tl.load(src, mask=kmask, other=0.0).to(tl.float32)
-    k2 = tl.load(src + HALF, mask=kmask, other=0.0).to(tl.float32)
-    cache_ty = k_cache_ptr.dtype.element_ty
-    tl.store(k_cache_ptr + at, (k1 * cos1[None, :] - k2 * sin1[None, :]).to(cache_ty), mask=kmask)
-    tl.store(k_cache_ptr + at + HALF, (k2 * cos2[None, :] + k1 * sin2[None, :]).to(cache_ty), mask=kmask)
-    src = v_ptr + tok * stride_vt + kh[:, None] * stride_vh + cols[None, :]
-    tl.store(v_cache_ptr + at, tl.load(src, mask=kmask), mask=kmask)
-    tl.store(v_cache_ptr + at + HALF, tl.load(src + HALF, mask=kmask), mask=kmask)
+    cols = tl.arange(0, 2 * HALF_PAD)
+    vmask = (kh[:, None] < kv_heads) & (cols[None, :] < 2 * HALF)
+    v = tl.load(v_ptr + tok * stride_vt + kh[:, None] * stride_vh + cols[None, :], mask=vmask)
+    tl.store(v_cache_ptr + at + kh[:, None] * stride_ch + cols[None, :], v, mask=vmask)
 
 
 def rotary_store_supported(q, k, v, cos, sin, k_cache, v_cache) -> bool:

@@ -10,6 +10,7 @@ two differ by at most about one unit in the last place).
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 from splitserve.kernels.triton_common import kernel, pow2
@@ -47,11 +48,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view(x.shape)
 
 
-@kernel
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads,
-                   stride_xt, stride_xh, stride_cos, stride_sin, stride_ot, stride_oh,
-                   HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    tok = tl.program_id(0).to(tl.int64)
+@triton.jit
+def rotate_heads(x_ptr, out_ptr, cos_ptr, sin_ptr, tok, num_heads, stride_xt, stride_xh, stride_cos, stride_sin,
+                 stride_ot, stride_oh, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Neox rotary of one token's heads (x * cos + [-x2, x1] * sin) in float32, stored at
+    out_ptr + tok * stride_ot + head * stride_oh in out's dtype; heads >= num_heads are
+    left alone. Shared with triton_fused's rotary + KV write, so the two round alike."""
     cols = tl.arange(0, HALF_PAD)
     col_ok = cols < HALF
     cos1 = tl.load(cos_ptr + tok * stride_cos + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -63,12 +65,19 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads,
     src = x_ptr + tok * stride_xt + heads[:, None] * stride_xh + cols[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    # neox: out = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
     out1 = x1 * cos1[None, :] - x2 * sin1[None, :]
     out2 = x2 * cos2[None, :] + x1 * sin2[None, :]
     dst = out_ptr + tok * stride_ot + heads[:, None] * stride_oh + cols[None, :]
     tl.store(dst, out1.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + HALF, out2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@kernel
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads,
+                   stride_xt, stride_xh, stride_cos, stride_sin, stride_ot, stride_oh,
+                   HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    rotate_heads(x_ptr, out_ptr, cos_ptr, sin_ptr, tl.program_id(0).to(tl.int64), num_heads, stride_xt, stride_xh,
+                 stride_cos, stride_sin, stride_ot, stride_oh, HEADS_PAD, HALF, HALF_PAD)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ def _launches():
     """(kernel, args, kwargs, label) for each kernel launch of representative calls."""
     import torch
 
-    from splitserve.kernels import triton_common, triton_moe, triton_ops
+    from splitserve.kernels import triton_common, triton_fused, triton_moe, triton_ops
 
     captured = []
 
@@ -58,6 +58,11 @@ def _launches():
             triton_ops.rms_norm(torch.zeros(3, 4096, dtype=dtype), torch.zeros(4096, dtype=dtype), 1e-5)
             table = torch.zeros(2, 128, dtype=dtype)
             triton_ops.apply_rotary(q, q[:, :8], table, table)
+            triton_fused.rotary_and_store_kv(q, q[:, :8], q[:, :8], table, table, k_cache, v_cache, lens)
+            triton_fused.act_and_mul(torch.zeros(2, 2 * 14336, dtype=dtype))
+            triton_fused.act_and_mul(torch.zeros(2, 2 * 1024, dtype=dtype), gelu=True)
+            x = torch.zeros(3, 4096, dtype=dtype)
+            triton_fused.add_rms_norm(x, x, torch.zeros(4096, dtype=dtype), 1e-5)
         # mixture of experts: 16-row tiles (decode) and 64-row tiles (prefill), both stages
         w13, w2 = torch.zeros(8, 2 * 768, 2048, dtype=dtype), torch.zeros(8, 2048, 768, dtype=dtype)
         for tokens in (1, 300):
