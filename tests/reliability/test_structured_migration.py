@@ -16,9 +16,11 @@ from tests.reliability.cluster import SERVED
 from tests.reliability.conftest import metric, wait_for
 
 
-class Inventory(BaseModel):  # several hundred tokens: still mid-stream at the kill with a fast engine
+class Inventory(BaseModel):  # ~700 tokens: still mid-stream at the kill with a fast engine, even when
+    # the client's threads are descheduled for a while (a full `make test` on 2 cores): at 64 items
+    # (~480 tokens) the server once finished all four streams while the client still read them
     owner: str = Field(max_length=8)
-    items: list[Annotated[str, Field(min_length=5, max_length=5)]] = Field(min_length=64, max_length=64)
+    items: list[Annotated[str, Field(min_length=5, max_length=5)]] = Field(min_length=96, max_length=96)
     count: int = Field(ge=0, le=999)
 
 
