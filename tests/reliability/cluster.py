@@ -65,6 +65,11 @@ class Proc:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGSTOP)
 
+    def thaw(self) -> None:
+        """SIGCONT the process group after freeze()."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)

@@ -48,17 +48,25 @@ async def streams_with_fault(base: str, batch: list[list[int]], max_tokens: int,
 
 
 def kill_busiest_decode(cluster, results: list[StreamResult], victim: dict) -> None:
-    """Kill the decode worker holding the most streams. It is frozen first and the client
-    given a moment for what was already sent: the streams still open then are exactly those
-    that must migrate (one may finish between a look and a kill otherwise)."""
-    on = {}
-    for r in results:
-        on.setdefault(r.decode_worker, []).append(r)
-    name = max(on, key=lambda w: len(on[w]))
-    cluster.decode[name].freeze()
-    time.sleep(0.5)
-    victim.update(name=name, streams=sum(not r.done for r in on[name]), spread=sorted(on))
-    cluster.decode[name].kill()
+    """Kill the decode worker holding the most open streams. Every decode worker is frozen
+    first and the client given a moment for what was already sent, so the streams still open
+    are exactly those that must migrate. Freezing only the busiest-looking one was not enough:
+    on a loaded machine the client fell a second behind and that worker had finished all its
+    streams by the look (the other one is thawed after the kill)."""
+    frozen = cluster.live(cluster.decode)
+    for proc in frozen.values():
+        proc.freeze()
+    try:
+        time.sleep(0.5)
+        on = {}
+        for r in results:
+            on.setdefault(r.decode_worker, []).append(r)
+        name = max(on, key=lambda w: sum(not r.done for r in on[w]))
+        victim.update(name=name, streams=sum(not r.done for r in on[name]), spread=sorted(on))
+        cluster.decode[name].kill()
+    finally:
+        for proc in frozen.values():
+            proc.thaw()  # a no-op for the killed one
 
 
 def replace_victim(cluster, victim: dict) -> None:
