@@ -66,12 +66,10 @@ def gpus_per_worker(device: str, workers: int, gpus: float) -> float:
     """The GPUs each worker actor asks Ray for. Ray hides every GPU from an actor that asks
     for none (CUDA_VISIBLE_DEVICES=""), so a CUDA worker must ask: one GPU each where there
     are enough, else an equal share with as few workers on one GPU as the count allows
-    (one GPU, a prefill and a decode worker: half each). CPU workers ask for none."""
-    if not device.startswith("cuda"):
-        return 0.0
+    (one GPU, a prefill and a decode worker: half each). CPU workers ask for none. main()
+    has already refused a device index (--device cuda:N)."""
     if device != "cuda":
-        raise ValueError(f"--device {device}: serve gives each worker its GPU through Ray, inside which the "
-                         "worker's GPU is always device 0; pass --device cuda")
+        return 0.0
     whole = int(gpus)
     if whole < 1:
         raise ValueError("--device cuda, but Ray sees no GPU on this machine (nvidia-smi; CUDA_VISIBLE_DEVICES)")
@@ -212,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_backend == "mooncake":
         from splitserve.kvtransfer.mooncake_endpoint import gpu_memory_problem
 
-        problem = gpu_memory_problem(args.device.split(":")[0])
+        problem = gpu_memory_problem(args.device)
         if problem:
             print(f"splitserve serve: --kv-backend mooncake: {problem}", file=sys.stderr)
             return 2
