@@ -1,12 +1,15 @@
 """Fault injection for chaos tests: make one engine fail the way real engines do.
 
 Off unless `SPLITSERVE_FAULT_INJECTION` is set (never in production). It holds a JSON
-list of faults, each {"engine": <worker id>, "fault": "die" | "raise" | "hang",
-"at_step": N, "once_file": <path, optional>}:
+list of faults, each {"engine": <worker id>, "fault": "die" | "raise" | "hang" | "slow",
+"at_step": N, "once_file": <path, optional>, "step_ms": <for slow>}:
 - die: the engine thread dies before step N (as after an unrecoverable error);
 - raise: step N raises, as a CUDA error or a kernel bug would (the step's requests
   fail and the loop goes on);
 - hang: step N never returns (a wedged kernel or a deadlock).
+- slow: every step from N on takes `step_ms` longer (a throttled or shared accelerator).
+  Chaos tests use it to keep streams open for seconds whatever the machine's speed, so a
+  fault lands mid-stream even when the test client falls behind.
 With `once_file`, a fault fires only if that file does not exist yet and creates it,
 so a worker restarted with the same environment (a Ray actor) does not fail again.
 """
@@ -17,12 +20,13 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
 ENV = "SPLITSERVE_FAULT_INJECTION"
-KINDS = ("die", "raise", "hang")
+KINDS = ("die", "raise", "hang", "slow")
 
 
 class InjectedEngineDeath(BaseException):  # noqa: N818 - not an Exception: nothing may catch it as one
@@ -46,6 +50,7 @@ class Fault:
     kind: str
     at_step: int
     once_file: str | None = None
+    step_ms: float = 0.0
     fired: bool = False
 
 
@@ -60,13 +65,17 @@ class FaultPlan:
             return cls([])
         try:
             specs = json.loads(raw)
-            faults = [Fault(s["fault"], int(s["at_step"]), s.get("once_file")) for s in specs
-                      if s.get("engine") == engine_name]
+            faults = [Fault(s["fault"], int(s["at_step"]), s.get("once_file"), float(s.get("step_ms", 0)))
+                      for s in specs if s.get("engine") == engine_name]
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise ValueError(f"${ENV} must be a JSON list of {{engine, fault, at_step[, once_file]}}: {exc}") from None
+            raise ValueError(f"${ENV} must be a JSON list of {{engine, fault, at_step[, once_file, step_ms]}}: {exc}") from None
         for f in faults:
             if f.kind not in KINDS:
                 raise ValueError(f"${ENV}: fault {f.kind!r} is not one of {KINDS}")
+            if (f.kind == "slow") != (f.step_ms > 0):
+                raise ValueError(f"${ENV}: step_ms > 0 goes with fault 'slow' and only with it (got {f})")
+            if f.kind == "slow" and f.once_file is not None:
+                raise ValueError(f"${ENV}: a 'slow' fault lasts, it takes no once_file (got {f})")
         if faults:
             log.warning("engine %s: fault injection armed: %s", engine_name, faults)
         if any(f.kind == "hang" for f in faults):
@@ -76,6 +85,10 @@ class FaultPlan:
     def before_step(self, step: int) -> None:
         """Called by the engine thread before each step (a no-op without faults)."""
         for f in self.faults:
+            if f.kind == "slow":
+                if step >= f.at_step:
+                    time.sleep(f.step_ms / 1000)
+                continue
             if f.fired or step < f.at_step or not self._claim(f):
                 continue
             log.warning("injecting fault %r at engine step %d", f.kind, step)

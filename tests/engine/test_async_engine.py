@@ -161,3 +161,29 @@ async def test_a_hung_step_is_reported_as_stalled(model, monkeypatch):
         await asyncio.sleep(0.01)
     assert h.engine.health() == (True, "")
     h.engine.stop()
+
+
+async def test_a_slow_engine_takes_step_ms_longer_for_every_step_from_at_step(model, monkeypatch):
+    arm(monkeypatch, {"engine": "e5", "fault": "slow", "at_step": 5, "step_ms": 30})
+    timings: list[float] = []
+    h = Harness(model, name="e5", on_step_timing=lambda wall, cpu: timings.append(wall))
+    await h.engine.call(h.llm.add_request, "r", [7] * 20, PARAMS)
+    while not h.finished("r"):
+        await asyncio.sleep(0.01)
+    assert len(h.finished("r").token_ids) == 40 and h.finished("r").error is None
+    assert all(t >= 0.030 for t in timings[5:]) and len(timings) >= 40, timings
+    assert sum(t >= 0.030 for t in timings[:5]) <= 1, timings[:5]  # the first steps ran at full speed
+    h.engine.stop()
+
+
+@pytest.mark.parametrize("spec, why", [
+    ({"fault": "slow", "at_step": 0}, "step_ms > 0 goes with fault 'slow'"),
+    ({"fault": "die", "at_step": 0, "step_ms": 5}, "step_ms > 0 goes with fault 'slow'"),
+    ({"fault": "slow", "at_step": 0, "step_ms": 5, "once_file": "/tmp/x"}, "takes no once_file"),
+    ({"fault": "melt", "at_step": 0}, "is not one of"),
+])
+def test_a_malformed_fault_plan_is_refused_with_the_reason(monkeypatch, spec, why):
+    from splitserve.engine.faults import FaultPlan
+    arm(monkeypatch, {"engine": "e6", **spec})
+    with pytest.raises(ValueError, match=why):
+        FaultPlan.from_env("e6")

@@ -4,6 +4,7 @@ routers (`splitserve router`). Each process can be SIGKILLed like a crashed pod.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -18,6 +19,7 @@ from pathlib import Path
 import redis
 import requests
 
+from splitserve.engine.faults import ENV as FAULT_ENV
 from tests.helpers.processes import free_port
 
 SERVED = "tiny-llama"
@@ -27,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 class Proc:
     """A child process whose output is kept; ready once a line matches `banner`."""
 
-    def __init__(self, name: str, argv: list[str], banner: str, timeout: float = 120):
+    def __init__(self, name: str, argv: list[str], banner: str, timeout: float = 120, env: dict | None = None):
         self.name = name
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                      start_new_session=True, cwd=ROOT)
         self.lines: list[str] = []
@@ -98,6 +100,11 @@ class Cluster:
     prefill: dict[str, Proc] = field(default_factory=dict)
     routers: list[Proc] = field(default_factory=list)
     engine_args: list[str] = field(default_factory=lambda: ["--num-kv-blocks", "256", "--max-num-seqs", "32"])
+    # Every decode step takes this much longer (engine/faults.py's `slow`): a 200-token stream
+    # then lasts >= 2 s whatever the machine's speed, so a fault fired after a stream's first
+    # chunks lands mid-stream even when the test client was descheduled for a second (with a
+    # full-speed engine on 2 busy cores, streams sometimes ended before their fault did).
+    decode_step_ms: float = 10.0
 
     @property
     def redis_url(self) -> str:
@@ -132,9 +139,11 @@ class Cluster:
                 *self.tls_args]
 
     def start_decode(self, worker_id: str) -> Proc:
+        slow = [{"engine": worker_id, "fault": "slow", "at_step": 0, "step_ms": self.decode_step_ms}]
         p = Proc(worker_id, [*_module("splitserve.cli"), "decode-worker", *self.common(), *self.engine_args,
                              "--worker-id", worker_id, "--port", "0", "--admin-port", "0", "--drain-port", "0", "--drain-timeout", "5"],
-                 r"serving gRPC on (\S+), KV receiver (\S+), admin (\S+)")
+                 r"serving gRPC on (\S+), KV receiver (\S+), admin (\S+)",
+                 env={FAULT_ENV: json.dumps(slow)} if self.decode_step_ms else None)
         self.decode[worker_id] = p
         return p
 

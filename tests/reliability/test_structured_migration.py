@@ -6,6 +6,7 @@ with 2 decode + 1 prefill workers, like every test here."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
 
 import openai
@@ -16,11 +17,11 @@ from tests.reliability.cluster import SERVED
 from tests.reliability.conftest import metric, wait_for
 
 
-class Inventory(BaseModel):  # ~700 tokens: still mid-stream at the kill with a fast engine, even when
-    # the client's threads are descheduled for a while (a full `make test` on 2 cores): at 64 items
-    # (~480 tokens) the server once finished all four streams while the client still read them
+class Inventory(BaseModel):  # ~370 tokens: >= 3.7 s a stream on the cluster's slowed decode steps
+    # (cluster.decode_step_ms), so still mid-stream at the kill even when the client's threads are
+    # descheduled for a while (a full `make test` on 2 cores)
     owner: str = Field(max_length=8)
-    items: list[Annotated[str, Field(min_length=5, max_length=5)]] = Field(min_length=96, max_length=96)
+    items: list[Annotated[str, Field(min_length=5, max_length=5)]] = Field(min_length=48, max_length=48)
     count: int = Field(ge=0, le=999)
 
 
@@ -37,7 +38,9 @@ def streams_of(cluster) -> dict[str, int]:
 def test_a_constrained_stream_migrates_and_still_parses(cluster):
     base = cluster.router.base_url
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
-    expected = [client.chat.completions.parse(**parse_kwargs(i)).choices[0].message.parsed for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:  # the undisturbed runs, side by side
+        expected = list(pool.map(lambda i: client.chat.completions.parse(**parse_kwargs(i)).choices[0].message.parsed,
+                                 range(4)))
     assert all(isinstance(e, Inventory) for e in expected)
     migrations = metric(base, "splitserve_request_migrations_total")
     chunks = [0] * 4
