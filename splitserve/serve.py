@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
@@ -22,7 +23,13 @@ import sys
 import time
 
 from splitserve.core.cli_types import positive_int
-from splitserve.core.cpus import available_cpus, threads_per_worker
+from splitserve.core.cpus import (
+    CpuPlan,
+    available_cpus,
+    pin_plan,
+    pin_this_process,
+    threads_per_worker,
+)
 from splitserve.core.model_dir import checkpoint_problem
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.logs import configure_logging
@@ -43,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-backend", choices=["grpc", "mooncake"], default="grpc")
     ap.add_argument("--cpus", type=positive_int, help="CPUs the workers' engines share (default: those this process may "
                     "use); each worker gets an equal share of torch threads unless --torch-threads is given")
+    ap.add_argument("--no-cpu-pinning", action="store_true",
+                    help="do not pin each CPU engine to cores of its own and the serving processes to the rest "
+                         "(by default they are, where the CPUs allow it; docs/operations.md)")
     add_worker_health_args(ap)
     add_engine_args(ap)
     ap.add_argument("--log-level", default="INFO")
@@ -62,6 +72,20 @@ def worker_threads(args: argparse.Namespace) -> int:
     return threads_per_worker(cpus, args.prefill_workers + args.decode_workers)
 
 
+def cpu_plan(args: argparse.Namespace, engine_process: bool | None, threads: int,
+             affinity: list[int] | None = None, usable: int | None = None) -> CpuPlan | None:
+    """Pinning for CPU engines in processes of their own (core/cpus.py), or None: asked not
+    to, a GPU or an engine on the worker's thread, --cpus other than this process's CPUs,
+    or a cgroup quota below them (the CPUs are then shared with other tenants, not ours)."""
+    if args.no_cpu_pinning or args.device != "cpu" or engine_process is False or not hasattr(os, "sched_setaffinity"):
+        return None
+    affinity = sorted(os.sched_getaffinity(0)) if affinity is None else affinity
+    usable = available_cpus() if usable is None else usable
+    if usable < len(affinity) or args.cpus not in (None, len(affinity)):
+        return None
+    return pin_plan(affinity, args.prefill_workers + args.decode_workers, threads)
+
+
 def gpus_per_worker(device: str, workers: int, gpus: float) -> float:
     """The GPUs each worker actor asks Ray for. Ray hides every GPU from an actor that asks
     for none (CUDA_VISIBLE_DEVICES=""), so a CUDA worker must ask: one GPU each where there
@@ -74,6 +98,12 @@ def gpus_per_worker(device: str, workers: int, gpus: float) -> float:
     if whole < 1:
         raise ValueError("--device cuda, but Ray sees no GPU on this machine (nvidia-smi; CUDA_VISIBLE_DEVICES)")
     return 1.0 if whole >= workers else 1.0 / -(-workers // whole)
+
+
+def pinned_engine(engine, pinned):
+    """The engine config of the next worker, with its CPUs where there is a plan."""
+    cpus = next(pinned, ())
+    return dataclasses.replace(engine, cpu_affinity=cpus) if cpus else engine
 
 
 async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
@@ -100,6 +130,11 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
     except OSError as exc:
         raise SystemExit(f"splitserve serve: cannot listen on {args.host}:{args.port}: {exc.strerror} "
                          "(--host/--port)") from None
+    threads = worker_threads(args)
+    plan = cpu_plan(args, ENGINE_LOOPS[args.engine_loop], threads)
+    if plan is not None:  # before Ray starts: its processes, our workers among them, inherit the set
+        pin_this_process(plan.serving)
+        print(f"splitserve: {plan.describe()}", flush=True)
     # Ray first: it forks its processes, which must not happen while this process runs gRPC
     # threads (grpc's fork handlers; Ray's dashboard head died with SIGABRT that way).
     start_ray()
@@ -123,16 +158,16 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
     except ValueError as exc:
         raise SystemExit(f"splitserve serve: {exc}") from None
     opts = {"num_cpus": 0, "num_gpus": share}  # CPUs shared; torch threads are set per worker
-    threads = worker_threads(args)
     actors = []
+    pinned = iter(plan.engines if plan is not None else [])
     common = dict(bus_url=worker_bus, kv_backend=args.kv_backend, admin_port=0, security=security,
                   engine_stall_timeout_s=args.engine_stall_timeout,
                   engine_process=ENGINE_LOOPS[args.engine_loop])
     for i in range(args.decode_workers):
-        cfg = DecodeWorkerConfig(engine, worker_id=f"decode-{i}", **common)
+        cfg = DecodeWorkerConfig(pinned_engine(engine, pinned), worker_id=f"decode-{i}", **common)
         actors.append(WorkerActor.options(name=f"decode-{i}", **opts).remote(DecodeWorker, cfg, threads))
     for i in range(args.prefill_workers):
-        cfg = PrefillWorkerConfig(engine, worker_id=f"prefill-{i}", **common)
+        cfg = PrefillWorkerConfig(pinned_engine(engine, pinned), worker_id=f"prefill-{i}", **common)
         actors.append(WorkerActor.options(name=f"prefill-{i}", **opts).remote(PrefillWorker, cfg, threads))
 
     runner = dispatcher = None

@@ -28,6 +28,7 @@ class EngineConfig:
     seed: int = 0  # seed of the generator used by unseeded sampled requests
     cuda_graphs: bool | None = None  # decode steps replayed from CUDA graphs; None: on for CUDA, off on CPU
     warm_up: bool | None = None  # throwaway requests at start-up compile the kernels (engine/warmup.py); None: CUDA
+    cpu_affinity: tuple[int, ...] = ()  # CPUs the engine process pins itself to (`serve`'s plan, core/cpus.py); (): none
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

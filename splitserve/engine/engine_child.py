@@ -172,6 +172,11 @@ def child_main(config: EngineConfig, conn, step_clock, name: str, torch_threads:
     from splitserve.logs import configure_logging
 
     configure_logging(log_level)  # the worker's stderr, the worker's format: one log per worker
+    if config.cpu_affinity:  # before torch starts its OpenMP threads: they inherit it
+        from splitserve.core.cpus import format_cpus, pin_this_process
+
+        pin_this_process(config.cpu_affinity)
+        logging.getLogger(__name__).info("engine %s pinned to CPUs %s", name, format_cpus(config.cpu_affinity))
     torch.set_num_threads(torch_threads)
     from splitserve.engine.llm_engine import LLMEngine  # the model runtime: the child only
 
