@@ -178,14 +178,21 @@ class DecodeWorker(RemotePrefill, WorkerBase, DecodeWorkerServicer):
             while True:
                 out = first if first is not None else await queue.get()
                 first = None
-                if isinstance(out, EngineFailed):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: {out.reason}")
-                if out.error is not None:  # a failed engine step: the router retries elsewhere
-                    await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                        f"request {rid}: decode worker {self.worker_id}: {out.error}")
-                held.token_ids.extend(out.new_token_ids)
-                if out.new_logprobs:
-                    held.logprobs.extend(logprob_to_proto(lp) for lp in out.new_logprobs)
+                while True:
+                    if isinstance(out, EngineFailed):
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: {out.reason}")
+                    if out.error is not None:  # a failed engine step: the router retries elsewhere
+                        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                            f"request {rid}: decode worker {self.worker_id}: {out.error}")
+                    held.token_ids.extend(out.new_token_ids)
+                    if out.new_logprobs:
+                        held.logprobs.extend(logprob_to_proto(lp) for lp in out.new_logprobs)
+                    # Steps that finished while this stream was still sending go out in the same
+                    # message, as vLLM merges outputs its consumer has not taken yet: under load the
+                    # serving path then spends per message, not per token; otherwise nothing changes.
+                    if out.finished or queue.empty():
+                        break
+                    out = queue.get_nowait()
                 if not (header or out.finished or len(held.token_ids) >= interval):
                     continue
                 chunk, held = held, pb.GenerateChunk()

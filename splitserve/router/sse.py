@@ -36,6 +36,47 @@ async def stream_choices(request: web.Request, req, choices: list[ChoiceRun], ch
         finally:
             await queue.put(None)
 
+    if len(choices) == 1:  # the common case: no pump task and queue hop per token
+        await _stream_one(resp, req, choices, chat, created, deadline, timeout_s, count_error)
+    else:
+        await _stream_many(resp, req, choices, chat, created, deadline, timeout_s, count_error, pump, queue)
+    try:
+        await resp.write_eof()
+    except ConnectionResetError:  # the client closed after [DONE]: it has everything
+        pass
+    return resp
+
+
+async def _stream_one(resp, req, choices: list[ChoiceRun], chat: bool, created: int, deadline: float | None,
+                      timeout_s: float | None, count_error) -> None:
+    """One choice, read in this task: a task switch, a queue and a timer less per token (the
+    deadline is one timer for the whole stream). Same events as `_stream_many`."""
+    choice = choices[0]
+    chunks = choice.chunks(req.model, created, chat)
+    try:
+        async with asyncio.timeout_at(deadline):
+            async for item in chunks:
+                if req.continuous_usage:
+                    item = {**item, "usage": _usage(choices).to_dict()}
+                await resp.write(R.sse(item))
+    except TimeoutError:  # the deadline passed: the worker stream is closed below, tell the client
+        await _error_event(resp, errors.deadline_exceeded(choice.rid, timeout_s), count_error)
+        await resp.write(R.SSE_DONE)
+        return
+    except WorkerFailure as exc:
+        await _error_event(resp, APIError(503, str(exc), "service_unavailable", code="worker_failure"), count_error)
+    except APIError as exc:
+        await _error_event(resp, exc, count_error)
+    finally:  # client gone (ConnectionResetError), deadline or done: close the worker stream now
+        await chunks.aclose()
+    if req.include_usage:
+        await resp.write(R.sse(R.usage_chunk(choice.rid, req.model, created, _usage(choices), chat)))
+    await resp.write(R.SSE_DONE)
+
+
+async def _stream_many(resp, req, choices: list[ChoiceRun], chat: bool, created: int, deadline: float | None,
+                       timeout_s: float | None, count_error, pump, queue: asyncio.Queue) -> None:
+    """Several choices (n > 1): each read by a task of its own into one queue, written as they come."""
     tasks = [asyncio.create_task(pump(c)) for c in choices]
     try:
         remaining = len(tasks)
@@ -63,11 +104,6 @@ async def stream_choices(request: web.Request, req, choices: list[ChoiceRun], ch
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    try:
-        await resp.write_eof()
-    except ConnectionResetError:  # the client closed after [DONE]: it has everything
-        pass
-    return resp
 
 
 def _usage(choices: list[ChoiceRun]) -> R.Usage:

@@ -3,6 +3,7 @@ gRPC with KV pushed between them, and the local fallback when the prefill worker
 
 import asyncio
 import random
+import time
 
 import grpc
 import pytest
@@ -155,7 +156,13 @@ async def test_stream_interval_groups_tokens_without_changing_them(make_ckpt, pr
     finally:
         await decode.stop()
     sizes = {k: [len(c.token_ids) for c in chunks] for k, chunks in runs.items()}
-    assert sizes == {0: [1] * 14, 1: [1] * 14, 4: [1, 4, 4, 4, 1], 100: [1, 13]}
+    # Unloaded: [1] * 14, [1, 4, 4, 4, 1] and [1, 13]. Outputs that piled up while the stream was
+    # sending are merged into the next chunk (see the test below), so on a busy machine a chunk
+    # may carry more: what must hold is the total, and no chunk but the first and last below N.
+    for k, got in sizes.items():
+        assert sum(got) == 14 and min(got) >= 1, (k, got)
+        assert all(n >= max(k, 1) for n in got[1:-1]), (k, got)
+    assert len(sizes[100]) == 2
     tokens = {k: [t for c in chunks for t in c.token_ids] for k, chunks in runs.items()}
     logprobs = {k: [(lp.token_id, lp.logprob) for c in chunks for lp in c.logprobs] for k, chunks in runs.items()}
     assert tokens[4] == tokens[100] == tokens[1] == tokens[0] and len(set(tokens[1])) > 1
@@ -163,3 +170,28 @@ async def test_stream_interval_groups_tokens_without_changing_them(make_ckpt, pr
     for chunks in runs.values():  # the header rides on the first chunk, the finish on the last only
         assert chunks[0].worker_id == "d2" and chunks[0].num_prompt_tokens == len(prompts[1])
         assert [c.finish_reason for c in chunks] == [""] * (len(chunks) - 1) + ["length"]
+
+
+async def test_outputs_that_piled_up_go_out_in_one_chunk(make_ckpt, prompts):
+    """Steps that finished while the stream could not send (its event loop busy) are merged
+    into one message, as vLLM merges outputs its consumer has not taken: fewer messages under
+    load, the same tokens and logprobs in the same order."""
+    path = make_ckpt("llama")
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    expected = LLM(str(path), num_kv_blocks=64).generate([prompts[0]], params)[0]
+    decode = DecodeWorker(DecodeWorkerConfig(engine_config(path), worker_id="d3"), bus=InProcBus())
+    await decode.start()
+    try:
+        chunks = []
+        async with grpc.aio.insecure_channel(decode.address) as ch:
+            req = pb.GenerateRequest(request_id="piled", prompt_token_ids=prompts[0], sampling=sampling_to_proto(params))
+            async for c in DecodeWorkerStub(ch).Generate(req):
+                chunks.append(c)
+                if len(chunks) == 2:
+                    time.sleep(0.5)  # the loop stalls; the engine (its own process) keeps stepping
+    finally:
+        await decode.stop()
+    assert [t for c in chunks for t in c.token_ids] == expected.token_ids
+    assert [lp.token_id for c in chunks for lp in c.logprobs] == expected.token_ids
+    assert max(len(c.token_ids) for c in chunks) > 1 and len(chunks) < 40, [len(c.token_ids) for c in chunks]
+    assert [c.finish_reason for c in chunks] == [""] * (len(chunks) - 1) + ["length"]
