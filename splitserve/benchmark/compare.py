@@ -6,7 +6,10 @@ servers, interleaved, several rounds; medians and ratios to the first server.
 
 Every round draws fresh token-id prompts (so no server answers a round from a prefix cache
 filled by an earlier one) and sends the same prompts to each server, in an order that rotates
-from round to round, so drift on a noisy machine falls on every server alike. Start the
+from round to round, so drift on a noisy machine falls on every server alike. The prompts
+come from `--seed` (by default a fresh one per invocation, printed and kept in the JSON):
+a second run against servers still up must not meet the prompts the first one left in their
+caches, and `--seed` repeats a run on fresh servers. Start the
 servers yourself, with the settings you want compared, and record them with `--note`.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import sys
 import time
@@ -45,6 +49,11 @@ def run_order(servers: list[Server], round_index: int) -> list[Server]:
     """The servers of a round, rotated by the round's number."""
     k = round_index % len(servers)
     return servers[k:] + servers[:k]
+
+
+def round_seed(seed: int, round_index: int, concurrency: int) -> int:
+    """The prompts' seed of one round at one concurrency: distinct for every pair."""
+    return seed + 1000 * round_index + concurrency
 
 
 def measure(server: Server, workload: WorkloadConfig, concurrency: int) -> dict:
@@ -86,18 +95,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", default="64:512")
     ap.add_argument("--output-len", default="64:128")
     ap.add_argument("--token-id-range", default="100:1000", help="random prompt ids are drawn from [LO, HI)")
+    ap.add_argument("--seed", type=int, help="base seed of the rounds' prompts (default: a fresh one)")
     ap.add_argument("--note", default="", help="the servers' versions and settings, kept in the JSON")
     ap.add_argument("--json", type=Path)
     ns = ap.parse_args(argv)
     if len(ns.server) < 2 or ns.rounds < 1:
         ap.error("give at least two --server and --rounds >= 1")
     span = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731
+    seed = ns.seed if ns.seed is not None else random.SystemRandom().randrange(1, 2**31)
+    print(f"[compare] prompts from --seed {seed}", flush=True)
     runs = []
     for rnd in range(ns.rounds):
         for c in (int(x) for x in ns.concurrency.split(",")):
             workload = WorkloadConfig(num_prompts=ns.requests, input_len=span(ns.input_len),
                                       output_len=span(ns.output_len), token_id_range=span(ns.token_id_range),
-                                      seed=1000 * rnd + c)
+                                      seed=round_seed(seed, rnd, c))
             for s in run_order(ns.server, rnd):
                 result = measure(s, workload, c)
                 runs.append({"round": rnd, "concurrency": c, "server": s.name, **result})
@@ -114,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         ns.json.parent.mkdir(parents=True, exist_ok=True)
         ns.json.write_text(json.dumps({
             "benchmark": "compare", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "note": ns.note,
-            "command": "splitserve bench compare " + " ".join(argv or sys.argv[1:]),
+            "command": "splitserve bench compare " + " ".join(argv or sys.argv[1:]), "seed": seed,
             "servers": [vars(s) for s in ns.server], "runs": runs, "summary": rows}, indent=2) + "\n")
     return 0
 

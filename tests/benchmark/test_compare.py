@@ -44,3 +44,21 @@ def test_compare_runs_interleaved_against_real_servers(make_ckpt, tmp_path):
     assert all(r["failed"] == 0 and r["output_tok_s"] > 0 and 0 < r["ttft_p50_ms"] for r in doc["runs"])
     assert [r["tok_s_ratio_to_first"] for r in doc["summary"] if r["server"] == "first"] == [1.0, 1.0]
     assert doc["note"] == "one server under two names"
+
+
+def test_each_run_draws_its_own_prompts_unless_given_a_seed(monkeypatch, tmp_path):
+    """Two compares against servers still up must not send the same prompts (the second would
+    be answered from the first one's prefix caches: measured, vLLM's TTFT p50 fell from 72 to
+    32 ms); --seed repeats a run."""
+    seen: list[int] = []
+    monkeypatch.setattr(compare, "measure", lambda server, workload, c: seen.append(workload.seed) or {
+        "output_tok_s": 1.0, "ttft_ms": 1.0, "ttft_p50_ms": 1.0, "itl_ms": 1.0, "failed": 0})
+    argv = ["--server", "a,http://x,m", "--server", "b,http://y,m", "--concurrency", "1,8,32", "--rounds", "3"]
+    runs = []
+    for extra in ([], [], ["--seed", "5"], ["--seed", "5"]):
+        seen.clear()
+        assert compare.main([*argv, *extra, "--json", str(tmp_path / "c.json")]) == 0
+        runs.append((set(seen), json.loads((tmp_path / "c.json").read_text())["seed"]))
+        assert len(set(seen)) == 9 and len(seen) == 18  # 3 rounds x 3 concurrencies, both servers alike
+    assert not runs[0][0] & runs[1][0] and runs[0][1] != runs[1][1]
+    assert runs[2] == runs[3] and runs[2][1] == 5
