@@ -87,7 +87,7 @@ def pin_plan(cpus: Sequence[int], workers: int, threads: int, reserved: int = RE
     The engines take the last CPUs: CPU 0 handles most interrupts on a typical machine."""
     cpus = sorted(set(cpus))
     engine_total = workers * threads
-    if workers < 1 or threads < 1 or len(cpus) - reserved < engine_total or len(cpus) <= reserved:
+    if workers < 1 or threads < 1 or len(cpus) - reserved < engine_total:
         return None
     first_engine_cpu = len(cpus) - engine_total
     engines = tuple(tuple(cpus[first_engine_cpu + i * threads : first_engine_cpu + (i + 1) * threads])

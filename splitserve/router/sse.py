@@ -23,23 +23,8 @@ async def stream_choices(request: web.Request, req, choices: list[ChoiceRun], ch
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
     created = R.now()
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(choice: ChoiceRun):
-        try:
-            async for payload in choice.chunks(req.model, created, chat):
-                await queue.put(payload)
-        except WorkerFailure as exc:
-            await queue.put(APIError(503, str(exc), "service_unavailable", code="worker_failure"))
-        except APIError as exc:
-            await queue.put(exc)
-        finally:
-            await queue.put(None)
-
-    if len(choices) == 1:  # the common case: no pump task and queue hop per token
-        await _stream_one(resp, req, choices, chat, created, deadline, timeout_s, count_error)
-    else:
-        await _stream_many(resp, req, choices, chat, created, deadline, timeout_s, count_error, pump, queue)
+    stream = _stream_one if len(choices) == 1 else _stream_many  # one: no pump task and queue hop per token
+    await stream(resp, req, choices, chat, created, deadline, timeout_s, count_error)
     try:
         await resp.write_eof()
     except ConnectionResetError:  # the client closed after [DONE]: it has everything
@@ -53,13 +38,16 @@ async def _stream_one(resp, req, choices: list[ChoiceRun], chat: bool, created: 
     deadline is one timer for the whole stream). Same events as `_stream_many`."""
     choice = choices[0]
     chunks = choice.chunks(req.model, created, chat)
+    timer = asyncio.timeout_at(deadline)
     try:
-        async with asyncio.timeout_at(deadline):
+        async with timer:
             async for item in chunks:
-                if req.continuous_usage:
+                if req.continuous_usage:  # vLLM's continuous_usage_stats: usage so far in every chunk
                     item = {**item, "usage": _usage(choices).to_dict()}
                 await resp.write(R.sse(item))
     except TimeoutError:  # the deadline passed: the worker stream is closed below, tell the client
+        if not timer.expired():
+            raise
         await _error_event(resp, errors.deadline_exceeded(choice.rid, timeout_s), count_error)
         await resp.write(R.SSE_DONE)
         return
@@ -75,8 +63,21 @@ async def _stream_one(resp, req, choices: list[ChoiceRun], chat: bool, created: 
 
 
 async def _stream_many(resp, req, choices: list[ChoiceRun], chat: bool, created: int, deadline: float | None,
-                       timeout_s: float | None, count_error, pump, queue: asyncio.Queue) -> None:
+                       timeout_s: float | None, count_error) -> None:
     """Several choices (n > 1): each read by a task of its own into one queue, written as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(choice: ChoiceRun):
+        try:
+            async for payload in choice.chunks(req.model, created, chat):
+                await queue.put(payload)
+        except WorkerFailure as exc:
+            await queue.put(APIError(503, str(exc), "service_unavailable", code="worker_failure"))
+        except APIError as exc:
+            await queue.put(exc)
+        finally:
+            await queue.put(None)
+
     tasks = [asyncio.create_task(pump(c)) for c in choices]
     try:
         remaining = len(tasks)

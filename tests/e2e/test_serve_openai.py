@@ -125,6 +125,23 @@ def test_n_choices_with_seed_are_reproducible(cluster):
     assert a.usage.completion_tokens == 20
 
 
+def test_n_choices_stream_interleaved_with_the_same_text_as_unstreamed(cluster):
+    """n > 1 streams every choice's chunks as they come (one task per choice), then the usage
+    of all of them; a one-choice stream (written from the request's task) likewise."""
+    c = client(cluster)
+    kw = dict(model=SERVED, prompt="Once upon a time", max_tokens=10, temperature=1.0, seed=11)
+    for n in (2, 1):
+        whole = c.completions.create(n=n, **kw)
+        texts, usage, finishes = [""] * n, None, [None] * n
+        for chunk in c.completions.create(n=n, stream=True, stream_options={"include_usage": True}, **kw):
+            for ch in chunk.choices:
+                texts[ch.index] += ch.text
+                finishes[ch.index] = ch.finish_reason or finishes[ch.index]
+            usage = chunk.usage or usage
+        assert texts == [x.text for x in whole.choices] and finishes == ["length"] * n
+        assert usage.completion_tokens == 10 * n == whole.usage.completion_tokens
+
+
 def test_distinct_prompts_one_at_a_time_spread_over_decode_workers(cluster):
     used = []
     for i in range(8):
