@@ -40,6 +40,28 @@ def test_tied_embeddings_share_one_tensor(make_ckpt):
     assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_float32_linear_weights_are_stored_input_major(make_ckpt, dtype):
+    """float32 on a CPU: every Linear weight lies as [in, out] rows (a plain GEMM for x @ W.T),
+    holding the checkpoint's values; bf16 and the tied lm_head keep the [out, in] rows."""
+    from safetensors.torch import load_file
+
+    path = make_ckpt("qwen2")
+    model = LLM(str(path), dtype=dtype, num_kv_blocks=8).engine.runner.model
+    weights = load_file(path / "model.safetensors")
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert "layers.0.mlp.down_proj" in linears
+    for name, layer in linears.items():
+        w = layer.weight
+        if name == "lm_head":  # tied to the embedding in this checkpoint
+            assert w.data_ptr() == model.embed_tokens.weight.data_ptr() and w.is_contiguous()
+            continue
+        assert w.is_contiguous() == (dtype == "bfloat16"), name
+        assert w.t().is_contiguous() == (dtype == "float32"), name
+    down = weights["model.layers.0.mlp.down_proj.weight"]
+    assert torch.equal(linears["layers.0.mlp.down_proj"].weight.float(), down.to(getattr(torch, dtype)).float())
+
+
 def copy_ckpt(src, dst):
     shutil.copytree(src, dst)
     return dst

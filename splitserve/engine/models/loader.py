@@ -51,4 +51,20 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
         raise CheckpointError(f"{model_dir}: checkpoint lacks tensors for {missing[:5]}"
                               f"{' and more' if len(missing) > 5 else ''}")
     model.eval()
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        store_linear_weights_input_major(model)
     return model
+
+
+def store_linear_weights_input_major(model: nn.Module) -> None:
+    """Keep each Linear's weight in memory as [in, out] rows (still the [out, in] tensor, with
+    swapped strides), so F.linear's x @ W.T is a plain, non-transposed GEMM.
+
+    Why: on a CPU, MKL's float32 GEMM with few rows (a decode step's batch) runs 1.3-2x faster
+    on this layout (gate_up at 8 rows: 52 -> 36 us; a demo-model decode step -7% at batch 32,
+    -9% at 8) and as fast for a prefill's hundreds of rows; bf16 was slower, so it stays as is.
+    A weight tied to the embedding keeps its layout: the lookup reads its rows."""
+    tied = {id(p) for name, p in model.named_parameters() if "embed" in name}
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and id(module.weight) not in tied:
+            module.weight.data = module.weight.data.t().contiguous().t()
