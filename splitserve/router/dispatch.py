@@ -157,7 +157,7 @@ class Dispatcher:
         failed: set[str] = set()
         attempt = 0
         while True:
-            call = None
+            call, finished = None, False
             if params.resumed(len(produced)) is None:
                 # the worker died between its last token and the finish: nothing is left to generate
                 yield StreamEvent([], [], "length")
@@ -177,10 +177,14 @@ class Dispatcher:
                 self._calls.setdefault(decision.decode_worker, set()).add(call)
                 async for chunk in call:
                     produced.extend(chunk.token_ids)
+                    # A finished call is not cancelled below: the worker is sending its closing
+                    # status now, and a reset racing that has grpc log an error on the worker for a
+                    # stream that ended well (and costs a cancel per request here).
+                    finished = bool(chunk.finish_reason)
                     yield StreamEvent(list(chunk.token_ids), [logprob_from_proto(lp) for lp in chunk.logprobs],
                                       chunk.finish_reason or None, chunk.num_cached_tokens, chunk.worker_id,
                                       chunk.prefill_worker_id, chunk.prefill_cached_tokens)
-                    if chunk.finish_reason:
+                    if finished:
                         return
                 reason = "stream ended without a finish reason"
             except grpc.aio.AioRpcError as exc:
@@ -195,7 +199,8 @@ class Dispatcher:
                 reason = "it left the registry mid-stream (dead, wedged or draining)"
             finally:
                 if call is not None:
-                    call.cancel()
+                    if not finished:
+                        call.cancel()
                     self._evicted.discard(call)
                     self._calls.get(decision.decode_worker, set()).discard(call)
             failed.add(decision.decode_worker)

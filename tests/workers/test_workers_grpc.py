@@ -195,3 +195,59 @@ async def test_outputs_that_piled_up_go_out_in_one_chunk(make_ckpt, prompts):
     assert [lp.token_id for c in chunks for lp in c.logprobs] == expected.token_ids
     assert max(len(c.token_ids) for c in chunks) > 1 and len(chunks) < 40, [len(c.token_ids) for c in chunks]
     assert [c.finish_reason for c in chunks] == [""] * (len(chunks) - 1) + ["length"]
+
+
+async def test_router_leaves_a_finished_stream_to_close_itself(make_ckpt, monkeypatch):
+    """After the finish chunk the router does not reset the call: the worker's handler runs to
+    its end and sends the closing status (a reset racing that status had grpc log an error
+    traceback on the worker for a stream that ended well). A stream the router leaves before
+    its finish is still cancelled on the worker."""
+    from splitserve.router.dispatch import DispatchConfig, Dispatcher
+    from splitserve.router.policy import RouteDecision
+
+    ends: dict[str, str] = {}
+    original = DecodeWorker.Generate
+
+    async def observed(self, request, context):
+        rid = request.request_id
+        try:
+            async for chunk in original(self, request, context):
+                yield chunk
+            await asyncio.sleep(0.3)  # a slow path to the closing status: a reset would land here
+            ends[rid] = "completed"
+        except asyncio.CancelledError:
+            ends[rid] = "cancelled"
+            raise
+
+    monkeypatch.setattr(DecodeWorker, "Generate", observed)
+    path = make_ckpt("llama")
+    bus = InProcBus()
+    decode = DecodeWorker(DecodeWorkerConfig(engine_config(path), worker_id="d9"), bus=bus)
+    await decode.start()
+    dispatcher = Dispatcher(DispatchConfig(model_id="test-model"), bus)
+    await dispatcher.start()
+    try:
+        await dispatcher.sync.refresh()
+        decision = RouteDecision("d9", None, 4, 0, 0, 0, "test", "test")
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        events = [e async for e in dispatcher.generate("whole", [5, 6, 7, 8], params, decision)]
+        assert events[-1].finish_reason == "length" and sum(len(e.token_ids) for e in events) == 6
+        # the consumer stops at the finish event, as the SSE writer does
+        stream = dispatcher.generate("stops-at-finish", [5, 6, 7, 9], params, decision)
+        async for event in stream:
+            if event.finish_reason:
+                break
+        await stream.aclose()
+        left = dispatcher.generate("left-early", [5, 6, 7, 10], SamplingParams(max_tokens=500, ignore_eos=True),
+                                   decision)
+        await left.__anext__()
+        await left.aclose()
+        for _ in range(100):
+            if len(ends) == 3:
+                break
+            await asyncio.sleep(0.05)
+        assert ends == {"whole": "completed", "stops-at-finish": "completed", "left-early": "cancelled"}
+        assert not dispatcher._calls.get("d9")
+    finally:
+        await dispatcher.stop()
+        await decode.stop()
