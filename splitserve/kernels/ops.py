@@ -2,7 +2,7 @@
 
 Backend choice, in order: `set_backend()`, the SPLITSERVE_KERNELS environment
 variable (auto | triton | native | reference), then auto = Triton for CUDA tensors and
-native on CPU. Native is C++ for CPUs: decode attention (cpu_native.py) and the small
+native on CPU. Native is C++ for CPUs: decode and prefill attention (cpu_native.py) and the small
 per-layer ops (cpu_fused.py: RMSNorm, rotary + KV write, activation * up); the other ops,
 and these where native cannot run (no compiler, a dtype it lacks), take the reference.
 Forcing `triton` on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter), which is
@@ -60,7 +60,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, n
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, window=0,
                             softcap=0.0):
-    impl = _triton() if backend_for(q) == "triton" else reference
+    backend = backend_for(q)
+    impl = _triton() if backend == "triton" else reference
+    if backend == "native":
+        from splitserve.kernels import cpu_native
+
+        if cpu_native.supports_prefill(q, k_cache, v_cache):
+            impl = cpu_native
     return impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                                         window, softcap)
 
