@@ -67,6 +67,21 @@ def measure(server: Server, workload: WorkloadConfig, concurrency: int) -> dict:
             "itl_ms": m.itl_ms["mean"], "failed": m.failed}
 
 
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _ms(value: float | None, width: int = 0) -> str:
+    return f"{value:>{width}.0f}" if value is not None else f"{'-':>{width}}"
+
+
+def describe_run(name: str, result: dict) -> str:
+    """One progress line: a run with failed requests says so (its latencies cover the rest)."""
+    failed = f", {result['failed']} FAILED" if result["failed"] else ""
+    return (f"{name}: {result['output_tok_s']:.0f} tok/s, TTFT {_ms(result['ttft_ms'])} ms "
+            f"(p50 {_ms(result['ttft_p50_ms'])}){failed}")
+
+
 def summarize(runs: list[dict], servers: list[Server]) -> list[dict]:
     """Per concurrency and server: medians over the rounds, and the ratio to the first server."""
     rows = []
@@ -74,7 +89,8 @@ def summarize(runs: list[dict], servers: list[Server]) -> list[dict]:
         medians = {}
         for s in servers:
             mine = [r for r in runs if r["concurrency"] == c and r["server"] == s.name]
-            medians[s.name] = {k: statistics.median(r[k] for r in mine)
+            # a round where every request failed has no latencies: medians of the others
+            medians[s.name] = {k: _median([r[k] for r in mine if r[k] is not None])
                                for k in ("output_tok_s", "ttft_ms", "ttft_p50_ms", "itl_ms")}
             medians[s.name]["failed"] = sum(r["failed"] for r in mine)
         base = medians[servers[0].name]["output_tok_s"]
@@ -113,21 +129,27 @@ def main(argv: list[str] | None = None) -> int:
             for s in run_order(ns.server, rnd):
                 result = measure(s, workload, c)
                 runs.append({"round": rnd, "concurrency": c, "server": s.name, **result})
-                print(f"[compare] round {rnd + 1}/{ns.rounds} concurrency {c} {s.name}: "
-                      f"{result['output_tok_s']:.0f} tok/s, TTFT {result['ttft_ms']:.0f} ms "
-                      f"(p50 {result['ttft_p50_ms']:.0f})", flush=True)
+                print(f"[compare] round {rnd + 1}/{ns.rounds} concurrency {c} {describe_run(s.name, result)}",
+                      flush=True)
     rows = summarize(runs, ns.server)
     print(f"{'concurrency':>11} {'server':>14} {'tok/s':>8} {'ratio':>6} {'TTFT ms':>8} {'TTFT p50':>8} "
           f"{'ITL ms':>7}")
     for r in rows:
+        ratio = r["tok_s_ratio_to_first"]
         print(f"{r['concurrency']:>11} {r['server']:>14} {r['output_tok_s']:>8.0f} "
-              f"{r['tok_s_ratio_to_first']:>6.2f} {r['ttft_ms']:>8.0f} {r['ttft_p50_ms']:>8.0f} {r['itl_ms']:>7.1f}")
+              f"{ratio if ratio is not None else float('nan'):>6.2f} {_ms(r['ttft_ms'], 8)} "
+              f"{_ms(r['ttft_p50_ms'], 8)} {r['itl_ms'] if r['itl_ms'] is not None else float('nan'):>7.1f}")
     if ns.json:
         ns.json.parent.mkdir(parents=True, exist_ok=True)
         ns.json.write_text(json.dumps({
             "benchmark": "compare", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "note": ns.note,
             "command": "splitserve bench compare " + " ".join(argv or sys.argv[1:]), "seed": seed,
             "servers": [vars(s) for s in ns.server], "runs": runs, "summary": rows}, indent=2) + "\n")
+    failed = {r["server"]: r["failed"] for r in rows if r["failed"]}
+    if failed:  # a server that failed requests was not measured on the same work as the others
+        print(f"[compare] requests failed ({failed} over all rounds): these numbers do not compare like with "
+              "like; see the servers' logs, then run again", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -26,6 +26,31 @@ def test_summary_is_the_median_of_rounds_and_the_ratio_to_the_first():
             for r in rows] == [("x", 100.0, 1.0, 20.0, 10.0), ("y", 60.0, 0.6, 30.0, 15.0)]
 
 
+def test_a_round_where_every_request_failed_is_reported_not_a_crash():
+    """All of a round's requests failed (the server dropped out): no latencies for that round,
+    the line says FAILED, the summary takes the other rounds' medians and counts the failures."""
+    servers = [compare.Server("x", "u", "m"), compare.Server("y", "u", "m")]
+    dead = {"output_tok_s": 0.0, "ttft_ms": None, "ttft_p50_ms": None, "itl_ms": None, "failed": 128}
+    ok = {"output_tok_s": 90.0, "ttft_ms": 30.0, "ttft_p50_ms": 25.0, "itl_ms": 2.0, "failed": 0}
+    assert compare.describe_run("x", dead) == "x: 0 tok/s, TTFT - ms (p50 -), 128 FAILED"
+    assert compare.describe_run("y", ok) == "y: 90 tok/s, TTFT 30 ms (p50 25)"
+    runs = [{"round": r, "concurrency": 8, "server": s, **(dead if (r, s) == (0, "x") else ok)}
+            for r in range(3) for s in "xy"]
+    x, y = compare.summarize(runs, servers)
+    assert (x["ttft_ms"], x["ttft_p50_ms"], x["failed"], x["output_tok_s"]) == (30.0, 25.0, 128, 90.0)
+    assert y["failed"] == 0
+
+
+def test_compare_exits_1_when_a_server_failed_requests(monkeypatch, tmp_path, capsys):
+    results = iter([{"output_tok_s": 50.0, "ttft_ms": None, "ttft_p50_ms": None, "itl_ms": None, "failed": 2},
+                    {"output_tok_s": 90.0, "ttft_ms": 30.0, "ttft_p50_ms": 25.0, "itl_ms": 2.0, "failed": 0}])
+    monkeypatch.setattr(compare, "measure", lambda *a: next(results))
+    assert compare.main(["--server", "a,u,m", "--server", "b,u,m", "--concurrency", "1", "--rounds", "1",
+                         "--json", str(tmp_path / "c.json")]) == 1
+    assert "requests failed ({'a': 2} over all rounds)" in capsys.readouterr().err
+    assert json.loads((tmp_path / "c.json").read_text())["summary"][0]["failed"] == 2
+
+
 def test_compare_runs_interleaved_against_real_servers(make_ckpt, tmp_path):
     serve = SplitserveProcess("serve", ["--model", str(make_ckpt("llama")), "--served-model-name", "m",
                                         "--prefill-workers", "0", "--decode-workers", "1"])
