@@ -25,9 +25,12 @@ LABEL org.opencontainers.image.title="splitserve"
 # bash: the KubeRay pods' command; wget: KubeRay's exec probes on Ray pods; libibverbs1:
 # the Mooncake Transfer Engine links against it even in tcp mode; g++: the native CPU decode
 # attention is compiled for the node's CPU on first use (splitserve/kernels/cpu_native.py),
-# and Triton builds its GPU launcher with the C compiler.
+# and Triton builds its GPU launcher with the C compiler; tcmalloc: preloaded into CPU engine
+# processes (splitserve/engine/allocator.py; Ubuntu 24.04 names it libtcmalloc-minimal4t64).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv bash ca-certificates wget libibverbs1 g++ \
+ && (apt-get install -y --no-install-recommends libtcmalloc-minimal4 \
+     || apt-get install -y --no-install-recommends libtcmalloc-minimal4t64) \
  && rm -rf /var/lib/apt/lists/*
 # UID/GID 1000 is what the chart and the operator run pods as (runAsUser). Ubuntu images
 # already have a user 1000 ("ubuntu"): it makes way.

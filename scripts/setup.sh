@@ -11,12 +11,14 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 
 # System packages the tests start for real: redis-server (cluster bus),
 # libibverbs1 (the Mooncake Transfer Engine links against it even in tcp mode), g++ (the
-# native CPU decode attention is compiled on first use), and podman, buildah and mmdebstrap
+# native CPU kernels are compiled on first use), libtcmalloc-minimal4 (preloaded into CPU
+# engine processes, engine/allocator.py), and podman, buildah and mmdebstrap
 # (tests/image builds the image and serves from it).
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 command -v g++ >/dev/null 2>&1 || command -v c++ >/dev/null 2>&1 || need+=(g++)
 ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1' || need+=(libibverbs1)
+ldconfig -p 2>/dev/null | grep -q 'libtcmalloc_minimal.so.4' || need+=(libtcmalloc-minimal4)
 for tool in podman buildah mmdebstrap; do
   command -v "$tool" >/dev/null 2>&1 || need+=("$tool")
 done

@@ -177,6 +177,9 @@ def child_main(config: EngineConfig, conn, step_clock, name: str, torch_threads:
 
         pin_this_process(config.cpu_affinity)
         logging.getLogger(__name__).info("engine %s pinned to CPUs %s", name, format_cpus(config.cpu_affinity))
+    from splitserve.engine.allocator import allocator_in_use
+
+    logging.getLogger(__name__).info("engine %s: memory allocator %s", name, allocator_in_use())
     torch.set_num_threads(torch_threads)
     from splitserve.engine.llm_engine import LLMEngine  # the model runtime: the child only
 

@@ -58,6 +58,43 @@ def test_default_is_a_process_on_the_cpu_and_a_thread_on_cuda(make_ckpt):
     assert use_engine_process(EngineConfig(model=path), False) is False
 
 
+@pytest.mark.parametrize("choice", ["auto", "system"])
+async def test_the_engine_process_runs_on_tcmalloc_unless_told_not_to(make_ckpt, monkeypatch, caplog, choice):
+    """tcmalloc is preloaded into the engine process only (`make test` installs
+    libtcmalloc-minimal4, as the image does): mapped there, absent from this process, and this
+    process's LD_PRELOAD as it was; `SPLITSERVE_ENGINE_MALLOC=system` keeps glibc's malloc."""
+    from splitserve.engine import allocator
+
+    assert allocator.find_tcmalloc(), "libtcmalloc-minimal4 is not installed (scripts/setup.sh installs it)"
+    monkeypatch.setenv(allocator.ENV, choice)
+    monkeypatch.setenv("LD_PRELOAD", "")  # one already there stays, tcmalloc goes first
+    proc = EngineProcess(engine_config(make_ckpt("llama")), asyncio.get_running_loop(), lambda outputs: None,
+                         name="alloc")
+    await asyncio.to_thread(proc.launch)
+    try:
+        with open(f"/proc/{proc.pid}/maps") as f:
+            mapped = "libtcmalloc_minimal" in f.read()
+        with open(f"/proc/{proc.pid}/environ", "rb") as f:
+            child_env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+    finally:
+        proc.stop()
+    assert mapped == (choice == "auto")
+    assert os.environ["LD_PRELOAD"] == "" and allocator.allocator_in_use() == "glibc malloc"
+    assert child_env[b"LD_PRELOAD"].startswith(b"libtcmalloc_minimal") == (choice == "auto")
+
+
+def test_a_wrong_allocator_choice_is_refused_by_name(monkeypatch):
+    from splitserve.engine import allocator
+
+    monkeypatch.setenv(allocator.ENV, "jemalloc")
+    with pytest.raises(ValueError, match="SPLITSERVE_ENGINE_MALLOC='jemalloc' is not one of auto, tcmalloc, system"):
+        allocator.engine_preload()
+    monkeypatch.setenv(allocator.ENV, "tcmalloc")
+    monkeypatch.setattr(allocator, "find_tcmalloc", lambda: None)
+    with pytest.raises(RuntimeError, match="apt-get install libtcmalloc-minimal4"):
+        allocator.engine_preload()
+
+
 @pytest.mark.parametrize("kv_backend", ["grpc", "mooncake"])
 async def test_disaggregated_generation_through_engine_processes_matches_one_engine(make_ckpt, kv_backend):
     path = make_ckpt("llama")
