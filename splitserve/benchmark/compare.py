@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", default="64:128")
     ap.add_argument("--token-id-range", default="100:1000", help="random prompt ids are drawn from [LO, HI)")
     ap.add_argument("--seed", type=int, help="base seed of the rounds' prompts (default: a fresh one)")
+    ap.add_argument("--pause", type=float, default=0.0,
+                    help="seconds of quiet before each measurement, so what a server does after its run "
+                         "(freeing memory, spinning threads down) does not land on the next server's run")
     ap.add_argument("--note", default="", help="the servers' versions and settings, kept in the JSON")
     ap.add_argument("--json", type=Path)
     ns = ap.parse_args(argv)
@@ -127,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                                       output_len=span(ns.output_len), token_id_range=span(ns.token_id_range),
                                       seed=round_seed(seed, rnd, c))
             for s in run_order(ns.server, rnd):
+                time.sleep(ns.pause)
                 result = measure(s, workload, c)
                 runs.append({"round": rnd, "concurrency": c, "server": s.name, **result})
                 print(f"[compare] round {rnd + 1}/{ns.rounds} concurrency {c} {describe_run(s.name, result)}",

@@ -51,6 +51,17 @@ def test_compare_exits_1_when_a_server_failed_requests(monkeypatch, tmp_path, ca
     assert json.loads((tmp_path / "c.json").read_text())["summary"][0]["failed"] == 2
 
 
+def test_pause_is_quiet_before_every_measurement(monkeypatch, tmp_path):
+    events = []
+    monkeypatch.setattr(compare.time, "sleep", lambda s: events.append(("sleep", s)))
+    monkeypatch.setattr(compare, "measure", lambda server, *a: events.append(("measure", server.name)) or
+                        {"output_tok_s": 1.0, "ttft_ms": 1.0, "ttft_p50_ms": 1.0, "itl_ms": 1.0, "failed": 0})
+    assert compare.main(["--server", "a,u,m", "--server", "b,u,m", "--concurrency", "1", "--rounds", "2",
+                         "--pause", "7.5"]) == 0
+    assert events == [("sleep", 7.5), ("measure", "a"), ("sleep", 7.5), ("measure", "b"),
+                      ("sleep", 7.5), ("measure", "b"), ("sleep", 7.5), ("measure", "a")]
+
+
 def test_compare_runs_interleaved_against_real_servers(make_ckpt, tmp_path):
     serve = SplitserveProcess("serve", ["--model", str(make_ckpt("llama")), "--served-model-name", "m",
                                         "--prefill-workers", "0", "--decode-workers", "1"])
