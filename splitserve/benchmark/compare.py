@@ -11,6 +11,13 @@ come from `--seed` (by default a fresh one per invocation, printed and kept in t
 a second run against servers still up must not meet the prompts the first one left in their
 caches, and `--seed` repeats a run on fresh servers. Start the
 servers yourself, with the settings you want compared, and record them with `--note`.
+
+TTFT is when the first text arrives. A request whose tokens never form a complete character
+until its end (a random-weight model generates such byte runs) has no TTFT at a server that
+drops the incomplete bytes, and its end-to-end time at one that flushes them: the mean would
+then cover different requests per server. So beside each server's own TTFT the compare
+reports `ttft_common_ms` / `ttft_common_p50_ms`: over the requests for which every server of
+the round streamed text, the same prompts for all.
 """
 
 from __future__ import annotations
@@ -63,8 +70,24 @@ def measure(server: Server, workload: WorkloadConfig, concurrency: int) -> dict:
     m = compute_metrics(outcome.results, outcome.duration_s, [50])
     # the median TTFT beside the mean: on a shared machine one scheduling stall of the client
     # (docs/benchmarks.md measured 100-600 ms) moves a round's mean, not its median
+    ttfts: list[float | None] = [None] * len(outcome.results)  # by prompt, in workload order
+    for r in outcome.results:
+        index = int(r.request_id.rsplit("-", 1)[1])
+        ttfts[index] = (r.token_times[0] - r.start) * 1000.0 if r.success and r.token_times else None
     return {"output_tok_s": m.output_throughput, "ttft_ms": m.ttft_ms["mean"], "ttft_p50_ms": m.ttft_ms["median"],
-            "itl_ms": m.itl_ms["mean"], "failed": m.failed}
+            "itl_ms": m.itl_ms["mean"], "failed": m.failed, "ttft_by_request_ms": ttfts}
+
+
+def add_common_ttft(runs: list[dict]) -> None:
+    """The runs of one round at one concurrency (one per server, same prompts): each gets its
+    TTFT mean and median over the requests every server streamed text for."""
+    common = [i for i in range(len(runs[0]["ttft_by_request_ms"]))
+              if all(r["ttft_by_request_ms"][i] is not None for r in runs)]
+    for r in runs:
+        values = [r["ttft_by_request_ms"][i] for i in common]
+        r["ttft_common_ms"] = statistics.fmean(values) if values else None
+        r["ttft_common_p50_ms"] = _median(values)
+        r["ttft_common_requests"] = len(common)
 
 
 def _median(values: list[float]) -> float | None:
@@ -90,8 +113,9 @@ def summarize(runs: list[dict], servers: list[Server]) -> list[dict]:
         for s in servers:
             mine = [r for r in runs if r["concurrency"] == c and r["server"] == s.name]
             # a round where every request failed has no latencies: medians of the others
-            medians[s.name] = {k: _median([r[k] for r in mine if r[k] is not None])
-                               for k in ("output_tok_s", "ttft_ms", "ttft_p50_ms", "itl_ms")}
+            medians[s.name] = {k: _median([r[k] for r in mine if r.get(k) is not None])
+                               for k in ("output_tok_s", "ttft_ms", "ttft_p50_ms", "itl_ms", "ttft_common_ms",
+                                         "ttft_common_p50_ms")}
             medians[s.name]["failed"] = sum(r["failed"] for r in mine)
         base = medians[servers[0].name]["output_tok_s"]
         for s in servers:
@@ -129,20 +153,24 @@ def main(argv: list[str] | None = None) -> int:
             workload = WorkloadConfig(num_prompts=ns.requests, input_len=span(ns.input_len),
                                       output_len=span(ns.output_len), token_id_range=span(ns.token_id_range),
                                       seed=round_seed(seed, rnd, c))
+            this_round = []
             for s in run_order(ns.server, rnd):
                 time.sleep(ns.pause)
                 result = measure(s, workload, c)
-                runs.append({"round": rnd, "concurrency": c, "server": s.name, **result})
+                this_round.append({"round": rnd, "concurrency": c, "server": s.name, **result})
                 print(f"[compare] round {rnd + 1}/{ns.rounds} concurrency {c} {describe_run(s.name, result)}",
                       flush=True)
+            add_common_ttft(this_round)
+            runs.extend(this_round)
     rows = summarize(runs, ns.server)
     print(f"{'concurrency':>11} {'server':>14} {'tok/s':>8} {'ratio':>6} {'TTFT ms':>8} {'TTFT p50':>8} "
-          f"{'ITL ms':>7}")
+          f"{'ITL ms':>7} {'TTFT common':>11} {'p50':>5}")
     for r in rows:
         ratio = r["tok_s_ratio_to_first"]
         print(f"{r['concurrency']:>11} {r['server']:>14} {r['output_tok_s']:>8.0f} "
               f"{ratio if ratio is not None else float('nan'):>6.2f} {_ms(r['ttft_ms'], 8)} "
-              f"{_ms(r['ttft_p50_ms'], 8)} {r['itl_ms'] if r['itl_ms'] is not None else float('nan'):>7.1f}")
+              f"{_ms(r['ttft_p50_ms'], 8)} {r['itl_ms'] if r['itl_ms'] is not None else float('nan'):>7.1f} "
+              f"{_ms(r['ttft_common_ms'], 11)} {_ms(r['ttft_common_p50_ms'], 5)}")
     if ns.json:
         ns.json.parent.mkdir(parents=True, exist_ok=True)
         ns.json.write_text(json.dumps({

@@ -42,8 +42,10 @@ def test_a_round_where_every_request_failed_is_reported_not_a_crash():
 
 
 def test_compare_exits_1_when_a_server_failed_requests(monkeypatch, tmp_path, capsys):
-    results = iter([{"output_tok_s": 50.0, "ttft_ms": None, "ttft_p50_ms": None, "itl_ms": None, "failed": 2},
-                    {"output_tok_s": 90.0, "ttft_ms": 30.0, "ttft_p50_ms": 25.0, "itl_ms": 2.0, "failed": 0}])
+    results = iter([{"output_tok_s": 50.0, "ttft_ms": None, "ttft_p50_ms": None, "itl_ms": None, "failed": 2,
+                     "ttft_by_request_ms": [None, None]},
+                    {"output_tok_s": 90.0, "ttft_ms": 30.0, "ttft_p50_ms": 25.0, "itl_ms": 2.0, "failed": 0,
+                     "ttft_by_request_ms": [30.0, 30.0]}])
     monkeypatch.setattr(compare, "measure", lambda *a: next(results))
     assert compare.main(["--server", "a,u,m", "--server", "b,u,m", "--concurrency", "1", "--rounds", "1",
                          "--json", str(tmp_path / "c.json")]) == 1
@@ -51,11 +53,25 @@ def test_compare_exits_1_when_a_server_failed_requests(monkeypatch, tmp_path, ca
     assert json.loads((tmp_path / "c.json").read_text())["summary"][0]["failed"] == 2
 
 
+def test_common_ttft_covers_only_requests_every_server_streamed_text_for():
+    """Request 1 never streamed text at server b (its bytes never formed a character: b drops
+    them) and only at its end at server a (a flushed them): it stays out of both common means."""
+    a = {"ttft_by_request_ms": [10.0, 1500.0, 30.0]}
+    b = {"ttft_by_request_ms": [20.0, None, 40.0]}
+    compare.add_common_ttft([a, b])
+    assert (a["ttft_common_ms"], a["ttft_common_p50_ms"], a["ttft_common_requests"]) == (20.0, 20.0, 2)
+    assert (b["ttft_common_ms"], b["ttft_common_p50_ms"]) == (30.0, 30.0)
+    c = {"ttft_by_request_ms": [None, None, None]}
+    compare.add_common_ttft([a, c])
+    assert a["ttft_common_ms"] is None and a["ttft_common_requests"] == 0
+
+
 def test_pause_is_quiet_before_every_measurement(monkeypatch, tmp_path):
     events = []
     monkeypatch.setattr(compare.time, "sleep", lambda s: events.append(("sleep", s)))
     monkeypatch.setattr(compare, "measure", lambda server, *a: events.append(("measure", server.name)) or
-                        {"output_tok_s": 1.0, "ttft_ms": 1.0, "ttft_p50_ms": 1.0, "itl_ms": 1.0, "failed": 0})
+                        {"output_tok_s": 1.0, "ttft_ms": 1.0, "ttft_p50_ms": 1.0, "itl_ms": 1.0, "failed": 0,
+                         "ttft_by_request_ms": [1.0]})
     assert compare.main(["--server", "a,u,m", "--server", "b,u,m", "--concurrency", "1", "--rounds", "2",
                          "--pause", "7.5"]) == 0
     assert events == [("sleep", 7.5), ("measure", "a"), ("sleep", 7.5), ("measure", "b"),
@@ -88,7 +104,8 @@ def test_each_run_draws_its_own_prompts_unless_given_a_seed(monkeypatch, tmp_pat
     32 ms); --seed repeats a run."""
     seen: list[int] = []
     monkeypatch.setattr(compare, "measure", lambda server, workload, c: seen.append(workload.seed) or {
-        "output_tok_s": 1.0, "ttft_ms": 1.0, "ttft_p50_ms": 1.0, "itl_ms": 1.0, "failed": 0})
+        "output_tok_s": 1.0, "ttft_ms": 1.0, "ttft_p50_ms": 1.0, "itl_ms": 1.0, "failed": 0,
+        "ttft_by_request_ms": [1.0]})
     argv = ["--server", "a,http://x,m", "--server", "b,http://y,m", "--concurrency", "1,8,32", "--rounds", "3"]
     runs = []
     for extra in ([], [], ["--seed", "5"], ["--seed", "5"]):
