@@ -139,24 +139,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, n
     out = torch.empty_like(q)
     tables = block_tables.to(device="cpu", dtype=torch.int32).contiguous()
     lens = seq_lens.to(device="cpu", dtype=torch.int32).contiguous()
-    batch, heads, dim = q.shape
+    _, heads, dim = q.shape
     args = (DTYPE_CODES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
             tables.data_ptr(), lens.data_ptr())
     shape = (heads, k_cache.shape[2], dim, k_cache.shape[1], tables.shape[1], k_cache.shape[0],
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), float(scale), int(window), float(softcap))
 
-    def run(first: int, end: int) -> int:
-        return fn(*args, first, end, *shape)
-
-    threads = min(torch.get_num_threads(), batch)
-    if threads <= 1:
-        codes = [run(0, batch)]
-    else:  # ctypes drops the GIL: slices of the batch run in parallel, as torch's own ops would
-        bounds = _balanced_bounds(lens, threads)
-        codes = list(_executor().map(run, bounds[:-1], bounds[1:]))
-    bad = next((c for c in codes if c), 0)
-    if bad:
-        raise ValueError(f"native decode attention refused its input: {ERRORS.get(bad, bad)}")
+    _run_sliced(lambda first, end: fn(*args, first, end, *shape), lens, "decode attention")
     return out
 
 
@@ -175,21 +164,26 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     shape = (q.shape[1], kv_heads, q.shape[2], k_cache.shape[1], tables.shape[1], k_cache.shape[0],
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), float(scale), int(window), float(softcap))
 
-    def run(first: int, end: int) -> int:
-        return fn(*args, first, end, *shape)
+    # (sequence, kv head) pairs are the unit of work a thread takes, weighed by new tokens x length
+    work = ((cu[1:] - cu[:-1]).to(torch.int64) * lens.to(torch.int64)).repeat_interleave(kv_heads)
+    _run_sliced(lambda first, end: fn(*args, first, end, *shape), work, "prefill attention")
+    return out
 
-    items = num_seqs * kv_heads  # (sequence, kv head) pairs: the unit of work a thread takes
+
+def _run_sliced(run, work: torch.Tensor, what: str) -> None:
+    """run(first, end) over [0, len(work)): in one call, or, with several torch threads, in slices
+    of about equal work on our pool (ctypes drops the GIL, so they run in parallel, as torch's
+    own ops would). A kernel's refusal code becomes a ValueError naming it."""
+    items = len(work)
     threads = min(torch.get_num_threads(), items)
     if threads <= 1:
         codes = [run(0, items)]
-    else:  # by work (new tokens x length) per item, as the decode kernel splits its batch
-        work = ((cu[1:] - cu[:-1]).to(torch.int64) * lens.to(torch.int64)).repeat_interleave(kv_heads)
+    else:
         bounds = _balanced_bounds(work, threads)
         codes = list(_executor().map(run, bounds[:-1], bounds[1:]))
     bad = next((c for c in codes if c), 0)
     if bad:
-        raise ValueError(f"native prefill attention refused its input: {ERRORS.get(bad, bad)}")
-    return out
+        raise ValueError(f"native {what} refused its input: {ERRORS.get(bad, bad)}")
 
 
 def _balanced_bounds(lens: torch.Tensor, parts: int) -> list[int]:
