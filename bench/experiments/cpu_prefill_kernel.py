@@ -89,8 +89,8 @@ def main() -> None:
           + (f" {'baseline ms':>12} {'vs baseline':>12}" if baseline else ""))
     for heads, kv_heads, dim, tokens, seqs in GEOMETRIES:
         args = case(heads, kv_heads, dim, tokens, seqs)
-        fns = {"native": lambda: cpu_native.paged_prefill_attention(*args),
-               "sdpa": lambda: reference.paged_prefill_attention(*args)}
+        fns = {"native": lambda a=args: cpu_native.paged_prefill_attention(*a),
+               "sdpa": lambda a=args: reference.paged_prefill_attention(*a)}
         if baseline:
             fns["baseline"] = with_library(baseline, args)
         for name, fn in fns.items():  # warm up, and the outputs agree

@@ -3,6 +3,7 @@ loading transformers (the router imports this, and it must start fast)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -18,6 +19,14 @@ def _token_text(value) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value
+
+
+def _byte_level_chars() -> dict[int, str]:
+    """GPT-2's byte -> character table: how byte-level BPE vocabularies (Llama 3, Qwen, GPT)
+    write a raw byte as a token."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
 
 
 def _read_json(path: Path) -> dict:
@@ -91,6 +100,26 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    @functools.cached_property
+    def continuation_byte_ids(self) -> tuple[int, ...] | None:
+        """Token ids of the raw bytes 0x80 and 0xA0 where this tokenizer decodes the way
+        byte-level BPE does: all output bytes through one lossy UTF-8 decode (one U+FFFD per
+        invalid stretch, one for a character cut off at the end). Checked on a sample, not
+        assumed; None for other tokenizers (SentencePiece's byte fallback replaces every byte
+        of an invalid run, so a later byte can change earlier text there)."""
+        table = _byte_level_chars()
+        ids = [self._tok.token_to_id(table[b]) for b in (0x80, 0xA0, 0xE4)]
+        if None in ids:
+            return None
+        cont, cont_a0, lead = ids
+
+        def decode(seq):
+            return self._tok.decode(seq, skip_special_tokens=False)
+        if (decode([cont, lead, cont, cont]) != "\ufffd\u4000" or decode([lead, cont]) != "\ufffd"
+                or decode([cont, cont_a0]) != "\ufffd\ufffd"):
+            return None
+        return cont, cont_a0
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
@@ -113,9 +142,12 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 
-    A token can end in the middle of a multi-byte character, so text is emitted
-    only once it decodes cleanly; decoding from a window that starts a few tokens
-    back keeps tokenizers that treat the first token specially (leading spaces) right.
+    A token can end in the middle of a multi-byte character, so text that ends in U+FFFD
+    is held back until it decodes cleanly, as vLLM does; decoding from a window that starts
+    a few tokens back keeps tokenizers that treat the first token specially (leading spaces)
+    right. With byte-level vocabularies, replacement characters that no later byte can
+    change (a stray continuation byte, a character broken off) are not held back: a model
+    emitting invalid bytes would otherwise stream nothing at all until its end.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
@@ -125,6 +157,7 @@ class IncrementalDetokenizer:
         self.text = ""
         self._prefix_offset = 0
         self._read_offset = 0
+        self._window_sent = 0  # characters of the window after its prefix already handed out
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -134,19 +167,37 @@ class IncrementalDetokenizer:
         self.token_ids.append(token_id)
         prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
         full = self._decode(self.token_ids[self._prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix) :]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self.token_ids)
-            self.text += delta
-            return delta
-        return ""
+        if len(full) <= len(prefix):
+            return ""
+        sent = len(prefix) + self._window_sent
+        if not full.endswith("\ufffd") or self._replacements_final(full):
+            delta = full[sent:]
+            self._prefix_offset, self._read_offset, self._window_sent = self._read_offset, len(self.token_ids), 0
+        elif self.tokenizer.continuation_byte_ids is not None:
+            # the last U+FFFD is a character still being written: everything before it is final
+            delta = full[sent:-1]
+            self._window_sent += len(delta)
+        else:
+            delta = ""
+        self.text += delta
+        return delta
+
+    def _replacements_final(self, full: str) -> bool:
+        """Whether the U+FFFD `full` ends with stays whatever bytes come next: no continuation
+        byte appended to the window joins its last bytes into a character (0x80 and 0xA0
+        together cover the second bytes every UTF-8 lead byte accepts)."""
+        probes = self.tokenizer.continuation_byte_ids
+        if probes is None:
+            return False
+        window = self.token_ids[self._prefix_offset :]
+        return all(self._decode([*window, p]) == full + "\ufffd" for p in probes)
 
     def flush(self) -> str:
         """At the end of generation: whatever is left, even an incomplete character."""
         prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
         full = self._decode(self.token_ids[self._prefix_offset :])
-        delta = full[len(prefix) :] if len(full) > len(prefix) else ""
+        delta = full[len(prefix) + self._window_sent :] if len(full) > len(prefix) else ""
         self._prefix_offset = self._read_offset = len(self.token_ids)
+        self._window_sent = 0
         self.text += delta
         return delta
