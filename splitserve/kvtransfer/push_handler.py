@@ -82,6 +82,10 @@ class PushHandler:
         one_sided = header.backend == "mooncake"
         if problem is None and one_sided and not self.one_sided_enabled:
             problem = "this decode worker's receiver does not run the mooncake backend (configure both ends alike)"
+        if problem is not None and header.receiver_epoch != self.epoch:
+            # described before this worker restarted: nothing was written, and the lease (this
+            # process's own) stays open for the sender to describe us again and push
+            return _ack(rid, "BAD_HEADER", problem, retry_allowed=True)
         if problem is not None:
             self.leases.fail_request(rid, R.BAD_HEADER, problem)
             return _ack(rid, "BAD_HEADER", problem)

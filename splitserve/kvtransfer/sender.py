@@ -8,6 +8,7 @@ receiver says the lease is still open. Everything runs under one deadline.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -70,15 +71,22 @@ class KVSender(ABC):
                 layer_end=layout.layer_end, dtype=dtype_name(src_pool.spec.dtype),
                 block_shape=list(src_pool.spec.block_shape), region_nbytes=layout.region_nbytes,
                 receiver_epoch=info.epoch)
-            for attempt in range(1, self.config.max_attempts + 1):
+            attempt, described_again = 0, False
+            while True:
+                attempt += 1
                 ack = self._attempt(receiver_address, info, header, src_pool, src_block_ids, layout, regions, deadline)
                 if ack.status == pb.PUSH_OK:
                     return self._done(request_id, receiver_address, header.total_nbytes, start, attempt)
                 status = pb.PushStatus.Name(ack.status)
+                if ack.status == pb.BAD_HEADER and ack.retry_allowed and not described_again:
+                    # the decode worker restarted at this address since we described it: once
+                    # more, not counted in max_attempts (the receiver wrote nothing)
+                    info, header = self._describe_again(receiver_address, request_id, deadline, src_pool, header)
+                    described_again = True
+                    continue
                 retry = ack.status == pb.CHECKSUM_MISMATCH and ack.retry_allowed
-                if not retry or attempt == self.config.max_attempts:
+                if not retry or attempt - described_again >= self.config.max_attempts:
                     raise KVTransferError(request_id, receiver_address, status.lower(), ack.detail)
-            raise AssertionError("unreachable: the attempt loop always returns or raises")
         except grpc.RpcError as exc:
             reason = _RPC_REASONS.get(exc.code(), "rpc_error")
             detail = exc.details() or str(exc.code())
@@ -145,6 +153,14 @@ class KVSender(ABC):
         with self._lock:
             self._infos[address] = info
         return info
+
+    def _describe_again(self, address: str, request_id: str, deadline: float, src_pool: KVCachePool,
+                        header: TransferHeader) -> tuple[ReceiverInfo, TransferHeader]:
+        with self._lock:
+            self._infos.pop(address, None)
+        info = self._describe(address, request_id, deadline)
+        check_layout(src_pool.spec, info, request_id)
+        return info, dataclasses.replace(header, receiver_epoch=info.epoch)
 
     def _done(self, request_id: str, address: str, nbytes: int, start: float, attempts: int) -> PushResult:
         seconds = time.monotonic() - start

@@ -78,6 +78,33 @@ def test_push_with_wrong_block_hashes_is_refused_and_frees_the_lease(decode, sen
     assert not as_bytes(decode.pool.data).any()
 
 
+def test_a_decode_worker_restarted_at_the_same_address_is_described_again(decode, sender, backend):
+    """The sender caches each receiver's description (its epoch; for mooncake its session
+    and pool address). A decode worker that restarted at the same address refuses a header
+    built for its old epoch; the sender then describes it again and pushes once more, so the
+    request keeps its remote prefill instead of falling back to a local one."""
+    first = decode.allocate(1)
+    decode.expect("req-before", first, hashes_for(1))
+    assert sender.push(request_id="req-before", receiver_address=decode.address, src_block_ids=[2],
+                       dest_block_ids=first, block_hashes=hashes_for(1))["ok"]  # described and cached
+    port = int(decode.address.rsplit(":", 1)[1])
+    old_epoch = decode.receiver.epoch
+    decode.receiver.stop()
+    restarted = start_decode(config_for(backend, port=port))
+    try:
+        assert restarted.address == decode.address and restarted.receiver.epoch != old_epoch
+        dest = restarted.allocate(3)
+        fut = restarted.expect("req-after", dest, hashes_for(3))
+        reply = sender.push(request_id="req-after", receiver_address=restarted.address, src_block_ids=[7, 8, 9],
+                            dest_block_ids=dest, block_hashes=hashes_for(3))
+        assert reply["ok"], reply
+        assert reply["attempts"] == 2  # the refused header, then the push with the new epoch
+        assert fut.result(timeout=10).ok
+        assert_landed(restarted.pool, [7, 8, 9], dest)
+    finally:
+        restarted.receiver.stop()
+
+
 def test_push_for_a_request_nobody_expects_is_refused(decode, sender, backend):
     reply = sender.push(request_id="nobody", receiver_address=decode.address, src_block_ids=[1],
                         dest_block_ids=[0], block_hashes=[])
