@@ -21,7 +21,7 @@ class WorkerPresence:
     def __init__(self, bus: ClusterBus, info: WorkerInfo, load: Callable[[], LoadReport],
                  ttl: float = 6.0, load_interval: float = 0.5,
                  cached_blocks: Callable[[], Awaitable[list[int]]] | None = None,
-                 healthy: Callable[[], Awaitable[str]] | None = None):
+                 healthy: Callable[[], Awaitable[str]] | None = None, recheck_s: float = 0.5):
         self.bus = bus
         self.info = info
         self.load = load
@@ -30,6 +30,9 @@ class WorkerPresence:
         # out of the registry until it recovers
         self.healthy = healthy or _always_healthy
         self.withdrawn = False  # left the registry because it was unhealthy
+        # A failed check is asked again this much later before the worker leaves: a probe
+        # that timed out while the CPU stalled passes once the stall is over.
+        self.recheck_s = recheck_s
         self.ttl = ttl
         self.load_interval = load_interval
         self._next_event_id = 1
@@ -99,6 +102,14 @@ class WorkerPresence:
             if not self.visible:
                 continue
             why = await self.healthy()
+            if why and not self.withdrawn:
+                await asyncio.sleep(self.recheck_s)
+                again = await self.healthy()
+                if not again:
+                    log.warning("worker %s: a health check failed (%s) and passed on a recheck %.1fs later (a "
+                                "stalled CPU or event loop?); staying registered", self.info.worker_id, why,
+                                self.recheck_s)
+                why = again
             if why:
                 if not self.withdrawn:  # routers stop sending here; in-flight streams migrate
                     log.error("worker %s is unhealthy (%s): leaving the registry until it recovers",
