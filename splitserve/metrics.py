@@ -87,6 +87,16 @@ class Metrics:
             "splitserve_engine_process_cpu_seconds", "CPU seconds used so far by the worker's engine process "
             "(--engine-loop process; absent with an engine thread): process_cpu_seconds_total covers the worker "
             "process only, so a worker's CPU is the sum of both.", ["role", "worker"], registry=r)
+        # Where a first token's time goes inside the worker that prefilled it (vLLM's names and
+        # meaning; TTFT's buckets: vLLM's request-latency ones start at 0.3 s, too coarse here).
+        self.request_queue_time = Histogram(
+            "splitserve_request_queue_time_seconds", "Time a request waited in a worker's engine queue: "
+            "from its arrival at the engine to the first step that computed its prompt.",
+            ["role", "worker"], buckets=TTFT_BUCKETS, registry=r)
+        self.request_prefill_time = Histogram(
+            "splitserve_request_prefill_time_seconds", "From the first step that computed a request's prompt to "
+            "its first token, on the worker that prefilled it (every chunk of a long prompt, and the other work "
+            "sharing those steps).", ["role", "worker"], buckets=TTFT_BUCKETS, registry=r)
         self.engine_step_failures = Counter(
             "splitserve_engine_step_failures_total",
             "Engine steps that raised; their requests were failed and retried elsewhere.",

@@ -7,6 +7,7 @@ This is the incremental interface the workers drive (add_request / step / abort)
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -202,7 +203,11 @@ class LLMEngine:
             self._finish(seq, reason)
         elif self.long_rope_after is not None and not seq.long_rope and seq.num_tokens > self.long_rope_after:
             self.scheduler.recompute_with_long_rope(seq)
-        return self._output(seq, [token], [lp] if lp is not None else [], new_text)
+        out = self._output(seq, [token], [lp] if lp is not None else [], new_text)
+        if seq.num_output_tokens == 1 and seq.first_scheduled_time is not None:
+            out.queue_s = seq.first_scheduled_time - seq.arrival_time
+            out.prefill_s = time.monotonic() - seq.first_scheduled_time
+        return out
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason, free_blocks=not seq.hold_kv)

@@ -22,6 +22,11 @@ class RequestOutput:
     logprobs: list[TokenLogprobs]
     new_logprobs: list[TokenLogprobs]
     error: str | None = None  # set when the engine failed the request (finish_reason "abort")
+    # On the output with the first token of a request prefilled by this engine: seconds from
+    # add_request to its first step (queue) and from there to this token (prefill), vLLM's
+    # request_queue_time / request_prefill_time. None on every other output.
+    queue_s: float | None = None
+    prefill_s: float | None = None
 
 
 @dataclass

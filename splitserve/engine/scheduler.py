@@ -13,6 +13,7 @@ reserved for a prefill worker to fill, the held blocks of a prompt pushed elsewh
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -88,6 +89,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._admit(seq, cached, n)
+            if seq.first_scheduled_time is None:  # its queue time ends here (a metric)
+                seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add_to_batch(batch, seq, n)

@@ -31,6 +31,7 @@ class Sequence:
     text: TextAssembler | None = None  # only when text is wanted or stop strings are set
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # when its prefill first got a step here (monotonic)
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full token blocks

@@ -72,11 +72,11 @@ class WorkerBase(abc.ABC):
                          stall_timeout_s=self.config.engine_stall_timeout_s)
         loop = asyncio.get_running_loop()
         if use_engine_process(self.config.engine, self.config.engine_process):
-            proc = EngineProcess(self.config.engine, loop, self._dispatch, self._on_block_events, **callbacks)
+            proc = EngineProcess(self.config.engine, loop, self._on_outputs, self._on_block_events, **callbacks)
             self.engine = engine = await asyncio.to_thread(proc.launch)
         else:
             engine = await asyncio.to_thread(LLMEngine, self.config.engine)
-            self.engine = AsyncEngine(engine, loop, self._dispatch, self._on_block_events, **callbacks)
+            self.engine = AsyncEngine(engine, loop, self._on_outputs, self._on_block_events, **callbacks)
         self.engine.start()
         if isinstance(self.engine, EngineProcess):
             self.metrics.engine_process_cpu_seconds.labels(role=self.role, worker=self.worker_id).set_function(
@@ -192,6 +192,15 @@ class WorkerBase(abc.ABC):
     def _on_block_events(self, events) -> None:
         if self.presence is not None:
             self.presence.publish_block_events(events)
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """On the event loop: a step's outputs; first tokens say where their time went."""
+        for out in outputs:
+            if out.queue_s is not None:
+                labels = {"role": self.role, "worker": self.worker_id}
+                self.metrics.request_queue_time.labels(**labels).observe(out.queue_s)
+                self.metrics.request_prefill_time.labels(**labels).observe(out.prefill_s)
+        self._dispatch(outputs)
 
     @abc.abstractmethod
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
