@@ -177,10 +177,21 @@ class IncrementalDetokenizer:
             # the last U+FFFD is a character still being written: everything before it is final
             delta = full[sent:-1]
             self._window_sent += len(delta)
+            self._move_window_past(full[:-1])
         else:
             delta = ""
         self.text += delta
         return delta
+
+    def _move_window_past(self, sent_text: str) -> None:
+        """Start the next window after the last token whose text is all sent, where the held
+        character's bytes are tokens of their own (at most 3): a model that keeps writing
+        broken characters would otherwise decode an ever longer window at every token."""
+        n = len(self.token_ids)
+        for boundary in range(n - 1, max(self._read_offset, n - 4), -1):
+            if self._decode(self.token_ids[self._prefix_offset : boundary]) == sent_text:
+                self._prefix_offset, self._read_offset, self._window_sent = self._read_offset, boundary, 0
+                return
 
     def _replacements_final(self, full: str) -> bool:
         """Whether the U+FFFD `full` ends with stays whatever bytes come next: no continuation

@@ -67,6 +67,21 @@ def test_byte_level_stream_holds_back_only_a_character_being_written(make_ckpt):
     assert "".join(pieces) == tok.decode(ids)
 
 
+def test_a_run_of_broken_characters_keeps_the_decoded_window_short(make_ckpt, monkeypatch):
+    """A model stuck on one lead byte (as random or broken models get stuck on a token) writes a
+    character that never completes, again and again: each is sent as U+FFFD once the next one
+    starts, and no token decodes more than a few tokens (the window once grew with the run, so
+    every token cost more than the one before it)."""
+    tok = Tokenizer(make_ckpt("llama"))
+    lead = _byte_ids(tok)[0xE4]
+    decoded_lengths: list[int] = []
+    decode = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids, **kw: decoded_lengths.append(len(ids)) or decode(ids, **kw))
+    pieces = _stream(tok, [lead] * 500)
+    assert pieces[:3] == ["", "\ufffd", "\ufffd"] and "".join(pieces) == "\ufffd" * 500
+    assert max(decoded_lengths) <= 6
+
+
 def test_byte_fallback_tokenizer_keeps_holding_replacement_text(tmp_path):
     """SentencePiece's byte fallback turns every byte of an invalid run into U+FFFD, so a
     later byte can still change earlier replacement characters: nothing ending in U+FFFD is
