@@ -7,7 +7,6 @@ This is the incremental interface the workers drive (add_request / step / abort)
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -203,11 +202,7 @@ class LLMEngine:
             self._finish(seq, reason)
         elif self.long_rope_after is not None and not seq.long_rope and seq.num_tokens > self.long_rope_after:
             self.scheduler.recompute_with_long_rope(seq)
-        out = self._output(seq, [token], [lp] if lp is not None else [], new_text)
-        if seq.num_output_tokens == 1 and seq.first_scheduled_time is not None:
-            out.queue_s = seq.first_scheduled_time - seq.arrival_time
-            out.prefill_s = time.monotonic() - seq.first_scheduled_time
-        return out
+        return self._output(seq, [token], [lp] if lp is not None else [], new_text, seq.first_token_times())
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason, free_blocks=not seq.hold_kv)
@@ -270,13 +265,13 @@ class LLMEngine:
         return None
 
     def _output(self, seq: Sequence, new_tokens: list[int], new_lps: list[TokenLogprobs],
-                new_text: str = "") -> RequestOutput:
+                new_text: str = "", times: dict | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
             token_ids=seq.output_token_ids, new_token_ids=new_tokens,
-            text=seq.text.visible_text if seq.text is not None else "", new_text=new_text,
-            finished=seq.is_finished, finish_reason=seq.finish_reason,
-            num_cached_tokens=max(seq.num_cached_tokens, 0), logprobs=list(seq.logprobs), new_logprobs=new_lps)
+            text=seq.text.visible_text if seq.text is not None else "", new_text=new_text, finished=seq.is_finished,
+            finish_reason=seq.finish_reason, num_cached_tokens=max(seq.num_cached_tokens, 0),
+            logprobs=list(seq.logprobs), new_logprobs=new_lps, **(times or {}))
 
     # ---- introspection (tests, metrics, load reports) ---------------------------------
     @property

@@ -64,6 +64,14 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    def first_token_times(self) -> dict[str, float]:
+        """On its first token, if prefilled here: seconds queued (arrival to the first step that
+        computed its prompt) and prefilling (that step to now), for RequestOutput."""
+        if self.num_output_tokens != 1 or self.first_scheduled_time is None:
+            return {}
+        return {"queue_s": self.first_scheduled_time - self.arrival_time,
+                "prefill_s": time.monotonic() - self.first_scheduled_time}
+
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-import splitserve.engine.llm_engine as llm_engine_module
 import splitserve.engine.scheduler as scheduler_module
+import splitserve.engine.sequence as sequence_module
 from splitserve.engine import EngineConfig, SamplingParams
 from splitserve.engine.llm_engine import LLMEngine
 
@@ -27,7 +27,7 @@ class StepClock:
 def engine(make_ckpt, monkeypatch):
     start, end = StepClock(0.0), StepClock(0.5)
     monkeypatch.setattr(scheduler_module, "time", start)
-    monkeypatch.setattr(llm_engine_module, "time", end)
+    monkeypatch.setattr(sequence_module, "time", end)
     eng = LLMEngine(EngineConfig(model=str(make_ckpt("llama")), num_kv_blocks=64, max_num_batched_tokens=64))
     return eng, (start, end)
 
