@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 
+from splitserve.core.banner import serving_banner
 from splitserve.core.cli_types import positive_int
 from splitserve.core.cpus import (
     CpuPlan,
@@ -183,10 +184,9 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
         while len(dispatcher.sync.workers) < expected and time.monotonic() < deadline:
             await dispatcher.sync.refresh()
             await asyncio.sleep(0.1)
-        print(f"splitserve: serving {served!r} on http://{args.host}:{args.port}/v1 "
-              f"({args.prefill_workers} prefill + {args.decode_workers} decode workers, {threads} torch "
-              f"thread(s) each, "
-              f"bus: {args.redis_url or 'in-process'}, KV transfer: {args.kv_backend})", flush=True)
+        details = (f"{args.prefill_workers} prefill + {args.decode_workers} decode workers, {threads} torch "
+                   f"thread(s) each, bus: {args.redis_url or 'in-process'}, KV transfer: {args.kv_backend}")
+        print(serving_banner("splitserve", served, args.host, args.port, details), flush=True)
         await stop.wait()
     finally:
         print("splitserve: shutting down", flush=True)

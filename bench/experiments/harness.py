@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from splitserve.core.banner import serving_url
 from splitserve.simulator.serving_probe import stop_process_group
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,7 +76,7 @@ def _launch(args: list[str], timeout_s: float) -> Server:
             m = _METRICS_LINE.search(line)
             if m:
                 server.metrics_urls[m.group(2)] = m.group(3)
-            if line.startswith("splitserve: serving "):
+            if serving_url(line):
                 banner.set()
         ended.set()
 

@@ -21,6 +21,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from splitserve.core.banner import serving_url
+
 SERVED = "gpu-check"
 _METRICS = re.compile(r"splitserve: (decode|prefill) worker (\S+?): .*?metrics (http://[0-9.:]+)/metrics")
 
@@ -65,7 +67,7 @@ class Server:
     def wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.proc.poll() is None:
-            if any(": serving " in line and "on http://" in line for line in self.lines):
+            if any(serving_url(line) for line in self.lines):
                 return True
             time.sleep(0.5)
         return False

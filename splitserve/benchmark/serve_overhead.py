@@ -29,6 +29,7 @@ from splitserve.benchmark.client import ClientConfig
 from splitserve.benchmark.metrics import compute_metrics
 from splitserve.benchmark.request import Session, Turn
 from splitserve.benchmark.runner import RunConfig, run_benchmark
+from splitserve.core.banner import serving_url
 
 _ADMIN = re.compile(r"(decode|prefill) worker (\S+?):? .*?(?:metrics|admin) (http://[0-9.:]+)")
 
@@ -82,7 +83,7 @@ def served(model: str, requests, concurrency: int, serve_args: list[str], warmup
     try:
         for line in proc.stdout:
             lines.append(line)
-            if ": serving " in line and "on http://" in line:
+            if serving_url(line):
                 break
         else:
             raise RuntimeError("splitserve serve did not start:\n" + "".join(lines[-40:]))

@@ -14,6 +14,7 @@ import socket
 from aiohttp import web
 
 from splitserve.cluster.bus import ClusterBus
+from splitserve.core.banner import serving_banner
 from splitserve.core.cli_types import positive_int
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.logs import configure_logging
@@ -136,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         bus = open_bus(args.redis_url, args.cluster)
         runner, dispatcher = await start_router(args, model, served, bus, args.block_size, args.max_model_len)
-        print(f"splitserve router: serving {served!r} on http://{args.host}:{args.port}/v1 "
-              f"(bus {args.redis_url}, cluster {args.cluster})", flush=True)
+        print(serving_banner("splitserve router", served, args.host, args.port,
+                             f"bus {args.redis_url}, cluster {args.cluster}"), flush=True)
         await stop.wait()
         await runner.cleanup()
         await dispatcher.stop()

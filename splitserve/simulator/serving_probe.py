@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 
+from splitserve.core.banner import serving_url
 from splitserve.simulator.costs import CostModel, ServingOverhead
 
 PROMPT_TOKENS = 64
@@ -53,7 +54,7 @@ def _start_serve(model: str, torch_threads: int, port: int) -> subprocess.Popen:
     def read() -> None:
         for line in proc.stdout:
             lines.append(line)
-            if line.startswith("splitserve: serving "):
+            if serving_url(line):
                 ready.set()
         ready.set()
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import redis
 
+from splitserve.core.banner import serving_url
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -73,8 +75,9 @@ class SplitserveProcess:
 
     @staticmethod
     def _is_banner(line: str) -> bool:
-        """`splitserve: serving ... on http://...` (serve) or `splitserve router: serving ...`."""
-        return line.startswith("splitserve") and ": serving " in line and " on http://" in line
+        """`splitserve: serving ... on http://...` (serve) or `splitserve router: serving ...`, anywhere
+        in the line: a Ray worker's forwarded log line can precede it on the same line."""
+        return serving_url(line) is not None
 
     def log(self) -> str:
         return "".join(self.lines)

@@ -26,6 +26,7 @@ import openai
 import pytest
 import yaml
 
+from splitserve.core.banner import serving_url
 from splitserve.core.model_dir import DEMO_NAME
 from tests.helpers.processes import free_port
 
@@ -130,13 +131,13 @@ class ServeInImage:
         def read():
             for line in self.proc.stdout:
                 self.lines.append(line)
-                if line.startswith("splitserve: serving "):
+                if serving_url(line):
                     ready.set()
             ready.set()
 
         threading.Thread(target=read, daemon=True).start()
         ready.wait(timeout)
-        if self.proc.poll() is not None or not any(ln.startswith("splitserve: serving ") for ln in self.lines):
+        if self.proc.poll() is not None or not any(serving_url(ln) for ln in self.lines):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
