@@ -166,12 +166,16 @@ def test_hostile_well_formed_messages(stack):
 
     try:
         generate()
+        generated = peer.codes.get("OK", 0)
         prefill()
         bus()
     finally:
         peer.close()
-    print(f"hostile gRPC messages: {peer.codes}")
-    assert sum(peer.codes.values()) >= 3 * EXAMPLES and peer.codes.get("OK", 0) >= EXAMPLES // 10
+    print(f"hostile gRPC messages: {peer.codes}; generations served: {generated}")
+    # Not vacuous: some generations got past validation into the engine. How many varies with
+    # hypothesis's draws (17-56 of 150 in 20 runs; the old floor of 15 failed once at 14), so the
+    # floor only tells a fuzz that reaches the engine from one that never does.
+    assert sum(peer.codes.values()) >= 3 * EXAMPLES and generated >= 3
     assert_unharmed(stack)
     # nothing a peer sent put a fake worker into the router's view
     assert sorted(stack.server.dispatcher.sync.workers) == ["d0", "p0"] or stack.run(_refreshed(stack)) == [
