@@ -33,7 +33,7 @@ from splitserve.core.cpus import (
 )
 from splitserve.core.model_dir import checkpoint_problem
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
-from splitserve.logs import configure_logging
+from splitserve.logs import configure_logging, keep_output_lines_whole
 from splitserve.router.main import add_router_args, bind_http, start_router
 from splitserve.security.links import LinkSecurity, security_from_args
 from splitserve.worker_base.config import ENGINE_LOOPS, add_worker_health_args
@@ -138,6 +138,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
         print(f"splitserve: {plan.describe()}", flush=True)
     # Ray first: it forks its processes, which must not happen while this process runs gRPC
     # threads (grpc's fork handlers; Ray's dashboard head died with SIGABRT that way).
+    keep_output_lines_whole()  # Ray prints its workers' lines from a thread of its own
     start_ray()
     for sig in (signal.SIGINT, signal.SIGTERM):  # ray.init installed its own SIGTERM handler (sys.exit)
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)

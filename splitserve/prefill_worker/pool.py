@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from splitserve.core.ports import PREFILL_ADMIN_PORT
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
-from splitserve.logs import configure_logging
+from splitserve.logs import configure_logging, keep_output_lines_whole
 from splitserve.metrics import Metrics
 from splitserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from splitserve.security.links import add_security_args, security_from_args
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     model, served = resolve_model(args)
     engine = engine_config_from_args(args, model, served)
     security = security_from_args(args)  # TLS files / token must exist at the same paths on every Ray node
+    keep_output_lines_whole()  # Ray prints its actors' lines from a thread of its own
     ray.init(address=args.ray_address, logging_level=logging.WARNING)
     metrics = Metrics(CollectorRegistry())
     actors: dict[str, object] = {}

@@ -158,3 +158,5 @@ def test_200_streams_that_hang_up_leave_a_quiet_log(serve):
     assert not ANSI.search(log) and "\x1b" not in log
     assert "dashboard" not in log.lower()
     assert [line for line in log.splitlines() if GRPC_LINE.search(line)] == []
+    # Ray's forwarded lines and ours stay whole lines (logs.WholeLines): none begins inside another.
+    assert [line for line in log.splitlines() if "(WorkerActor pid=" in line[1:] or "splitserve: " in line[1:]] == []
