@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from splitserve.core import bounded_json
 from splitserve.router.reasoning import ReasoningSplitter, prompt_opens_block, template_reasons
 from splitserve.router.tool_calls import MISTRAL, AutoToolStream, ToolCall, _call
 from splitserve.router.tool_calls import family_of as tool_family_of
@@ -111,7 +112,7 @@ class ChatOutput:
 
     def _required_calls(self) -> list[ToolCall]:
         try:
-            items = json.loads(self.buffer)
+            items = bounded_json.loads(self.buffer)  # model output: any depth
         except json.JSONDecodeError:
             return []  # cut short (max_tokens): the text is sent as it is
         calls = [_call(item, "parameters") for item in items] if isinstance(items, list) else []

@@ -6,9 +6,9 @@ digits. Each is an `APIError` 4xx naming the field, never a 500 further down."""
 
 from __future__ import annotations
 
-import json
 import math
 
+from splitserve.core import bounded_json
 from splitserve.router import errors
 
 
@@ -17,12 +17,16 @@ def load(raw: bytes | str | dict) -> dict:
         body = raw
     else:
         try:
-            body = json.loads(raw, parse_constant=_no_constants)
+            body = bounded_json.loads(raw, parse_constant=_no_constants)
+        except bounded_json.NestedTooDeeply as exc:
+            raise errors.invalid_request(
+                f"the JSON body is {exc}; no OpenAI request needs more than a few levels", None,
+                "invalid_json") from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise errors.invalid_request(
                 f"could not parse the JSON body of the request ({exc}); send a JSON object "
                 "with Content-Type: application/json", None, "invalid_json") from None
-        except RecursionError:
+        except RecursionError:  # not reached (bounded_json measured the depth); kept as a backstop
             raise errors.invalid_request(
                 "the JSON body is nested too deeply to parse; no OpenAI request needs more than a "
                 "few levels", None, "invalid_json") from None

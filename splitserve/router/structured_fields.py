@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 
+from splitserve.core import bounded_json
 from splitserve.core.structured import InvalidStructuredSpec, StructuredSpec, validate
 from splitserve.router import errors
 
@@ -90,7 +91,7 @@ def _guided(name: str, value, param: str | None = None) -> StructuredSpec | None
     if name == "guided_json":
         if isinstance(value, str):
             try:
-                value = json.loads(value)
+                value = bounded_json.loads(value)
             except json.JSONDecodeError as exc:
                 raise errors.invalid_request(f"'{param}' is not valid JSON: {exc}", param, "invalid_value") from None
         if not isinstance(value, dict | bool):

@@ -22,6 +22,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from splitserve.core import bounded_json
 from splitserve.router.reasoning import _partial_suffix
 
 HERMES, LLAMA3, MISTRAL = "hermes", "llama3_json", "mistral"
@@ -69,6 +70,8 @@ def _call(obj, args_key: str) -> ToolCall | None:
 
 def _json_values(text: str, separators: str) -> list | None:
     """Every JSON value in `text`, separated by whitespace or `separators`; None if anything else is there."""
+    if bounded_json.too_deep(text):  # model output: any depth, and raw_decode recurses as json.loads does
+        return None
     decoder, values, i = json.JSONDecoder(), [], 0
     while True:
         while i < len(text) and (text[i].isspace() or text[i] in separators):
@@ -116,7 +119,7 @@ def _mistral_calls(body: str) -> list[ToolCall | None]:
 
 def _loads(text: str):
     try:
-        return json.loads(text)
+        return bounded_json.loads(text)  # model output: any depth
     except json.JSONDecodeError:
         return None
 

@@ -18,6 +18,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from splitserve.core import bounded_json
 from splitserve.core.structured import StructuredSpec
 from splitserve.router import errors
 
@@ -124,7 +125,7 @@ def arguments_for_template(arguments) -> dict | str:
     Text that is not a JSON object stays text."""
     if isinstance(arguments, str):
         try:
-            parsed = json.loads(arguments)
+            parsed = bounded_json.loads(arguments)
         except json.JSONDecodeError:
             return arguments
         return parsed if isinstance(parsed, dict) else arguments
