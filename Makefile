@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.splitserve-installed
 PROTOS := $(wildcard splitserve/proto/*.proto)
 
-.PHONY: setup serve test lint chaos bench-engine bench-router bench-kvtransfer clean
+.PHONY: setup serve test test-fast test-full test-times lint chaos bench-engine bench-router bench-kvtransfer clean
 
 $(STAMP): pyproject.toml scripts/setup.sh $(PROTOS)
 	bash scripts/setup.sh
@@ -17,9 +17,26 @@ setup: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/splitserve serve $(ARGS)
 
+# The whole suite on two xdist workers, one unit (a module, or a directory sharing a session
+# fixture) per worker at a time, longest first; fails past its time budget (docs/testing.md).
+PYTEST    := $(BIN)/python -m pytest -q -p no:cacheprovider
+PARALLEL  ?= -n 2 --dist loadscope --no-loadscope-reorder
 test: $(STAMP)
 	$(BIN)/ruff check splitserve tests bench
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	SPLITSERVE_TEST_BUDGET=enforce $(PYTEST) $(PARALLEL) -m "not full" $(PYTEST_ARGS)
+
+# The edit loop: unit and in-process tests, no serving stack started (under 3 minutes).
+test-fast: $(STAMP)
+	$(PYTEST) $(PARALLEL) -m "not slow and not full" $(PYTEST_ARGS)
+
+# Everything, the full kernel sweeps included (marker full).
+test-full: $(STAMP)
+	$(BIN)/ruff check splitserve tests bench
+	$(PYTEST) $(PARALLEL) $(PYTEST_ARGS)
+
+# Refresh the per-module times that order the parallel units (tests/suite/module_seconds.json).
+test-times: $(STAMP)
+	SPLITSERVE_TEST_TIMES=tests/suite/module_seconds.json $(PYTEST) -m "not full" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check splitserve tests bench

@@ -23,3 +23,73 @@ def make_ckpt(checkpoint_root):
         return make_checkpoint(checkpoint_root, family, **overrides)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def shared_serve(make_ckpt):
+    """shared_serve(layout): the session's `splitserve serve` for a layout of
+    tests/helpers/shared_serve.py, started on first use."""
+    from tests.helpers.shared_serve import SharedServes
+
+    serves = SharedServes(make_ckpt)
+    yield serves.get
+    problems = serves.stop_all()
+    assert not problems, problems
+
+
+# --- the suite's shape (docs/testing.md): parallel units, their order, the budget -----------
+
+def pytest_configure(config):
+    from tests.suite import budget, image_build
+
+    image_build.build_dir()  # before xdist starts its workers: they inherit the directory
+    budget.register(config)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks added here
+def pytest_collection_modifyitems(config, items):
+    from tests.suite import plan
+
+    for item in items:
+        if plan.is_slow(item.nodeid):
+            item.add_marker(pytest.mark.slow)
+    by_id = {item.nodeid: item for item in items}
+    items[:] = [by_id[n] for n in plan.order(list(by_id), plan.load_module_seconds())]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Whole units to one worker (tests/suite/plan.py), in the collection order set above.
+    xdist's own loadgroup marks do not work with pytest 9 (it rewrites a node id field that
+    pytest 9 no longer reads: every test became its own unit), so the scheduler is told."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    from tests.suite import plan
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return plan.unit_of(nodeid)
+
+    return UnitScheduling(config, log)
+
+
+def pytest_collection_finish(session):
+    """Start the image build now if tests/image will run (once per session, whichever
+    process gets here first), so its network waits overlap the rest of the suite."""
+    from tests.suite import image_build
+
+    if session.config.option.collectonly:
+        return
+    if any(item.nodeid.startswith("tests/image/") for item in session.items):
+        from tests.image.test_image import IMAGE
+
+        image_build.start_in_background(IMAGE)
+
+
+def pytest_unconfigure(config):
+    from tests.suite import image_build
+
+    if not hasattr(config, "workerinput"):  # the controller, or a run without xdist
+        image_build.stop_if_running()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 from splitserve.benchmark import compare
-from tests.helpers.processes import SplitserveProcess
 
 
 def test_run_order_rotates_by_round():
@@ -78,17 +77,13 @@ def test_pause_is_quiet_before_every_measurement(monkeypatch, tmp_path):
                       ("sleep", 7.5), ("measure", "b"), ("sleep", 7.5), ("measure", "a")]
 
 
-def test_compare_runs_interleaved_against_real_servers(make_ckpt, tmp_path):
-    serve = SplitserveProcess("serve", ["--model", str(make_ckpt("llama")), "--served-model-name", "m",
-                                        "--prefill-workers", "0", "--decode-workers", "1"])
-    try:
-        out = tmp_path / "compare.json"
-        url = serve.base_url
-        assert compare.main(["--server", f"first,{url},m", "--server", f"second,{url},m", "--concurrency", "1,4",
-                             "--rounds", "2", "--requests", "4", "--input-len", "8:16", "--output-len", "4:6",
-                             "--note", "one server under two names", "--json", str(out)]) == 0
-    finally:
-        serve.stop()
+def test_compare_runs_interleaved_against_real_servers(shared_serve, tmp_path):
+    serve = shared_serve("llama-0p1d")  # tests/helpers/shared_serve.py: served as "m"
+    out = tmp_path / "compare.json"
+    url = serve.base_url
+    assert compare.main(["--server", f"first,{url},m", "--server", f"second,{url},m", "--concurrency", "1,4",
+                         "--rounds", "2", "--requests", "4", "--input-len", "8:16", "--output-len", "4:6",
+                         "--note", "one server under two names", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert [(r["round"], r["concurrency"], r["server"]) for r in doc["runs"]] == [
         (0, 1, "first"), (0, 1, "second"), (0, 4, "first"), (0, 4, "second"),

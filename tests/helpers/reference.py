@@ -6,6 +6,8 @@ from functools import lru_cache
 
 import torch
 
+from tests.helpers.test_cache import cached_json, model_digest
+
 
 @lru_cache(maxsize=8)
 def hf_model(model_dir: str, dtype: str = "float32"):
@@ -17,7 +19,13 @@ def hf_model(model_dir: str, dtype: str = "float32"):
 
 def hf_greedy(model_dir, prompt_ids: list[int], max_new_tokens: int, dtype: str = "float32",
               eos: bool = False) -> list[int]:
-    """Greedy tokens from transformers' generate (no padding: batch of one)."""
+    """Greedy tokens from transformers' generate (no padding: batch of one), cached between
+    runs by the model directory's content, the prompt and the settings (tests/helpers/test_cache.py)."""
+    key = ("hf_greedy", model_digest(model_dir), list(prompt_ids), max_new_tokens, dtype, eos)
+    return cached_json("references", key, lambda: _hf_greedy(model_dir, prompt_ids, max_new_tokens, dtype, eos))
+
+
+def _hf_greedy(model_dir, prompt_ids: list[int], max_new_tokens: int, dtype: str, eos: bool) -> list[int]:
     model = hf_model(str(model_dir), dtype)
     ids = torch.tensor([prompt_ids])
     extra = {} if eos else {"eos_token_id": None}

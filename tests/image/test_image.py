@@ -29,6 +29,7 @@ import yaml
 from splitserve.core.banner import serving_url
 from splitserve.core.model_dir import DEMO_NAME
 from tests.helpers.processes import free_port
+from tests.suite import image_build
 
 REPO = Path(__file__).resolve().parents[2]
 APP_VERSION = str(yaml.safe_load((REPO / "charts/splitserve/Chart.yaml").read_text())["appVersion"])
@@ -52,9 +53,10 @@ def image() -> str:
     if missing:
         pytest.skip(f"{', '.join(missing)} not installed (scripts/setup.sh installs them with apt)")
     assert os.geteuid() == 0, "the image test runs as root, as CI does (podman's storage, the remount)"
-    build = subprocess.run(["bash", "scripts/build_image.sh", "--flavour", "cpu", "--tag", IMAGE], cwd=REPO,
-                           capture_output=True, text=True, timeout=1400)
-    assert build.returncode == 0, f"image build failed:\n{build.stdout[-6000:]}\n{build.stderr[-6000:]}"
+    # Started in the background at collection when the session runs more than this module
+    # (tests/suite/image_build.py); built here otherwise.
+    rc, output = image_build.wait_or_build(IMAGE, timeout=1400)
+    assert rc == 0, f"image build failed (exit {rc}):\n{output}"
     return IMAGE
 
 

@@ -72,11 +72,11 @@ async def test_over_the_context_is_refused_with_the_count(tokenizer):
 
 async def test_far_over_the_context_is_refused_from_its_start(tokenizer):
     prompts = P.PromptTokenizer(tokenizer, max_model_len=64)
-    started = time.monotonic()
-    err, lag = await max_loop_lag_while(prompts.encode(text(5 << 20)))
+    err, _ = await max_loop_lag_while(prompts.encode(text(5 << 20)))
     assert isinstance(err, APIError) and err.code == "context_length_exceeded"
+    # the count names the start it looked at: the other 5 MB were never tokenized (no clock
+    # needed; the test above covers the loop staying free while a text is tokenized)
     assert "in its first 2048 of 5242880 characters" in err.message, err.message
-    assert lag < 0.1 and time.monotonic() - started < 1.0
 
 
 async def test_a_start_under_twice_the_context_is_counted_whole(tokenizer, monkeypatch):

@@ -12,7 +12,6 @@ import requests
 
 from splitserve.core.cpus import CpuPlan, format_cpus, pin_plan
 from splitserve.serve import build_parser, cpu_plan
-from tests.helpers.processes import SplitserveProcess
 
 
 @pytest.mark.parametrize(("cpus", "workers", "threads", "serving", "engines"), [
@@ -90,22 +89,18 @@ def _descendants(root: int) -> dict[int, str]:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs")
-def test_a_served_engine_runs_on_its_cpus_and_the_serving_processes_on_the_others(make_ckpt):
+def test_a_served_engine_runs_on_its_cpus_and_the_serving_processes_on_the_others(shared_serve):
     cpus = sorted(os.sched_getaffinity(0))
     want = pin_plan(cpus, 1, len(cpus) - 1)
-    serve = SplitserveProcess("serve", ["--model", str(make_ckpt("llama")), "--served-model-name", "m",
-                                        "--prefill-workers", "0", "--decode-workers", "1"])
-    try:
-        assert f"splitserve: {want.describe()}" in serve.log()
-        body = requests.post(serve.base_url + "/v1/completions", timeout=60,
-                             json={"model": "m", "prompt": [5] * 40, "max_tokens": 4, "ignore_eos": True}).json()
-        assert body["usage"]["completion_tokens"] == 4, body
-        procs = _descendants(serve.proc.pid)
-        engines = [p for p, c in procs.items() if "multiprocessing.spawn" in c and "spawn_main" in c]
-        assert len(engines) == 1, procs
-        assert _allowed(engines[0]) == {format_cpus(want.engines[0])}
-        serving = [serve.proc.pid, *(p for p, c in procs.items() if p not in engines and ("ray" in c or "python" in c))]
-        assert len(serving) >= 3, procs  # serve itself, Ray's processes, the worker actor
-        assert {p: _allowed(p) for p in serving} == dict.fromkeys(serving, {format_cpus(want.serving)})
-    finally:
-        serve.stop()
+    serve = shared_serve("llama-0p1d")  # tests/helpers/shared_serve.py: 0 prefill + 1 decode, served as "m"
+    assert f"splitserve: {want.describe()}" in serve.log()
+    body = requests.post(serve.base_url + "/v1/completions", timeout=60,
+                         json={"model": "m", "prompt": [5] * 40, "max_tokens": 4, "ignore_eos": True}).json()
+    assert body["usage"]["completion_tokens"] == 4, body
+    procs = _descendants(serve.proc.pid)
+    engines = [p for p, c in procs.items() if "multiprocessing.spawn" in c and "spawn_main" in c]
+    assert len(engines) == 1, procs
+    assert _allowed(engines[0]) == {format_cpus(want.engines[0])}
+    serving = [serve.proc.pid, *(p for p, c in procs.items() if p not in engines and ("ray" in c or "python" in c))]
+    assert len(serving) >= 3, procs  # serve itself, Ray's processes, the worker actor
+    assert {p: _allowed(p) for p in serving} == dict.fromkeys(serving, {format_cpus(want.serving)})

@@ -1,0 +1,98 @@
+"""The suite's time budget, checked at the end of every run (docs/testing.md).
+
+Every run prints the modules that took longest (setup + call + teardown of their tests,
+module and session fixtures included where they were set up) and the session's wall time.
+With SPLITSERVE_TEST_BUDGET=enforce (`make test` sets it, so CI has it) the run fails when a
+module passes its budget, or, for a whole-suite run, when the session passes SUITE_BUDGET_S.
+
+A module gets MODULE_BUDGET_S unless OWN_BUDGETS names it with the reason it cannot share a
+fixture or be cut: a new end-to-end test joins a shared fixture (tests/suite/plan.py) or
+argues its case here.
+
+SPLITSERVE_TEST_TIMES=PATH writes the per-module seconds as JSON (`make test-times` refreshes
+tests/suite/module_seconds.json, which orders the parallel units).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from tests.suite.plan import module_of
+
+MODULE_BUDGET_S = 90.0
+SUITE_BUDGET_S = 15 * 60.0
+OWN_BUDGETS = {
+    "tests/image/test_image.py": (600.0, "builds the image (cold: Debian bootstrap and pip downloads, "
+                                         "started in the background at collection, waited for here)"),
+    "tests/e2e/test_model_families_serve.py": (240.0, "one `serve` per model family (7 checkpoints): a serve "
+                                                      "holds one model, so nothing can be shared"),
+    "tests/security/test_fuzz_http.py": (240.0, "schemathesis and hypothesis against a whole stack; the "
+                                                "example counts are what the fuzzing is worth"),
+}
+TOP = 12
+
+
+def budget_of(module: str) -> float:
+    return OWN_BUDGETS.get(module, (MODULE_BUDGET_S, ""))[0]
+
+
+def over_budget(seconds: dict[str, float]) -> list[tuple[str, float, float]]:
+    """(module, seconds, budget) for every module over its budget, worst first."""
+    over = [(m, s, budget_of(m)) for m, s in seconds.items() if s > budget_of(m)]
+    return sorted(over, key=lambda x: x[1] - x[2], reverse=True)
+
+
+class Budget:
+    def __init__(self, config: pytest.Config):
+        self.config = config
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.started = time.monotonic()
+        self.problems: list[str] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.seconds[module_of(report.nodeid)] += report.duration
+
+    def whole_suite(self) -> bool:
+        """No paths, -k or -m narrowing the run: the suite's budget applies."""
+        opt = self.config.option
+        return not opt.file_or_dir and not opt.keyword and not opt.markexpr
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        wall = time.monotonic() - self.started
+        out = os.environ.get("SPLITSERVE_TEST_TIMES")
+        if out:
+            ordered = sorted(self.seconds.items(), key=lambda kv: -kv[1])
+            Path(out).write_text(json.dumps({m: round(s, 1) for m, s in ordered}, indent=0) + "\n")
+        if os.environ.get("SPLITSERVE_TEST_BUDGET") != "enforce":
+            return
+        for module, secs, budget in over_budget(self.seconds):
+            self.problems.append(f"{module} took {secs:.0f}s, over its budget of {budget:.0f}s")
+        if self.whole_suite() and wall > SUITE_BUDGET_S:
+            self.problems.append(f"the suite took {wall:.0f}s, over its budget of {SUITE_BUDGET_S:.0f}s")
+        if self.problems and session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        self.wall = wall
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        tr = terminalreporter
+        wall = time.monotonic() - self.started
+        tr.section("time per module (tests/suite/budget.py)")
+        for module, secs in sorted(self.seconds.items(), key=lambda kv: -kv[1])[:TOP]:
+            tr.write_line(f"{secs:8.1f}s  (budget {budget_of(module):4.0f}s)  {module}")
+        tr.write_line(f"{sum(self.seconds.values()):8.1f}s  summed over {len(self.seconds)} modules; "
+                      f"{wall:.0f}s wall for the session")
+        for problem in self.problems:
+            tr.write_line(f"BUDGET EXCEEDED: {problem} (docs/testing.md: share a fixture, or justify the "
+                          "module in tests/suite/budget.py)", red=True, bold=True)
+
+
+def register(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) sees every report
+        config.pluginmanager.register(Budget(config), "splitserve-suite-budget")
