@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.helpers.test_cache import cached_checkpoint
+from tests.helpers.run_cache import cached_checkpoint
 
 FAMILY_CONFIGS = {
     "llama": dict(seed=11, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -60,5 +60,5 @@ def make_checkpoint(root: Path, family: str, **overrides) -> Path:
     name = family + "".join(f"-{k}={v}" for k, v in sorted(overrides.items()))
     out = root / name
     if not (out / "config.json").is_file():
-        cached_checkpoint(out, family, fields)  # built once, reused by later runs (tests/helpers/test_cache.py)
+        cached_checkpoint(out, family, fields)  # built once, reused by later runs (tests/helpers/run_cache.py)
     return out

@@ -6,7 +6,7 @@ from functools import lru_cache
 
 import torch
 
-from tests.helpers.test_cache import cached_json, model_digest
+from tests.helpers.run_cache import cached_json, model_digest
 
 
 @lru_cache(maxsize=8)
@@ -20,7 +20,7 @@ def hf_model(model_dir: str, dtype: str = "float32"):
 def hf_greedy(model_dir, prompt_ids: list[int], max_new_tokens: int, dtype: str = "float32",
               eos: bool = False) -> list[int]:
     """Greedy tokens from transformers' generate (no padding: batch of one), cached between
-    runs by the model directory's content, the prompt and the settings (tests/helpers/test_cache.py)."""
+    runs by the model directory's content, the prompt and the settings (tests/helpers/run_cache.py)."""
     key = ("hf_greedy", model_digest(model_dir), list(prompt_ids), max_new_tokens, dtype, eos)
     return cached_json("references", key, lambda: _hf_greedy(model_dir, prompt_ids, max_new_tokens, dtype, eos))
 

@@ -25,14 +25,17 @@ import pytest
 
 from tests.suite.plan import module_of
 
-MODULE_BUDGET_S = 90.0
+# Two workers share two cores, so a module runs up to ~1.5x slower than alone (measured: the
+# reliability faults 33 s alone, 52-60 s beside another unit): 120 s is about 80 s alone.
+# Budgets leave room for a CI machine 1.5x slower than the one they were measured on.
+MODULE_BUDGET_S = 120.0
 SUITE_BUDGET_S = 15 * 60.0
 OWN_BUDGETS = {
     "tests/image/test_image.py": (600.0, "builds the image (cold: Debian bootstrap and pip downloads, "
                                          "started in the background at collection, waited for here)"),
-    "tests/e2e/test_model_families_serve.py": (240.0, "one `serve` per model family (7 checkpoints): a serve "
+    "tests/e2e/test_model_families_serve.py": (400.0, "one `serve` per model family (7 checkpoints): a serve "
                                                       "holds one model, so nothing can be shared"),
-    "tests/security/test_fuzz_http.py": (240.0, "schemathesis and hypothesis against a whole stack; the "
+    "tests/security/test_fuzz_http.py": (400.0, "schemathesis and hypothesis against a whole stack; the "
                                                 "example counts are what the fuzzing is worth"),
 }
 TOP = 12
