@@ -92,17 +92,16 @@ def write_checkpoint(out_dir: str | Path, family: str = "llama", seed: int = 0, 
     return out
 
 
-def ensure_demo_checkpoint() -> Path:
-    """The demo checkpoint's directory, created (atomically) if it does not exist yet."""
-    target = demo_dir()
+def build_checkpoint_once(target: Path, build) -> Path:
+    """`target`, made by build(tmp_dir) in a temporary directory beside it and renamed into
+    place unless it exists (has a config.json): concurrent processes never see half a
+    checkpoint, and the loser of a race keeps the winner's."""
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
     try:
-        write_checkpoint(tmp, "llama", seed=1234, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4)
-        (tmp / "README.md").write_text(f"# {DEMO_NAME}\n\n{DEMO_LABEL}. Built by splitserve.engine.demo.\n")
+        build(tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process won the race
@@ -111,6 +110,17 @@ def ensure_demo_checkpoint() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def ensure_demo_checkpoint() -> Path:
+    """The demo checkpoint's directory, created (atomically) if it does not exist yet."""
+
+    def build(tmp: Path) -> None:
+        write_checkpoint(tmp, "llama", seed=1234, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=4)
+        (tmp / "README.md").write_text(f"# {DEMO_NAME}\n\n{DEMO_LABEL}. Built by splitserve.engine.demo.\n")
+
+    return build_checkpoint_once(demo_dir(), build)
 
 
 def main(argv: list[str] | None = None) -> int:

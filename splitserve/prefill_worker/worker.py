@@ -155,7 +155,13 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
         finally:
             self.waiters.pop(rid, None)
             # Shielded: a second cancellation of this handler must not leave the blocks held.
-            await asyncio.shield(asyncio.ensure_future(self._release(rid)))
+            # `fut` holds a result only if the prefill finished: a handler cancelled at
+            # `await fut` (the decode side's deadline) cancels `fut` as well, so "done" alone
+            # does not say it finished. Deciding on "done" skipped the abort, the prompt's
+            # remaining chunks ran on and it finished into the held set with nobody left to
+            # release it (issue 38).
+            finished = fut.done() and not fut.cancelled()
+            await asyncio.shield(asyncio.ensure_future(self._release(rid, abort=not finished)))
         # the step's part only (the first output's new token is its only one): an engine in its
         # own process sends no cumulative fields (engine/engine_process.py)
         reply = pb.PrefillReply(first_token_id=first.new_token_ids[0], num_cached_tokens=first.num_cached_tokens,
@@ -167,15 +173,10 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
             reply.kv_bytes, reply.kv_seconds = result.nbytes, result.seconds
         return reply
 
-    async def _release(self, rid: str) -> None:
-        """End the request on the engine whatever state it is in. Always abort first: a
-        handler cancelled at `await fut` (the decode side's deadline) cancels `fut` too, so
-        "fut is done" does not mean the prefill finished; deciding on it skipped the abort,
-        the prompt's remaining chunks ran on and it finished into the held set with nobody
-        left to release it (issue 38). Abort is a no-op for a finished request, and both
-        calls run between steps in this order, so the blocks always come back."""
+    async def _release(self, rid: str, abort: bool) -> None:
         try:
-            await self.engine.abort(rid)
+            if abort:  # the caller went away before the prefill finished
+                await self.engine.abort(rid)
             await self.engine.release_held(rid)
         except EngineDeadError:
             pass  # nothing left to free: the process is about to be replaced

@@ -3,7 +3,8 @@ transformers' reference outputs, each keyed by a hash of everything it is made f
 stale entry is never read (a changed builder, config, prompt or library version is a new
 key). Under $SPLITSERVE_TEST_CACHE, default ~/.cache/splitserve/tests; delete it at will.
 
-Entries are written to a temporary name and renamed into place, so concurrent pytest
+Entries are written to a temporary name and renamed into place (checkpoints with
+splitserve.engine.demo.build_checkpoint_once, as the demo is built), so concurrent pytest
 processes (xdist workers, two runs) never see half an entry.
 """
 
@@ -51,21 +52,10 @@ def cached_checkpoint(out: Path, family: str, fields: dict) -> Path:
     """`out` holds the checkpoint write_checkpoint(out, family, **fields) makes: copied from
     the cache, which is filled on a miss. A copy, not a link: a test that writes into its
     checkpoint directory cannot change the cached one."""
-    from splitserve.engine.demo import write_checkpoint
+    from splitserve.engine.demo import build_checkpoint_once, write_checkpoint
 
     entry = root() / "checkpoints" / f"{family}-{digest(family, fields, builder_source(), library_versions())}"
-    if not (entry / "config.json").is_file():
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=entry.parent))
-        try:
-            write_checkpoint(tmp, family, **fields)
-            try:
-                tmp.rename(entry)
-            except OSError:  # another process filled it first
-                if not (entry / "config.json").is_file():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    build_checkpoint_once(entry, lambda tmp: write_checkpoint(tmp, family, **fields))
     shutil.copytree(entry, out, dirs_exist_ok=True)
     return out
 

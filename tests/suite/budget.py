@@ -81,7 +81,6 @@ class Budget:
             self.problems.append(f"the suite took {wall:.0f}s, over its budget of {SUITE_BUDGET_S:.0f}s")
         if self.problems and session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        self.wall = wall
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         tr = terminalreporter

@@ -1,13 +1,15 @@
 """How the suite is cut into units that run in parallel, and in what order (docs/testing.md).
 
-`make test` runs pytest with two xdist workers (`-n 2 --dist loadgroup`). A unit is what one
-worker runs from start to end: a module (its module-scoped fixtures are set up once), or a
-whole directory where a session-scoped fixture is shared by its modules (the reliability
+`make test` runs pytest with two xdist workers (`-n 2 --dist loadscope`, with the scheduler
+of tests/conftest.py, which asks `unit_of` for a test's scope). A unit is what one worker
+runs from start to end: a module (its module-scoped fixtures are set up once), or a whole
+directory where a session-scoped fixture is shared by its modules (the reliability
 cluster, the chaos `serve`), or the modules that share one `serve` layout
-(tests/helpers/shared_serve.py), so no shared fixture is ever started twice. Units go out longest first
-(longest-processing-time order, from the committed module times in `module_seconds.json`),
-so the last unit to start is a short one; the image build, which waits on the network and
-runs in the background from the start of the session (tests/suite/image_build.py), goes last.
+(tests/helpers/shared_serve.py), so no shared fixture is ever started twice. Units go out
+longest first (longest-processing-time order, from the committed module times in
+`module_seconds.json`), so the last unit to start is a short one; the image build, which
+waits on the network and runs in the background from the start of the session
+(tests/suite/image_build.py), goes last.
 
 Pure functions; the pytest hooks that apply them live in tests/conftest.py.
 """
