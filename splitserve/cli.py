@@ -35,6 +35,7 @@ BENCH_TARGETS: dict[str, str] = {
     "serve-overhead": "splitserve.benchmark.serve_overhead",
     "compare": "splitserve.benchmark.compare",
     "gpu-check": "splitserve.benchmark.gpu_check",
+    "step-overhead": "splitserve.benchmark.step_overhead",
 }
 
 

@@ -23,5 +23,5 @@ case " $* " in *" --dry-run "*) ;; *)  # the engine stage's checkpoint, built on
   "$PY" -c "from splitserve.benchmark.gpu_check_stages import engine_checkpoint as e; print(e())" & ;;
 esac
 wait
-check --stages mbu_mfu,serve,engine --out "$W/part_4_timed.json" "$@"
+check --stages mbu_mfu,step_overhead,serve,engine --out "$W/part_4_timed.json" "$@"
 exec "$PY" -m splitserve.benchmark.gpu_check --merge "$W"/part_*.json

@@ -9,7 +9,10 @@ fidelity   engine vs transformers' generate on the GPU, fp32 and bf16:       ~2 
 graphs     CUDA-graph decode vs eager, tokens and top-5 logprobs, every      ~2 min
            bucket (gpu_fidelity.py graphs)
 mbu_mfu    splitserve bench kernels: Llama-3-8B shape bf16, decode MBU at    ~8 min
-           batch 1/8/32, prefill MFU at 2048 tokens, and transformers
+           batch 1/8/32, prefill MFU at 2048 tokens (against the measured
+           and the datasheet peaks), and transformers
+step_overhead  splitserve bench step-overhead: host time of a decode step  ~1 min
+           against the device's (CUDA events), batch 32/128/256, same model
 serve      splitserve serve --device cuda, 1 prefill + 1 decode worker, a    ~6 min
            64-request splitserve bench load, grpc then mooncake (tcp)
 engine     splitserve bench engine at batch 32 vs transformers generate at   ~7 min
@@ -19,7 +22,7 @@ About 30 minutes in all; the limits add up to 44 so one hang cannot eat the sess
 --dry-run (any machine, CPU) runs what it can at tiny sizes: a kernel subset under
 TRITON_INTERPRET=1, fidelity on the CPU, the padded CUDA-graph step eagerly, serve on
 the CPU with the demo model, the kernel bench's toy shape, engine vs transformers with
-the demo model. A stage whose CPU run passes is still recorded as "skipped: no CUDA
+the demo model, the decode step's host time with no forward pass. A stage whose CPU run passes is still recorded as "skipped: no CUDA
 device", never as passed; one whose CPU run fails is "failed".
 """
 

@@ -1,7 +1,8 @@
 """`splitserve bench kernels` (or `python -m splitserve.benchmark.kernels`): kernel and
 model-step efficiency of a Llama-3-8B-shaped model with random bfloat16 weights.
 
-On CUDA it measures, against peaks it measures itself on the same device:
+On CUDA it measures, against peaks it measures itself on the same device and against the
+device's datasheet peaks (benchmark/datasheet.py; `mbu_datasheet`, `mfu_datasheet`):
   - peak HBM bandwidth (a large device-to-device copy) and peak bf16 matmul throughput;
   - paged decode attention bandwidth (K/V bytes read / time), round-robin over 32 layers
     so the KV cache is not served from L2;
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         peaks = measure_peaks(device, dtype, timer)
         result["peak"] = peaks
         result.update(_splitserve_figures(shape, dtype, device, args, peaks, timer, cuda))
+        _against_datasheet(result, peaks)
         if cuda:
             torch.cuda.empty_cache()
         if not args.skip_transformers:
@@ -214,6 +216,24 @@ def _splitserve_figures(shape, dtype, device, args, peaks, timer, cuda: bool) ->
     prefill = {"tokens": args.prefill_tokens, "seconds": seconds, "flops": flops,
                "mfu": flops / seconds / peaks["matmul_flops_per_s"]}
     return {"decode_attention": attention, "decode_step": steps, "prefill": prefill}
+
+
+def _against_datasheet(result: dict, peaks: dict) -> None:
+    """MBU and MFU against the vendor's peaks too (benchmark/datasheet.py), where the device is known."""
+    from splitserve.benchmark.datasheet import datasheet_peaks
+
+    sheet = datasheet_peaks(result["device"])
+    result["datasheet"] = sheet
+    if sheet is None:
+        return
+    bw_ratio = peaks["hbm_bytes_per_s"] / sheet["hbm_bytes_per_s"]
+    for row in result["decode_step"]:
+        if "mbu" in row:
+            row["mbu_datasheet"] = row["mbu"] * bw_ratio
+    result["prefill"]["mfu_datasheet"] = result["prefill"]["mfu"] * peaks["matmul_flops_per_s"] / sheet[
+        "bf16_flops_per_s"]
+    result["peak"]["copy_fraction_of_datasheet"] = bw_ratio
+    result["peak"]["matmul_fraction_of_datasheet"] = peaks["matmul_flops_per_s"] / sheet["bf16_flops_per_s"]
 
 
 def _transformers_figures(shape, dtype, device, args, peaks, timer) -> dict:
@@ -245,10 +265,16 @@ def _report(result: dict, out: Path | None) -> None:
              f"{result['peak']['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s matmul"]
     lines += [f"decode attention batch {r['batch']}: {r['bytes_per_s'] / 1e9:.0f} GB/s "
               f"({100 * r['fraction_of_peak']:.0f}% of peak)" for r in result["decode_attention"]]
+    sheet = result.get("datasheet")
+    if sheet:
+        lines.append(f"datasheet ({sheet['label']}): {sheet['hbm_bytes_per_s'] / 1e9:.0f} GB/s, "
+                     f"{sheet['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s bf16 dense")
     lines += [f"decode step batch {r['batch']} ({r['mode']}): {1e3 * r['seconds']:.2f} ms, MBU {100 * r['mbu']:.0f}%"
+              + (f" ({100 * r['mbu_datasheet']:.0f}% of datasheet)" if "mbu_datasheet" in r else "")
               for r in result["decode_step"] if "error" not in r]
-    lines.append(f"prefill {result['prefill']['tokens']} tokens: {1e3 * result['prefill']['seconds']:.1f} ms, "
-                 f"MFU {100 * result['prefill']['mfu']:.0f}%")
+    pre = result["prefill"]
+    lines.append(f"prefill {pre['tokens']} tokens: {1e3 * pre['seconds']:.1f} ms, MFU {100 * pre['mfu']:.0f}%"
+                 + (f" ({100 * pre['mfu_datasheet']:.0f}% of datasheet)" if "mfu_datasheet" in pre else ""))
     if "transformers" in result:
         hf = result["transformers"]
         lines += [f"transformers decode batch {r['batch']}: {1e3 * r['seconds_per_step']:.2f} ms/step, "

@@ -27,10 +27,9 @@ CPU tests check that padding changes no result, where no capture is possible.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from splitserve.engine.decode_inputs import DecodeInputs
 from splitserve.engine.models.layers import AttentionMetadata
 from splitserve.engine.models.rope import RopeTable
 from splitserve.engine.scheduler import ScheduledBatch
@@ -57,44 +56,6 @@ def blocks_per_seq(max_model_len: int, block_size: int) -> int:
     return -(-max_model_len // block_size)
 
 
-@dataclass
-class PaddedDecode:
-    """One row per bucket slot: the real sequences first, then padding rows."""
-
-    input_ids: list[int]
-    positions: list[int]
-    long_rope: list[bool]
-    slots: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
-
-
-def pad_decode(seqs: list[Sequence], bucket: int, width: int, block_size: int, scratch_block: int) -> PaddedDecode:
-    """Host-side inputs of a decode step for `seqs` padded to `bucket` rows of `width`
-    block ids. Each sequence computes the token at its num_computed_tokens."""
-    if len(seqs) > bucket:
-        raise ValueError(f"{len(seqs)} sequences do not fit a bucket of {bucket}")
-    out = PaddedDecode([], [], [], [], [], [])
-    for seq in seqs:
-        pos, table = seq.num_computed_tokens, seq.block_table
-        if len(table) > width:
-            raise ValueError(f"a block table of {len(table)} blocks is wider than {width}")
-        out.input_ids.append(seq.token_ids[pos])
-        out.positions.append(pos)
-        out.long_rope.append(bool(seq.long_rope))
-        out.slots.append(table[pos // block_size] * block_size + pos % block_size)
-        out.seq_lens.append(pos + 1)
-        out.block_tables.append(table + [scratch_block] * (width - len(table)))
-    for _ in range(bucket - len(seqs)):
-        out.input_ids.append(0)
-        out.positions.append(0)
-        out.long_rope.append(False)
-        out.slots.append(scratch_block * block_size)
-        out.seq_lens.append(1)
-        out.block_tables.append([scratch_block] * width)
-    return out
-
-
 class DecodeGraphs:
     """The padded static-buffer decode step, per bucket, replayed from CUDA graphs
     (`capture=True`, CUDA only) or run eagerly (`capture=False`)."""
@@ -113,6 +74,8 @@ class DecodeGraphs:
         for table in ropes.values():
             if not any(t is table for t in self.tables):
                 self.tables.append(table)
+        offsets = [t.long_offset if t.long_after is not None else 0 for t in self.tables]
+        self.staging = DecodeInputs(self.width, block_size, self.scratch, offsets, device)
         self.inputs: dict[int, torch.Tensor] = {}  # bucket -> static flat input buffer
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> logits written by its graph
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -142,35 +105,39 @@ class DecodeGraphs:
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """ModelRunner.run's result for a batch that `fits`."""
         seqs = batch.decodes
-        bucket = bucket_for(len(seqs), self.buckets)
-        padded = pad_decode(seqs, bucket, self.width, self.block_size, self.scratch)
-        host = torch.tensor(self._flatten(padded), dtype=torch.int64)
+        bucket = self.stage(seqs)
+        logits = self.execute(bucket)
+        # a one-token entry is not sampled when it is not the sequence's last known token
+        rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens + 1 == s.num_tokens]
+        if len(rows) == len(seqs):  # a view of the graph's output: sampled before the next replay
+            return logits[: len(seqs)], seqs
+        return logits[rows], [seqs[i] for i in rows]
+
+    def stage(self, seqs: list[Sequence], bucket: int | None = None) -> int:
+        """Write the step's inputs into its bucket's static buffer; returns the bucket
+        (by default the smallest that holds them)."""
+        bucket = bucket or bucket_for(len(seqs), self.buckets)
+        host = self.staging.write(seqs, bucket)
         static = self._input(bucket)
-        static.copy_(host, non_blocking=self.device.type == "cuda")
+        if static is not host:
+            static.copy_(host, non_blocking=True)
+            self.staging.copied(bucket)
+        return bucket
+
+    def execute(self, bucket: int) -> torch.Tensor:
+        """Logits [bucket, vocab] of the staged step: the graph replayed, or run eagerly."""
         self.steps += 1
         if self.capture:
             self.graphs[bucket].replay()
-            logits = self.outputs[bucket]
-        else:
-            logits = self._forward(static, bucket)
-        # a one-token entry is not sampled when it is not the sequence's last known token
-        rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens + 1 == s.num_tokens]
-        return logits[rows], [seqs[i] for i in rows]  # indexing copies: the graph's buffer is reused
-
-    def _flatten(self, p: PaddedDecode) -> list[int]:
-        """[ids | slots | seq_lens | rope rows per table | block tables], each bucket long."""
-        flat = p.input_ids + p.slots + p.seq_lens
-        for table in self.tables:
-            offset = table.long_offset if table.long_after is not None else 0
-            flat += [pos + (offset if long else 0) for pos, long in zip(p.positions, p.long_rope, strict=True)]
-        for row in p.block_tables:
-            flat += row
-        return flat
+            return self.outputs[bucket]
+        return self._forward(self.inputs[bucket], bucket)
 
     def _input(self, bucket: int) -> torch.Tensor:
         if bucket not in self.inputs:
-            size = bucket * (3 + len(self.tables) + self.width)
-            self.inputs[bucket] = torch.zeros(size, dtype=torch.int64, device=self.device)
+            if self.device.type == "cpu":  # the host buffer is the step's input: no copy
+                self.inputs[bucket] = self.staging.host(bucket)
+            else:
+                self.inputs[bucket] = torch.zeros(self.staging.size(bucket), dtype=torch.int64, device=self.device)
         return self.inputs[bucket]
 
     # ---- the step the graph holds -----------------------------------------------------
@@ -196,9 +163,8 @@ class DecodeGraphs:
     def _capture(self, bucket: int) -> None:
         """Warm up (Triton compiles outside the capture), then record the padded step;
         the static input holds padding rows only, which touch the scratch block alone."""
-        static = self._input(bucket)
-        static.copy_(torch.tensor(self._flatten(pad_decode([], bucket, self.width, self.block_size,
-                                                           self.scratch)), dtype=torch.int64))
+        self.stage([], bucket)  # padding rows only: they touch the scratch block alone
+        static = self.inputs[bucket]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

@@ -197,6 +197,9 @@ def child_main(config: EngineConfig, conn, step_clock, name: str, torch_threads:
             conn.send(batch)
 
     child = _ChildEngine(engine, send, step_clock, name=name, **kwargs)
+    from splitserve.engine.heap import freeze_startup_heap
+
+    freeze_startup_heap()  # the collector no longer walks the start-up heap at every full collection
     send([("ready", engine.model_id, engine.num_total_blocks, engine.kv_pool, child.stats)])  # the pool's
     # tensor crosses as a handle on the shared memory (torch.multiprocessing), not as a copy
     child.start()

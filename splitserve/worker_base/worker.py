@@ -22,6 +22,7 @@ from splitserve.cluster.presence import WorkerPresence
 from splitserve.cluster.remote_bus import open_bus
 from splitserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineStalledError
 from splitserve.engine.engine_process import EngineProcess, use_engine_process
+from splitserve.engine.heap import freeze_startup_heap
 from splitserve.engine.llm_engine import LLMEngine, RequestOutput
 from splitserve.engine.stats import EngineStats
 from splitserve.metrics import Metrics
@@ -77,6 +78,7 @@ class WorkerBase(abc.ABC):
         else:
             engine = await asyncio.to_thread(LLMEngine, self.config.engine)
             self.engine = AsyncEngine(engine, loop, self._on_outputs, self._on_block_events, **callbacks)
+        freeze_startup_heap()  # engine/heap.py: full collections stop walking the start-up heap
         self.engine.start()
         if isinstance(self.engine, EngineProcess):
             self.metrics.engine_process_cpu_seconds.labels(role=self.role, worker=self.worker_id).set_function(

@@ -16,13 +16,8 @@ from splitserve.core.sampling_params import SamplingParams
 from splitserve.engine import LLM
 from splitserve.engine.args import add_engine_args, engine_config_from_args
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.cuda_graphs import (
-    DecodeGraphs,
-    batch_buckets,
-    blocks_per_seq,
-    bucket_for,
-    pad_decode,
-)
+from splitserve.engine.cuda_graphs import DecodeGraphs, batch_buckets, blocks_per_seq, bucket_for
+from splitserve.engine.decode_inputs import DecodeInputs
 
 MAX_SEQS = 24  # buckets 1, 2, 4, 8, 16, 24
 
@@ -40,19 +35,85 @@ def test_buckets_cover_every_batch_up_to_max_num_seqs():
         batch_buckets(0)
 
 
+def _seq(tokens, computed, table, long_rope=False):
+    return SimpleNamespace(token_ids=tokens, num_computed_tokens=computed, block_table=table, long_rope=long_rope)
+
+
+def _layout(flat, bucket, width, ropes):
+    b = bucket
+    cols = [flat[i * b:(i + 1) * b].tolist() for i in range(3 + ropes)]
+    return cols, flat[(3 + ropes) * b:].view(b, width)
+
+
 def test_padding_rows_point_at_the_scratch_block_only():
-    seqs = [SimpleNamespace(token_ids=[7, 8, 9, 10, 11], num_computed_tokens=4, block_table=[3, 5], long_rope=False),
-            SimpleNamespace(token_ids=[1, 2], num_computed_tokens=1, block_table=[6], long_rope=True)]
-    p = pad_decode(seqs, bucket=4, width=3, block_size=4, scratch_block=9)
-    assert p.input_ids == [11, 2, 0, 0]
-    assert p.positions == [4, 1, 0, 0] and p.long_rope == [False, True, False, False]
-    assert p.slots == [5 * 4 + 0, 6 * 4 + 1, 36, 36]  # padding: the scratch block's first slot
-    assert p.seq_lens == [5, 2, 1, 1]  # padding attends to one (scratch) token: finite output
-    assert p.block_tables == [[3, 5, 9], [6, 9, 9], [9, 9, 9], [9, 9, 9]]
+    seqs = [_seq([7, 8, 9, 10, 11], 4, [3, 5]), _seq([1, 2], 1, [6], long_rope=True)]
+    inputs = DecodeInputs(width=3, block_size=4, scratch_block=9, rope_offsets=[0, 100], device=torch.device("cpu"))
+    (ids, slots, lens, rope, long_rope), tables = _layout(inputs.write(seqs, 4), 4, 3, 2)
+    assert ids == [11, 2, 0, 0]
+    assert rope == [4, 1, 0, 0] and long_rope == [4, 101, 0, 0]  # the long table's rows sit past `offset`
+    assert slots == [5 * 4 + 0, 6 * 4 + 1, 36, 36]  # padding: the scratch block's first slot
+    assert lens == [5, 2, 1, 1]  # padding attends to one (scratch) token: finite output
+    assert tables.tolist() == [[3, 5, 9], [6, 9, 9], [9, 9, 9], [9, 9, 9]]
     with pytest.raises(ValueError, match="do not fit"):
-        pad_decode(seqs, bucket=1, width=3, block_size=4, scratch_block=9)
+        inputs.write(seqs, 1)
     with pytest.raises(ValueError, match="wider"):
-        pad_decode(seqs, bucket=2, width=1, block_size=4, scratch_block=9)
+        inputs.write([_seq([1] * 20, 13, [1, 2, 3, 4])], 1)
+
+
+def test_block_tables_are_written_incrementally_and_rewritten_for_another_owner():
+    inputs = DecodeInputs(width=4, block_size=2, scratch_block=0, rope_offsets=[0], device=torch.device("cpu"))
+    a, b = _seq([1, 2, 3], 2, [4, 5]), _seq([1], 0, [6])
+    inputs.write([a, b], 2)
+    host = inputs.host(2)
+    tables = host[8:].view(2, 4)
+    tables[0, 0] = 99  # a row already written is not written again...
+    a.token_ids.append(4)
+    a.num_computed_tokens = 3
+    inputs.write([a, b], 2)
+    assert tables[0].tolist() == [99, 5, 0, 0]
+    a.block_table.extend([7])  # ...only the blocks appended since
+    a.token_ids.append(5)
+    a.num_computed_tokens = 4
+    inputs.write([a, b], 2)
+    assert tables[0].tolist() == [99, 5, 7, 0] and host[2].item() == 7 * 2  # slot in the new block
+    a.block_table = [8, 9, 10]  # preempted and re-admitted: a new list, rewritten whole
+    inputs.write([b, a], 2)  # and another batch order
+    assert tables[0, :1].tolist() == [6] and tables[1, :3].tolist() == [8, 9, 10]
+    assert host[:2].tolist() == [1, 5] and host[4:6].tolist() == [1, 5]  # ids; seq_lens
+
+
+def test_staged_inputs_match_a_fresh_build_over_random_batches():
+    """Whatever the order of steps, batch orders, growth and new tables, the entries a step
+    reads (each row's first ceil(len / block_size) table ids, the scalars) are those of
+    a build from scratch."""
+    rng = random.Random(5)
+    bs, width, scratch = 4, 8, 63
+    inputs = DecodeInputs(width, bs, scratch, [0], torch.device("cpu"))
+    pool = [_seq([rng.randrange(100) for _ in range(rng.randrange(1, 20))], 0, []) for _ in range(12)]
+    next_block = iter(range(1000))
+    for _ in range(300):
+        seqs = rng.sample(pool, rng.randrange(1, 9))
+        for s in seqs:
+            if rng.random() < 0.1:
+                s.block_table = []  # preempted: a new table
+            s.num_computed_tokens = len(s.token_ids) - 1
+            while len(s.block_table) * bs < len(s.token_ids):
+                s.block_table.append(next(next_block) % scratch)
+            if len(s.token_ids) >= width * bs:
+                s.token_ids, s.block_table = s.token_ids[:1], []
+                s.block_table.append(next(next_block) % scratch)
+                s.num_computed_tokens = 0
+        bucket = bucket_for(len(seqs), batch_buckets(8))
+        (ids, slots, lens, rope), tables = _layout(inputs.write(seqs, bucket), bucket, width, 1)
+        for i, s in enumerate(seqs):
+            pos = s.num_computed_tokens
+            assert (ids[i], rope[i], lens[i]) == (s.token_ids[pos], pos, pos + 1)
+            assert slots[i] == s.block_table[pos // bs] * bs + pos % bs
+            assert tables[i, : -(-(pos + 1) // bs)].tolist() == s.block_table[: -(-(pos + 1) // bs)]
+        for i in range(len(seqs), bucket):
+            assert (ids[i], slots[i], lens[i], rope[i], tables[i, 0].item()) == (0, scratch * bs, 1, 0, scratch)
+        for s in seqs:
+            s.token_ids.append(rng.randrange(100))
 
 
 def test_configuration_and_flag():

@@ -9,7 +9,10 @@ process as they found it (no killed workers, no changed settings).
 
 from __future__ import annotations
 
-from tests.helpers.processes import SplitserveProcess
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # processes.py needs redis and Ray: tests/suite/plan.py reads USERS without them
+    from tests.helpers.processes import SplitserveProcess
 
 SERVED = "m"
 LAYOUTS: dict[str, tuple[str, list[str]]] = {
@@ -31,6 +34,8 @@ class SharedServes:
     def get(self, layout: str) -> SplitserveProcess:
         if layout not in self.running:
             family, args = LAYOUTS[layout]
+            from tests.helpers.processes import SplitserveProcess
+
             self.running[layout] = SplitserveProcess("serve", ["--model", str(self.make_ckpt(family)), *args])
         return self.running[layout]
 

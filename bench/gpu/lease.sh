@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (no package index there; see pack_deps.sh): unpack the carried
+# wheels, probe what a batch-1 matmul reaches, run the short GPU check, and leave the results
+# in $OUT (at most 8 files come back): the merged JSON, the probe's JSON, all logs in one tarball.
+#   bench/gpu/pack_deps.sh            # here, once: .gpucarry/site312.tar.xz (~48 MB)
+#   device run, carry [".gpucarry"]:  bash bench/gpu/lease.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/lease_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+tar xJf .gpucarry/site312.tar.xz -C /tmp || exit 1
+export PYTHONPATH=/tmp/site312:$PWD LD_LIBRARY_PATH=/tmp/syslibs
+ldconfig -p | grep -q "libcurl.so.4 " || export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:/tmp/syslibs/curl
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
+timeout "${PROBE_LIMIT:-75}" python3 bench/gpu/gemv_probe.py "$OUT/gemv_probe.json"
+touch /tmp/lease_marker
+PYTHON=python3 STAGE_LIMIT=${STAGE_LIMIT:-120} WORKDIR=/tmp/gpu_check_work KERNEL_WORKERS=8 \
+  timeout "${CHECK_LIMIT:-420}" bench/gpu/run_short.sh "$@" > "$OUT/run_short.log" 2>&1
+echo "run_short exit $?"
+for f in bench/results/gpu_check_*.json; do
+  [ "$f" -nt /tmp/lease_marker ] || continue
+  cp "$f" "$OUT/" && python3 - "$f" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(d.get("device"), d.get("started"), d.get("finished"))
+for s in d["stages"]:
+    print(f"{s['stage']:14} {s['status']:8} {s.get('seconds')}s  {str(s.get('reason'))[:230]}")
+for t in d.get("summary", {}).get("targets", []):
+    print(f"target: {t['name']}: {t['value']} ({t['target']}) met={t['met']}")
+PY
+done
+tar czf "$OUT/gpu_check_work.tgz" -C /tmp gpu_check_work 2>/dev/null
+ls -la "$OUT"
