@@ -115,6 +115,21 @@ class Metrics:
             "splitserve_local_prefill_fallbacks_total",
             "Requests a decode worker prefilled itself after a prefill or transfer failure.",
             ["worker", "reason"], registry=r)
+        # Prefill workers: what they hold for pushes and what they refuse (prefill_worker/).
+        self.kv_held_blocks = Gauge(
+            "splitserve_kv_held_blocks", "KV blocks a prefill worker holds for pushes: prompts computed and not yet "
+            "sent or given up. Above 0 with no traffic means blocks that will not come back.",
+            ["role", "worker"], registry=r)
+        self.kv_held_expired = Counter(
+            "splitserve_kv_held_expired_total", "Held prompts a prefill worker released because no request was "
+            "left to push them (a bug: the log line names the request).", ["worker"], registry=r)
+        self.prefill_refused = Counter(
+            "splitserve_prefill_refused_total", "Remote prefills a prefill worker refused at once because its "
+            "queue would not clear before the caller's deadline (the decode worker prefilled them itself).",
+            ["worker"], registry=r)
+        self.prefill_tokens_per_second = Gauge(
+            "splitserve_prefill_tokens_per_second", "A prefill worker's measured prompt tokens per busy second "
+            "(what its admission uses).", ["worker"], registry=r)
         # Router.
         self.router_decision_seconds = Histogram(
             "splitserve_router_decision_seconds", "Time to choose workers for one request.",

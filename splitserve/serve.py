@@ -32,6 +32,7 @@ from splitserve.core.cpus import (
     threads_per_worker,
 )
 from splitserve.core.model_dir import checkpoint_problem
+from splitserve.decode_worker.prefill_timeout import add_prefill_timeout_arg
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.logs import configure_logging, keep_output_lines_whole
 from splitserve.router.main import add_router_args, bind_http, start_router
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-workers", type=int, default=1)
     ap.add_argument("--redis-url", help="use Redis as the cluster bus (default: in-process)")
     ap.add_argument("--kv-backend", choices=["grpc", "mooncake"], default="grpc")
+    add_prefill_timeout_arg(ap)
     ap.add_argument("--cpus", type=positive_int, help="CPUs the workers' engines share (default: those this process may "
                     "use); each worker gets an equal share of torch threads unless --torch-threads is given")
     ap.add_argument("--no-cpu-pinning", action="store_true",
@@ -166,7 +168,8 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
                   engine_stall_timeout_s=args.engine_stall_timeout,
                   engine_process=ENGINE_LOOPS[args.engine_loop])
     for i in range(args.decode_workers):
-        cfg = DecodeWorkerConfig(pinned_engine(engine, pinned), worker_id=f"decode-{i}", **common)
+        cfg = DecodeWorkerConfig(pinned_engine(engine, pinned), worker_id=f"decode-{i}",
+                                 prefill_timeout_s=args.prefill_timeout, **common)
         actors.append(WorkerActor.options(name=f"decode-{i}", **opts).remote(DecodeWorker, cfg, threads))
     for i in range(args.prefill_workers):
         cfg = PrefillWorkerConfig(pinned_engine(engine, pinned), worker_id=f"prefill-{i}", **common)

@@ -14,6 +14,7 @@ import torch
 
 from splitserve.core.cpus import available_cpus, threads_per_worker
 from splitserve.core.ports import ADMIN_PORT, DECODE_GRPC_PORT, DRAIN_PORT
+from splitserve.decode_worker.prefill_timeout import add_prefill_timeout_arg
 from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.logs import configure_logging
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rdma-device", help="RDMA device for mooncake, e.g. mlx5_0")
     ap.add_argument("--drain-port", type=int, default=DRAIN_PORT, help="loopback-only port of /drain")
     ap.add_argument("--drain-timeout", type=float, default=600.0)
+    add_prefill_timeout_arg(ap)
     add_worker_health_args(ap)
     add_security_args(ap)
     args = ap.parse_args(argv)
@@ -51,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                                 cluster=args.cluster, kv_backend=args.kv_backend, kv_protocol=args.kv_protocol,
                                 rdma_device=args.rdma_device, admin_port=args.admin_port,
                                 drain_port=args.drain_port, drain_timeout_s=args.drain_timeout,
+                                prefill_timeout_s=args.prefill_timeout,
                                 security=security_from_args(args), engine_stall_timeout_s=args.engine_stall_timeout,
                                 engine_process=ENGINE_LOOPS[args.engine_loop])
     worker = DecodeWorker(config)

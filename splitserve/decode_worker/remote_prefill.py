@@ -67,9 +67,14 @@ class RemotePrefill:
         except (grpc.aio.AioRpcError, RuntimeError) as exc:
             if isinstance(exc, EngineDeadError):
                 raise
-            why = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            log.warning("request %s: remote prefill on %s (%s) failed (%s); prefilling locally on %s",
-                        rid, request.prefill_worker_id, request.prefill_address, why, self.worker_id)
+            rpc = isinstance(exc, grpc.aio.AioRpcError)
+            why = f"{exc.code().name}: {exc.details()}" if rpc else str(exc)
+            # RESOURCE_EXHAUSTED: refused up front, its queue too deep for the deadline (load, not a fault)
+            refused = rpc and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            log.log(logging.INFO if refused else logging.WARNING,
+                    "request %s: remote prefill on %s (%s) %s (%s); prefilling locally on %s", rid,
+                    request.prefill_worker_id, request.prefill_address, "refused" if refused else "failed", why,
+                    self.worker_id)
             self.metrics.local_prefill_fallbacks.labels(worker=self.worker_id, reason=_reason(exc)).inc()
             # Shielded: a client that leaves now must not skip the wait for the lease.
             await asyncio.shield(self._release_reservation(rid, lease, released, "remote prefill failed"))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from splitserve.core.sampling_params import InvalidSamplingParams
+from splitserve.decode_worker.prefill_timeout import DEFAULT_PREFILL_TIMEOUT_S
 from splitserve.decode_worker.remote_prefill import RemotePrefill
 from splitserve.engine.async_engine import EngineDeadError
 from splitserve.engine.llm_engine import InvalidPromptError, RequestOutput
@@ -35,10 +36,9 @@ from splitserve.worker_base.worker import WorkerBase
 
 log = logging.getLogger(__name__)
 
-
 @dataclass
 class DecodeWorkerConfig(WorkerConfig):
-    prefill_timeout_s: float = 30.0
+    prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT_S  # --prefill-timeout
     drain_port: int | None = None  # /drain on 127.0.0.1 only (`splitserve drain`); 0: any free; None: off
     drain_timeout_s: float = 600.0
 

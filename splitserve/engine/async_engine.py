@@ -157,6 +157,9 @@ class AsyncEngine:
     async def release_held(self, request_id: str) -> None:
         await self.call(self.engine.release_held, request_id)
 
+    async def held_summary(self) -> dict[str, int]:
+        return await self.call(self.engine.held_summary)
+
     async def cached_block_hashes(self) -> list[int]:
         return await self.call(self.engine.cached_block_hashes)
 

@@ -208,6 +208,9 @@ class EngineProcess:
     async def release_held(self, request_id) -> None:
         await self._call("release_held", request_id, result=False)
 
+    async def held_summary(self):
+        return await self._call("held_summary")
+
     async def cached_block_hashes(self):
         return await self._call("cached_block_hashes")
 

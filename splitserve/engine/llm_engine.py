@@ -166,7 +166,7 @@ class LLMEngine:
         return EngineStats(steps, len(s.waiting), len(s.running), len(prefilling), queued, len(self.remote),
                            len(self.held), len(self.sequences), s.num_free_blocks,
                            s.num_blocks, s.prefix_query_tokens, s.prefix_hit_tokens,
-                           s.num_preemptions)
+                           s.num_preemptions, sum(len(q.block_table) for q in self.held.values()))
 
     # ---- the loop ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -216,6 +216,10 @@ class LLMEngine:
         seq = self.held.pop(request_id, None)
         if seq is not None:
             self.scheduler.free(seq)
+
+    def held_summary(self) -> dict[str, int]:
+        """Prefill side: KV blocks held for a push, per request."""
+        return {rid: len(seq.block_table) for rid, seq in self.held.items()}
 
     def held_blocks(self, request_id: str, skip_blocks: int) -> tuple[list[int], list[int]]:
         """Prefill side: (block ids, hashes of the full ones) of a finished request's

@@ -24,6 +24,7 @@ class EngineStats:
     prefix_query_tokens: int
     prefix_hit_tokens: int
     preemptions: int
+    held_blocks: int = 0  # prefill side: KV blocks of the held_for_push sequences
 
     @property
     def kv_usage(self) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, replace
 
 import grpc
@@ -21,6 +22,7 @@ from splitserve.engine.llm_engine import InvalidPromptError, RequestOutput
 from splitserve.engine.stats import EngineStats
 from splitserve.kvtransfer import BACKENDS, KVTransferConfig, KVTransferError, create_sender
 from splitserve.metrics import Metrics
+from splitserve.prefill_worker.admission import PrefillThroughput
 from splitserve.proto.convert import logprob_to_proto, pb, sampling_from_proto
 from splitserve.proto.worker_pb2_grpc import (
     PrefillWorkerServicer,
@@ -33,6 +35,8 @@ from splitserve.worker_base.worker import WorkerBase
 log = logging.getLogger(__name__)
 
 MAX_PUSH_TIMEOUT_S = 600.0
+HELD_SWEEP_S = 5.0  # how often held blocks are counted (the gauge) and checked for an owner
+ORPHAN_GRACE_S = 10.0  # held with no Prefill call left to push them for this long: released
 
 
 @dataclass
@@ -47,6 +51,9 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
         super().__init__(config, metrics, bus)
         self.waiters: dict[str, asyncio.Future[RequestOutput]] = {}
         self.senders: dict[str, object] = {}
+        self.throughput = PrefillThroughput()  # admission: refuse what cannot meet its deadline
+        self.orphans: dict[str, float] = {}  # held requests no call owns, since when (monotonic)
+        self._sweeper: asyncio.Task | None = None
 
     async def start(self) -> str:
         cfg = self.config
@@ -59,12 +66,17 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
         add_PrefillWorkerServicer_to_server(self, self.server)
         await self._bind(self.server)
         await self._start_presence(engine)
+        self.metrics.kv_held_blocks.labels(role=self.role, worker=self.worker_id).set_function(
+            lambda: self.engine.stats.held_blocks)  # as of the last step, read at scrape time
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_held())
         log.info("prefill worker %s serving on %s (%d KV blocks%s; links: %s)", self.worker_id, self.address,
                  engine.num_total_blocks, f", admin {self.admin_url}" if self.admin_url else "",
                  cfg.security.describe())
         return self.address
 
     async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self.presence is not None:
             await self.presence.stop()
         if self.server is not None:
@@ -75,7 +87,7 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
 
     # ---- state ------------------------------------------------------------------------
     def _kv_extras(self, s: EngineStats) -> dict:
-        return {"held_for_push": s.held_for_push, "waiters": len(self.waiters)}
+        return {"held_for_push": s.held_for_push, "held_blocks": s.held_blocks, "waiters": len(self.waiters)}
 
     def admin_extras(self) -> dict:
         return {"waiters": len(self.waiters)}
@@ -123,8 +135,17 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
             params = replace(sampling, max_tokens=1, stop=[], n=1, min_tokens=min(sampling.min_tokens, 1))
         except InvalidSamplingParams as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {exc}")
+        tokens = len(request.prompt_token_ids)
+        why = self.throughput.refusal(tokens, request.timeout_s, time.monotonic())
+        if why is not None:  # admission.py: it would miss the deadline and be computed twice
+            self.metrics.prefill_refused.labels(worker=self.worker_id).inc()
+            log.info("prefill worker %s refuses request %s: %s", self.worker_id, rid, why)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"request {rid}: prefill worker {self.worker_id}: {why}; prefill it locally")
         fut: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
         self.waiters[rid] = fut
+        started = time.monotonic()
+        self.throughput.started(tokens, started)
         try:
             try:
                 await self.engine.add_request(rid, list(request.prompt_token_ids), params, hold_kv=True)
@@ -161,6 +182,12 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
             # remaining chunks ran on and it finished into the held set with nobody left to
             # release it (issue 38).
             finished = fut.done() and not fut.cancelled()
+            now = time.monotonic()
+            self.throughput.finished(tokens, now, computed=finished and fut.exception() is None
+                                     and fut.result().error is None,
+                                     gave_up_after=now - started if fut.cancelled() else None)
+            if self.throughput.tokens_per_s:
+                self.metrics.prefill_tokens_per_second.labels(worker=self.worker_id).set(self.throughput.tokens_per_s)
             await asyncio.shield(asyncio.ensure_future(self._release(rid, abort=not finished)))
         # the step's part only (the first output's new token is its only one): an engine in its
         # own process sends no cumulative fields (engine/engine_process.py)
@@ -180,6 +207,34 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
             await self.engine.release_held(rid)
         except EngineDeadError:
             pass  # nothing left to free: the process is about to be replaced
+
+    async def _sweep_held(self) -> None:
+        """Release held blocks that a Prefill call no longer owns: the hold's lease is the
+        call, and a hold that outlives it by ORPHAN_GRACE_S is a leak (issue 38) that must
+        not shrink the pool for good."""
+        while True:
+            await asyncio.sleep(HELD_SWEEP_S)
+            try:
+                held = await self.engine.held_summary()
+            except EngineDeadError:
+                continue  # the worker is going away; the watchdog says so
+            except Exception as exc:  # noqa: BLE001 - the sweep must outlive one bad answer
+                log.warning("prefill worker %s: could not read its held KV blocks (%r); trying again in %.0f s",
+                            self.worker_id, exc, HELD_SWEEP_S)
+                continue
+            now = time.monotonic()
+            self.orphans = {rid: t for rid, t in self.orphans.items() if rid in held and rid not in self.waiters}
+            for rid, blocks in held.items():
+                if rid in self.waiters:
+                    continue
+                since = self.orphans.setdefault(rid, now)
+                if now - since >= ORPHAN_GRACE_S:
+                    log.error("prefill worker %s: request %s has held %d KV blocks for a push for %.0f s with no "
+                              "Prefill call left to push them; releasing them. This is a bug: please report it "
+                              "with this log", self.worker_id, rid, blocks, now - since)
+                    self.metrics.kv_held_expired.labels(worker=self.worker_id).inc()
+                    self.orphans.pop(rid)
+                    await self._release(rid, abort=False)
 
     async def Health(self, request, context) -> pb.HealthReply:  # noqa: N802
         r = self.load_report()

@@ -1,0 +1,96 @@
+"""Whether a prefill worker takes a prompt, from its own measured prefill rate.
+
+The decode worker gives every remote prefill a deadline (PrefillRequest.timeout_s, its
+`--prefill-timeout`). A prompt that joins a queue the prefill worker cannot clear in time
+is computed twice: here until the deadline passes, then again locally on the decode worker
+(issue 38: a burst of 24 long prompts timed out 43 of 48 remote prefills). So the worker
+refuses at once the prompts it expects to miss: the prompt tokens it has admitted and not
+finished, plus this prompt, over its measured throughput, against the deadline less a
+share kept for the KV push. Refused (RESOURCE_EXHAUSTED), the decode worker prefills
+locally straight away: nothing is computed twice, and the first token comes sooner than
+after a timeout.
+
+Throughput is measured while busy: prompt tokens of finished prefills over the seconds in
+which at least one prefill was outstanding, averaged over recent windows, so batching
+counts and idle time does not. Before its first measurement a worker admits everything (a
+burst in its first seconds can still time out, as before: refusing on a rate nobody knows
+would turn disaggregation off at every start), and an idle worker whose measurement is
+older than REMEASURE_S admits one prompt whatever it says, so one bad sample cannot refuse
+everything for good. Prefix-cache hits make the
+estimate pessimistic (their tokens are not computed), which errs towards a local prefill,
+never towards a duplicate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PUSH_SHARE = 0.2  # of the deadline, kept for the KV push and the reply
+MIN_WINDOW_S = 0.05  # shorter busy windows are folded into the next (timer noise)
+REMEASURE_S = 60.0  # an idle worker with an older measurement admits one prompt to measure again
+
+
+@dataclass
+class PrefillThroughput:
+    """Outstanding prompt tokens and the measured prompt tokens per busy second."""
+
+    smoothing: float = 0.3  # weight of the newest window
+    tokens_per_s: float | None = None
+    outstanding_tokens: int = 0
+    outstanding: int = 0
+    measured_at: float | None = None
+    _busy_since: float = 0.0
+    _window_tokens: int = 0
+    _window_busy_s: float = 0.0
+
+    def started(self, tokens: int, now: float) -> None:
+        if self.outstanding == 0:
+            self._busy_since = now
+        self.outstanding += 1
+        self.outstanding_tokens += tokens
+
+    def finished(self, tokens: int, now: float, computed: bool, gave_up_after: float | None = None) -> None:
+        """A prefill left the queue; `computed`: it ran to its first token. `gave_up_after`:
+        its caller's deadline passed this long after it was admitted, unfinished, so the
+        rate is below tokens / that (a worker whose every prefill times out measures
+        nothing otherwise, and would admit blind for ever)."""
+        self._window_busy_s += now - self._busy_since
+        self._busy_since = now
+        self.outstanding = max(0, self.outstanding - 1)
+        self.outstanding_tokens = max(0, self.outstanding_tokens - tokens)
+        if computed:
+            self._window_tokens += tokens
+        if self._window_tokens and self._window_busy_s >= MIN_WINDOW_S:
+            rate = self._window_tokens / self._window_busy_s
+            self.tokens_per_s = rate if self.tokens_per_s is None else (
+                self.smoothing * rate + (1 - self.smoothing) * self.tokens_per_s)
+            self._window_tokens, self._window_busy_s = 0, 0.0
+            self.measured_at = now
+        if gave_up_after:
+            bound = tokens / gave_up_after
+            if self.tokens_per_s is None or bound < self.tokens_per_s:
+                self.tokens_per_s, self.measured_at = bound, now
+
+    def refusal(self, prompt_tokens: int, deadline_s: float, now: float) -> str | None:
+        """None to admit a prompt of `prompt_tokens` due within `deadline_s` (0: no
+        deadline); otherwise why it would miss, for the caller's log."""
+        if deadline_s <= 0:
+            return None
+        if self.tokens_per_s is None:
+            return None  # nothing measured yet
+        if self.outstanding == 0 and now - self.measured_at > REMEASURE_S:
+            return None  # idle, and the measurement is old: this one measures again
+        return refusal(self.outstanding_tokens, prompt_tokens, self.tokens_per_s, deadline_s)
+
+
+def refusal(outstanding_tokens: int, prompt_tokens: int, tokens_per_s: float, deadline_s: float) -> str | None:
+    """None when the queue and the prompt fit the deadline less the push's share."""
+    if deadline_s <= 0:
+        return None
+    eta = (outstanding_tokens + prompt_tokens) / tokens_per_s
+    budget = deadline_s * (1 - PUSH_SHARE)
+    if eta <= budget:
+        return None
+    return (f"{outstanding_tokens} prompt tokens are queued ahead of these {prompt_tokens} at about "
+            f"{tokens_per_s:.0f} tokens/s: about {eta:.1f} s, past the {budget:.1f} s this prefill may take "
+            f"within the caller's {deadline_s:g} s deadline")

@@ -1,0 +1,123 @@
+"""A prefill worker refuses up front a prompt it cannot finish before its caller's deadline
+(prefill_worker/admission.py), instead of computing it until the deadline passes while the
+decode worker computes it again (issue 38); and held blocks that no Prefill call owns any
+longer are released, not kept for good."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from splitserve.cluster.inproc_bus import InProcBus
+from splitserve.decode_worker.prefill_timeout import MAX_PREFILL_TIMEOUT_S
+from splitserve.engine import EngineConfig, SamplingParams
+from splitserve.prefill_worker import worker as prefill_module
+from splitserve.prefill_worker.admission import REMEASURE_S, PrefillThroughput, refusal
+from splitserve.prefill_worker.worker import MAX_PUSH_TIMEOUT_S, PrefillWorker, PrefillWorkerConfig
+from splitserve.proto.convert import pb, sampling_to_proto
+from splitserve.proto.worker_pb2_grpc import PrefillWorkerStub
+from tests.workers.test_prefill_deadline_release import wait_for
+
+
+def test_throughput_counts_busy_time_only():
+    t = PrefillThroughput(smoothing=1.0)
+    assert t.refusal(10_000, 1.0, now=0.0) is None  # nothing measured: admitted
+    t.started(100, now=0.0)
+    t.started(300, now=0.5)  # batched with the first
+    assert (t.outstanding, t.outstanding_tokens) == (2, 400)
+    t.finished(100, now=1.0, computed=True)
+    assert t.tokens_per_s == pytest.approx(100.0)  # 100 tokens in 1 busy second
+    t.finished(300, now=2.0, computed=True)
+    assert t.tokens_per_s == pytest.approx(300.0)
+    # idle from 2 to 100: not counted
+    t.started(50, now=100.0)
+    t.finished(50, now=100.5, computed=True)
+    assert t.tokens_per_s == pytest.approx(100.0)
+    t.started(50, now=200.0)
+    t.finished(50, now=260.0, computed=False)  # aborted: no tokens, its time joins the next window
+    assert t.tokens_per_s == pytest.approx(100.0) and t.outstanding_tokens == 0
+    assert t.measured_at == 100.5
+    assert t.refusal(2000, 10.0, now=100.5 + REMEASURE_S + 1) is None  # idle and stale: measure again
+    t.started(10, now=300.0)
+    assert "about 20.1 s" in t.refusal(2000, 10.0, now=300.5)  # busy: 20 s of work for a 10 s deadline
+    assert t.refusal(700, 10.0, now=300.5) is None  # 7.1 s fits
+
+
+def test_a_prefill_given_up_by_its_caller_bounds_the_rate():
+    """Where every prefill times out nothing completes to measure: the deadline itself says
+    the worker computed under tokens / seconds, so the next such prompt is refused."""
+    t = PrefillThroughput()
+    t.started(1500, now=0.0)
+    t.finished(1500, now=30.0, computed=False, gave_up_after=30.0)
+    assert t.tokens_per_s == pytest.approx(50.0)
+    t.started(100, now=30.5)
+    assert "about 32.0 s" in t.refusal(1500, 30.0, now=30.5)  # (100 + 1500) / 50
+
+
+def test_refusal_keeps_a_share_of_the_deadline_for_the_push():
+    assert refusal(0, 790, 100.0, 10.0) is None  # 7.9 s of a 10 s deadline: 2 s left to push
+    why = refusal(700, 200, 100.0, 10.0)  # 9 s > 8 s
+    assert why is not None and "700 prompt tokens are queued ahead of these 200" in why and "10 s deadline" in why
+    assert refusal(10**9, 1, 1.0, 0) is None  # no deadline: nothing to miss
+    assert MAX_PREFILL_TIMEOUT_S == MAX_PUSH_TIMEOUT_S  # the decode side's flag accepts what a prefill worker does
+
+
+def _request(rid: str, prompt: list[int], timeout_s: float) -> pb.PrefillRequest:
+    """Every block cached on the decode side (skip_blocks): nothing to push, no receiver needed."""
+    return pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
+                             sampling=sampling_to_proto(SamplingParams(temperature=0, max_tokens=4)),
+                             kv_receiver_address="127.0.0.1:1", kv_backend="grpc", timeout_s=timeout_s,
+                             skip_blocks=len(prompt) // 16, dest_block_ids=[])
+
+
+@pytest.fixture
+async def prefill_worker(make_ckpt, monkeypatch):
+    monkeypatch.setattr(prefill_module, "HELD_SWEEP_S", 0.2)
+    monkeypatch.setattr(prefill_module, "ORPHAN_GRACE_S", 0.5)
+    cfg = EngineConfig(model=str(make_ckpt("llama")), num_kv_blocks=64, model_id="test-model")
+    worker = PrefillWorker(PrefillWorkerConfig(cfg, worker_id="p0", engine_process=False), bus=InProcBus())
+    await worker.start()
+    yield worker
+    await worker.stop()
+
+
+async def test_a_prompt_that_would_miss_its_deadline_is_refused_before_any_work(prefill_worker):
+    worker = prefill_worker
+    worker.throughput.tokens_per_s = 10.0  # as measured just now on a slow machine: 10 prompt tokens a second
+    worker.throughput.measured_at = time.monotonic()
+    worker.throughput.outstanding_tokens = 40  # and a queue ahead
+    worker.throughput.outstanding = 1
+    async with grpc.aio.insecure_channel(worker.address) as channel:
+        stub = PrefillWorkerStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Prefill(_request("too-late", list(range(5, 69)), timeout_s=5.0), timeout=5.0)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "request too-late: prefill worker p0: 40 prompt tokens are queued ahead of these 64" in \
+            err.value.details() and "prefill it locally" in err.value.details()
+        assert worker.metrics.prefill_refused.labels(worker="p0")._value.get() == 1
+        assert worker.engine.stats.sequences == 0 and not worker.waiters  # nothing started
+        # the same prompt with room in its deadline is served
+        worker.throughput.outstanding_tokens = worker.throughput.outstanding = 0
+        reply = await stub.Prefill(_request("in-time", list(range(5, 69)), timeout_s=60.0), timeout=60.0)
+    assert reply.worker_id == "p0"
+    assert worker.throughput.outstanding_tokens == 0 and worker.throughput.outstanding == 0
+
+
+async def test_held_blocks_nobody_will_push_are_released_and_counted(prefill_worker):
+    worker = prefill_worker
+    # a hold with no Prefill call behind it: what the leak of issue 38 left
+    await worker.engine.add_request("orphan", list(range(5, 40)), SamplingParams(temperature=0, max_tokens=1),
+                                    hold_kv=True)
+    def held_gauge():  # what a scrape reads
+        return worker.metrics.registry.get_sample_value("splitserve_kv_held_blocks",
+                                                        {"role": "prefill", "worker": "p0"})
+
+    await wait_for(lambda: held_gauge() == 3, "the gauge to count the 3 held blocks", timeout=30)
+    await wait_for(lambda: worker.metrics.kv_held_expired.labels(worker="p0")._value.get() == 1,
+                   "the orphan to be released", timeout=30)
+    await wait_for(lambda: held_gauge() == 0, "the gauge to fall back to 0", timeout=30)
+    stats = worker.engine.stats
+    assert stats.held_for_push == 0 and not worker.engine.engine.held
+    assert await worker.engine.held_summary() == {}
