@@ -23,6 +23,7 @@ import sys
 import time
 
 from splitserve.core.banner import serving_banner
+from splitserve.core.checkpoint_check import cache_dir_problem
 from splitserve.core.cli_types import positive_int
 from splitserve.core.cpus import (
     CpuPlan,
@@ -31,7 +32,7 @@ from splitserve.core.cpus import (
     pin_this_process,
     threads_per_worker,
 )
-from splitserve.core.model_dir import checkpoint_problem
+from splitserve.core.model_dir import checkpoint_problem, demo_dir
 from splitserve.decode_worker.prefill_timeout import add_prefill_timeout_arg
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.logs import configure_logging, keep_output_lines_whole
@@ -253,11 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             print(f"splitserve serve: --kv-backend mooncake: {problem}", file=sys.stderr)
             return 2
-    if args.model is not None:  # checked before Ray or any process starts: one line, exit 2
-        problem = checkpoint_problem(args.model)
-        if problem:
-            print(f"splitserve serve: {problem}", file=sys.stderr)
-            return 2
+    # checked before Ray or any process starts: one line, exit 2
+    problem = checkpoint_problem(args.model) if args.model is not None else (
+        None if (demo_dir() / "config.json").is_file() else cache_dir_problem(demo_dir()))
+    if problem:
+        print(f"splitserve serve: {problem}", file=sys.stderr)
+        return 2
     if args.redis_url and not args.redis_url.startswith(("redis://", "rediss://", "unix://")):
         print(f"splitserve serve: --redis-url {args.redis_url!r} must start with redis://", file=sys.stderr)
         return 2

@@ -42,14 +42,16 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def checkpoint_problem(model_dir: str) -> str | None:
-    """One line saying why `model_dir` cannot be served (missing or unsupported config),
-    or None. Reads config.json only: no torch, no weights."""
+    """One line saying why `model_dir` cannot be served (missing or unsupported config,
+    missing, truncated or garbled weights, no tokenizer), or None. No torch, and no
+    tensor is loaded: core/checkpoint_check.py reads the safetensors headers only."""
+    from splitserve.core.checkpoint_check import checkpoint_files_problem
     from splitserve.core.model_config import CheckpointError, ModelConfig
 
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         return f"{model_dir}/config.json not found: --model must be a Hugging Face checkpoint directory"
     try:
-        ModelConfig.from_dir(model_dir)
+        cfg = ModelConfig.from_dir(model_dir)
     except CheckpointError as exc:
         return str(exc)
-    return None
+    return checkpoint_files_problem(model_dir, cfg.vocab_size, cfg.hidden_size)

@@ -1,0 +1,115 @@
+"""What is wrong with a checkpoint's files, found before any process starts (issue 39).
+
+`serve` used to find a missing weight file, a truncated or garbled safetensors file or a
+missing tokenizer only inside its workers: Ray up, actors spawned, and 18-20 s later a
+hundred lines of worker tracebacks and ActorDiedErrors. This reads what can be read
+cheaply, without torch and without loading a tensor: the shard index and the files it
+names, every safetensors header (8-byte length, JSON, each tensor's byte range within the
+file, shape x dtype = its bytes), the embedding's shape against config.json, and that
+tokenizer.json is there and is JSON. One line naming the file and the problem, or None.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+INDEX_FILE = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+               "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+def safetensors_header(path: Path) -> tuple[dict | None, str | None]:
+    """(tensor name -> {dtype, shape, data_offsets}, None) or (None, the problem)."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return None, f"{path}: {size} bytes, too short for a safetensors file (truncated?)"
+            n = int.from_bytes(head, "little")
+            if n > MAX_HEADER_BYTES or n > size - 8:
+                return None, (f"{path}: its header claims {n} bytes in a file of {size}: not a safetensors "
+                              "file, or a truncated or garbled one")
+            header = json.loads(f.read(n))
+    except OSError as exc:
+        return None, f"{path}: cannot be read ({exc.strerror or exc})"
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None, f"{path}: its safetensors header is not valid JSON (a garbled file)"
+    if not isinstance(header, dict):
+        return None, f"{path}: its safetensors header is not a JSON object (a garbled file)"
+    data_bytes = size - 8 - n
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            expected = math.prod(shape) * DTYPE_BYTES[dtype]
+        except (KeyError, TypeError, ValueError):
+            return None, f"{path}: tensor {name!r} has a malformed header entry {info!r}"
+        if not 0 <= begin <= end <= data_bytes:
+            return None, (f"{path}: tensor {name!r} ends at byte {end} of a {data_bytes}-byte data section: "
+                          "the file is truncated")
+        if end - begin != expected:
+            return None, f"{path}: tensor {name!r} ({dtype} {shape}) should be {expected} bytes, has {end - begin}"
+        tensors[name] = info
+    return tensors, None
+
+
+def weight_files_problem(root: Path) -> tuple[list[Path], str | None]:
+    index = root / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            return [], f"{index}: expected a JSON object with a 'weight_map' field ({exc})"
+        missing = [name for name in files if not (root / name).is_file()]
+        if missing:
+            return [], f"{index}: names shard(s) that do not exist: {missing}"
+        return [root / name for name in files], None
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        return [], (f"{root}: no weights: no *.safetensors file and no {INDEX_FILE} "
+                    "(only safetensors checkpoints are served)")
+    return files, None
+
+
+def checkpoint_files_problem(model_dir: str, vocab_size: int, hidden_size: int) -> str | None:
+    """The first problem with the checkpoint's weight and tokenizer files, or None."""
+    root = Path(model_dir)
+    files, problem = weight_files_problem(root)
+    if problem:
+        return problem
+    for path in files:
+        tensors, problem = safetensors_header(path)
+        if problem:
+            return problem
+        for name, info in tensors.items():
+            if name.endswith("embed_tokens.weight") and list(info["shape"]) != [vocab_size, hidden_size]:
+                return (f"{path}: {name} is {info['shape']}, but config.json says vocab_size {vocab_size} and "
+                        f"hidden_size {hidden_size}: the weights and the config are of different models")
+    tokenizer = root / "tokenizer.json"
+    if not tokenizer.is_file():
+        return f"{tokenizer}: not found (only fast tokenizers, tokenizer.json, are supported)"
+    try:
+        json.loads(tokenizer.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"{tokenizer}: not a readable JSON tokenizer ({exc})"
+    return None
+
+
+def cache_dir_problem(cache: Path) -> str | None:
+    """Why the demo model cannot be built under `cache` (not writable), or None."""
+    probe = cache
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if probe.is_dir() and os.access(probe, os.W_OK | os.X_OK):
+        return None
+    why = "is not a writable directory" if probe.is_dir() else "is not a directory"
+    return (f"the demo model is built under {cache}, and {probe} {why}: pass --model DIR (a checkpoint "
+            "directory) or set SPLITSERVE_CACHE to a writable directory")
