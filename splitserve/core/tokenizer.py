@@ -7,8 +7,10 @@ import functools
 import json
 from pathlib import Path
 
+from tokenizers import Encoding
 from tokenizers import Tokenizer as HFTokenizer
 
+from splitserve.core.chat_content import mark_strings, special_pattern, split_marked
 from splitserve.core.chat_template import SPECIAL_TOKEN_NAMES, ChatTemplateError, render
 from splitserve.core.model_config import CheckpointError
 
@@ -133,10 +135,49 @@ class Tokenizer:
                       template_kwargs)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None) -> list[int]:
+                    template_kwargs: dict | None = None, content_as_text: bool = True) -> list[int]:
         # The template writes the special tokens itself (as transformers does).
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs),
-                           add_special_tokens=False)
+        text, nonce = self.render_chat(messages, add_generation_prompt, tools, template_kwargs, content_as_text)
+        return self.encode_rendered(text, nonce, add_special_tokens=False)
+
+    # ---- control tokens in chat content (core/chat_content.py) --------------------------
+    @functools.cached_property
+    def special_texts(self) -> list[str]:
+        """The text of every special added token (the model's control tokens)."""
+        return [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
+
+    @functools.cached_property
+    def _special_marks(self):
+        return special_pattern(self.special_texts), {t: i for i, t in enumerate(self.special_texts)}
+
+    @functools.cached_property
+    def _as_text(self) -> HFTokenizer:
+        """This tokenizer with special tokens' text tokenized as ordinary text."""
+        tok = HFTokenizer.from_str(self._tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None, content_as_text: bool = True) -> tuple[str, str | None]:
+        """(the rendered prompt, a nonce for encode_rendered): with `content_as_text`,
+        control-token text in the client's strings is marked so it stays text."""
+        nonce = None
+        pattern, index = self._special_marks
+        if content_as_text and pattern is not None:
+            marked, nonce = mark_strings([*messages, *(tools or ())], pattern, index)
+            if nonce is not None:
+                messages, tools = marked[: len(messages)], (marked[len(messages):] if tools else tools)
+        return self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs), nonce
+
+    def encode_rendered(self, text: str, nonce: str | None, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of render_chat's text: in one piece, or split at its markers."""
+        if nonce is None:
+            return self.encode(text, add_special_tokens)
+        pieces = [self._tok.encode(piece, add_special_tokens=False) if special is None
+                  else self._as_text.encode(self.special_texts[special], add_special_tokens=False)
+                  for piece, special in split_marked(text, nonce)]
+        merged = Encoding.merge(pieces)
+        return (self._tok.post_process(merged) if add_special_tokens else merged).ids
 
 
 class IncrementalDetokenizer:

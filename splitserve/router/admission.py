@@ -32,11 +32,16 @@ UINT32_MAX = 2**32 - 1
 INT64_MAX = 2**63 - 1
 
 
+def n_limit_message(n) -> str:
+    """The one message for an `n` out of range, whichever check finds it (the engine's own
+    limit, 128, is wider than this server's)."""
+    return f"'n' must be an integer in [1, {MAX_CHOICES}] on this server, got {n!r}"
+
+
 def check_request_limits(params: SamplingParams) -> None:
     """400 for parameters that are valid OpenAI but beyond what this server takes."""
     if params.n > MAX_CHOICES:
-        raise errors.invalid_request(f"'n' must be at most {MAX_CHOICES} on this server, got {params.n}", "n",
-                                     "invalid_value")
+        raise errors.invalid_request(n_limit_message(params.n), "n", "invalid_value")
     if len(params.stop) > MAX_STOP_SEQUENCES:
         raise errors.invalid_request(f"'stop' may hold at most {MAX_STOP_SEQUENCES} sequences, got "
                                      f"{len(params.stop)}", "stop", "invalid_value")

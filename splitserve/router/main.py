@@ -37,6 +37,10 @@ LINGER_S = 2.0
 
 def add_router_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--parse-control-tokens-in-content", action="store_true",
+                    help="tokenize control-token text inside chat messages (e.g. '<|eot_id|>') as the control tokens "
+                         "themselves, as transformers and vLLM do; by default it is tokenized as plain text, so a "
+                         "message cannot end its turn or open another (docs/api.md)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"),
                     help="require 'Authorization: Bearer KEY' (default: $SPLITSERVE_API_KEY). Visible in `ps`: "
@@ -100,7 +104,8 @@ async def start_router(args: argparse.Namespace, model: str, served: str, bus: C
     await dispatcher.start()
     gc.freeze()  # the index is long-lived: keep it out of collections (routing-latency spikes)
     server = RouterServer(ServerConfig(model, served, api_key=api_key_from_args(args), max_model_len=max_model_len,
-                                       admission=admission, limits=limits, expected_workers=expected_workers or {}),
+                                       admission=admission, limits=limits, expected_workers=expected_workers or {},
+                                       content_as_text=not args.parse_control_tokens_in_content),
                           dispatcher)
     # handler_cancellation: a client that disconnects cancels its handler, which cancels
     # the worker streams (the decode workers abort the request and free its blocks).

@@ -20,6 +20,7 @@ import ctypes.util
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
+from splitserve.core.chat_content import ContentMarkerError
 from splitserve.core.tokenizer import ChatTemplateError, Tokenizer
 from splitserve.router import errors
 from splitserve.router.errors import APIError
@@ -54,8 +55,10 @@ def return_large_buffers_at_once() -> None:
 
 
 class PromptTokenizer:
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, workers: int = 2, max_pending: int = 8):
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, workers: int = 2, max_pending: int = 8,
+                 content_as_text: bool = True):
         self.tokenizer = tokenizer
+        self.content_as_text = content_as_text  # --parse-control-tokens-in-content turns it off
         self.max_model_len = max_model_len
         self.max_pending = max_pending
         self.pending = 0
@@ -84,11 +87,20 @@ class PromptTokenizer:
     def _render_and_encode(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool,
                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
+            text, nonce = self.tokenizer.render_chat(messages, add_generation_prompt, tools, template_kwargs,
+                                                     self.content_as_text)
         except ChatTemplateError as exc:
             raise errors.invalid_request(str(exc), "messages") from None
         # The template writes the special tokens itself (as transformers does): no more by default.
-        return self._encode_long(text, add_special_tokens, "messages")
+        if nonce is None:
+            return self._encode_long(text, add_special_tokens, "messages")
+        # control-token text in a message: tokenized as text (core/chat_content.py)
+        self._refuse_far_too_long(text, add_special_tokens, "messages")
+        try:
+            ids = self.tokenizer.encode_rendered(text, nonce, add_special_tokens)
+        except ContentMarkerError as exc:
+            raise errors.invalid_request(str(exc), "messages") from None
+        return self._checked(len(ids), ids if len(ids) <= self.max_model_len else None, "messages")
 
     def _encode_long(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         try:

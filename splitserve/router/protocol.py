@@ -17,6 +17,7 @@ from splitserve.core.context import ContextLengthError, completion_budget
 from splitserve.core.sampling_params import InvalidSamplingParams, SamplingParams
 from splitserve.router import errors
 from splitserve.router import json_body as J
+from splitserve.router.admission import n_limit_message
 from splitserve.router.chat_messages import ChatMessage, parse_messages
 from splitserve.router.request_fields import check_fields
 from splitserve.router.structured_fields import parse_structured
@@ -206,7 +207,7 @@ def _sampling(body: dict, max_tokens: int | None, max_tokens_param: str,
         )
     except InvalidSamplingParams as exc:
         param = max_tokens_param if exc.param == "max_tokens" else exc.param
-        message = str(exc).replace("max_tokens", param, 1)
+        message = n_limit_message(body.get("n")) if param == "n" else str(exc).replace("max_tokens", param, 1)
         raise errors.invalid_request(message, param, "invalid_value") from None
 
 

@@ -53,6 +53,7 @@ class ServerConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     limits: HTTPLimits = field(default_factory=HTTPLimits)
     expected_workers: dict[str, int] = field(default_factory=dict)  # `serve`: workers it started, per role
+    content_as_text: bool = True  # control-token text in chat messages stays text (core/chat_content.py)
 
 
 class RouterServer:
@@ -64,7 +65,7 @@ class RouterServer:
         self.tokenizer = Tokenizer(config.model_dir, model.eos_token_ids)
         self.vocab_size = model.vocab_size
         self.max_model_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
-        self.prompts = PromptTokenizer(self.tokenizer, self.max_model_len)
+        self.prompts = PromptTokenizer(self.tokenizer, self.max_model_len, content_as_text=config.content_as_text)
         self.created = int(time.time())
         self.admission = Admission(config.admission)
         self._openapi = json.dumps(openapi_document(config.served_model_name, self.max_model_len,
