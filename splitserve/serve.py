@@ -167,6 +167,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
     pinned = iter(plan.engines if plan is not None else [])
     common = dict(bus_url=worker_bus, kv_backend=args.kv_backend, admin_port=0, security=security,
                   engine_stall_timeout_s=args.engine_stall_timeout,
+                  engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
                   engine_process=ENGINE_LOOPS[args.engine_loop])
     for i in range(args.decode_workers):
         cfg = DecodeWorkerConfig(pinned_engine(engine, pinned), worker_id=f"decode-{i}",

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                                 drain_port=args.drain_port, drain_timeout_s=args.drain_timeout,
                                 prefill_timeout_s=args.prefill_timeout,
                                 security=security_from_args(args), engine_stall_timeout_s=args.engine_stall_timeout,
+                                 engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
                                 engine_process=ENGINE_LOOPS[args.engine_loop])
     worker = DecodeWorker(config)
     return run_worker_process(

@@ -210,7 +210,9 @@ def child_main(config: EngineConfig, conn, step_clock, name: str, torch_threads:
         except (EOFError, OSError):  # the parent is gone: nothing to serve
             os._exit(0)
         kind = msg[0]
-        if kind == "call":
+        if kind == "ping":  # answered by this thread, whatever the engine thread is doing
+            send([("pong",)])
+        elif kind == "call":
             _, call_id, method, args, wanted = msg
             try:
                 fut = child.submit(getattr(engine, method), *args)

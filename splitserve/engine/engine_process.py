@@ -47,6 +47,7 @@ from splitserve.engine.engine_child import child_main
 from splitserve.engine.stats import EngineStats
 
 START_TIMEOUT_S = 600.0  # a large checkpoint from a slow disk
+PING_INTERVAL_S = 0.5  # how often the parent asks the child's main thread for a pong
 _said: set[str] = set()
 
 
@@ -70,8 +71,14 @@ class EngineProcess:
 
     def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop, on_outputs, on_events=None, *,
                  on_dead=None, name: str = "engine", max_step_failures: int = 3, stall_timeout_s: float = 120.0,
-                 on_step_failure=None, on_step_timing: Callable[[float, float], None] | None = None):
+                 on_step_failure=None, on_step_timing: Callable[[float, float], None] | None = None,
+                 heartbeat_timeout_s: float = 10.0):
         self.config, self.loop, self.name = config, loop, name
+        # The child's main thread answers pings whether the engine idles or steps; a process
+        # frozen (SIGSTOP, a hung system call) or starved answers nothing. Step timing alone
+        # sees only a running step, so an idle frozen engine looked healthy (issue 39).
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.last_pong = time.monotonic()
         self.on_outputs, self.on_events, self.on_dead = on_outputs, on_events, on_dead
         self.on_step_failure, self.on_step_timing = on_step_failure, on_step_timing
         self.stall_timeout_s = stall_timeout_s
@@ -124,8 +131,23 @@ class EngineProcess:
         return self
 
     def start(self) -> None:
+        self.last_pong = time.monotonic()
         self._reader = threading.Thread(target=self._read, name=f"engine-pipe-{self.name}", daemon=True)
         self._reader.start()
+        threading.Thread(target=self._ping, name=f"engine-ping-{self.name}", daemon=True).start()
+
+    def _ping(self) -> None:
+        while not self.dead:
+            try:
+                with self._send_lock:
+                    self._conn.send(("ping",))
+            except (OSError, ValueError):
+                return  # the pipe is closed: the reader reports the death
+            time.sleep(PING_INTERVAL_S)
+
+    def heartbeat_age_s(self) -> float:
+        """Seconds since the child last answered a ping."""
+        return time.monotonic() - self.last_pong
 
     def stop(self) -> None:
         self.dead = True
@@ -161,7 +183,13 @@ class EngineProcess:
 
     def health(self) -> tuple[bool, str]:
         """AsyncEngine.health, for the child."""
-        return engine_health("process", self.alive, self.error, self.step_running_s(), self.stall_timeout_s)
+        ok, why = engine_health("process", self.alive, self.error, self.step_running_s(), self.stall_timeout_s)
+        age = self.heartbeat_age_s()
+        if ok and self.heartbeat_timeout_s and age > self.heartbeat_timeout_s:
+            return False, (f"engine process {self.pid} has not answered a heartbeat for {age:.0f}s (> "
+                           f"--engine-heartbeat-timeout {self.heartbeat_timeout_s:g}s): frozen (SIGSTOP, a hung "
+                           "system call) or starved of CPU")
+        return ok, why
 
     # ---- calls --------------------------------------------------------------------------
     async def _call(self, method: str, *args, result: bool = True):
@@ -222,7 +250,9 @@ class EngineProcess:
             except (EOFError, OSError):
                 break
             for msg in batch:
-                if msg[0] == "timing":
+                if msg[0] == "pong":
+                    self.last_pong = time.monotonic()
+                elif msg[0] == "timing":
                     self.steps += 1
                     if self.on_step_timing is not None:
                         self.on_step_timing(msg[1], msg[2])

@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None, worker_class: type[PrefillWorker] = Pref
                                  host=args.host, port=args.port, advertise_host=args.advertise_host,
                                  bus_url=args.redis_url, cluster=args.cluster, admin_port=args.metrics_port,
                                  security=security_from_args(args), engine_stall_timeout_s=args.engine_stall_timeout,
+                                 engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
                                  engine_process=ENGINE_LOOPS[args.engine_loop])
     worker = worker_class(config)
     return run_worker_process(worker, lambda: f"splitserve prefill-worker: {worker.worker_id} serving gRPC on "

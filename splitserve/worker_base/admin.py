@@ -27,6 +27,8 @@ def admin_app(worker) -> web.Application:
         if worker.engine is not None:  # once the model is loaded
             engine = worker.engine
             body["engine"] = {"alive": engine.alive, "steps": engine.steps, "step_failures": engine.step_failures}
+            if hasattr(engine, "heartbeat_age_s"):  # an engine process: which one, and when it last answered
+                body["engine"].update(pid=engine.pid, heartbeat_age_s=round(engine.heartbeat_age_s(), 3))
             body["kv"] = worker.kv_state()
             body.update(worker.admin_extras())
         return ok, body

@@ -73,7 +73,8 @@ class WorkerBase(abc.ABC):
                          stall_timeout_s=self.config.engine_stall_timeout_s)
         loop = asyncio.get_running_loop()
         if use_engine_process(self.config.engine, self.config.engine_process):
-            proc = EngineProcess(self.config.engine, loop, self._on_outputs, self._on_block_events, **callbacks)
+            proc = EngineProcess(self.config.engine, loop, self._on_outputs, self._on_block_events, **callbacks,
+                                 heartbeat_timeout_s=self.config.engine_heartbeat_timeout_s)
             self.engine = engine = await asyncio.to_thread(proc.launch)
         else:
             engine = await asyncio.to_thread(LLMEngine, self.config.engine)
