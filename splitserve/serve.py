@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 
+from splitserve import ray_watch
 from splitserve.core.banner import serving_banner
 from splitserve.core.checkpoint_check import cache_dir_problem
 from splitserve.core.cli_types import positive_int
@@ -110,7 +111,8 @@ def pinned_engine(engine, pinned):
     return dataclasses.replace(engine, cpu_affinity=cpus) if cpus else engine
 
 
-async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
+async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
+    """Serve until `stop`; the exit code (1: a Ray process it depends on died, ray_watch.py)."""
     import ray
 
     from splitserve.cluster.remote_bus import BusServicer, open_bus
@@ -145,6 +147,8 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
     start_ray()
     for sig in (signal.SIGINT, signal.SIGTERM):  # ray.init installed its own SIGTERM handler (sys.exit)
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    descendants = ray_watch.Descendants()
+    watcher = asyncio.get_running_loop().create_task(ray_watch.watch(descendants, stop))
     bus = open_bus(args.redis_url, "local")
     bridge = None
     worker_bus = args.redis_url
@@ -195,21 +199,37 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> None:
         print(serving_banner("splitserve", served, args.host, args.port, details), flush=True)
         await stop.wait()
     finally:
+        died = watcher.result() if watcher.done() else None
+        watcher.cancel()
+        if died is not None:  # one line an operator can act on; Ray's own lines say less
+            print(f"splitserve serve: {died}; its workers can no longer be restarted, so serve stops everything "
+                  "it started and exits 1 for its supervisor to start it again", file=sys.stderr, flush=True)
         print("splitserve: shutting down", flush=True)
         if runner is not None:
             await runner.cleanup()
             await dispatcher.stop()
-        for a in actors:
+        for a in actors if died is None else ():  # with Ray broken, stopping actors through it would hang
             try:
                 await asyncio.to_thread(ray.get, a.stop.remote(), timeout=30)
             except ray.exceptions.RayActorError:  # already gone (the signal reached the whole group)
                 pass
             except Exception as exc:  # noqa: BLE001 - best effort at shutdown
                 log.warning("worker actor did not stop cleanly: %s", exc)
-        ray.shutdown()
+        await asyncio.to_thread(descendants.note)
+        if died is None:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(ray.shutdown), 15)
+            except TimeoutError:
+                log.warning("ray.shutdown did not return within 15 s; stopping Ray's processes directly")
+        # With a broken node, ray.shutdown waits seconds on what is gone; its processes are
+        # stopped directly instead, and main() leaves without Ray's exit handler.
+        left = await asyncio.to_thread(descendants.stop_all, 5.0 if died is None else 1.0)
+        if left and died is None:
+            log.warning("stopped %d process(es) Ray left behind: %s", len(left), left)
         if bridge is not None:
             await bridge.stop(grace=1)
         await bus.close()
+    return 1 if died is not None else 0
 
 
 def start_ray() -> None:
@@ -265,12 +285,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"splitserve serve: --redis-url {args.redis_url!r} must start with redis://", file=sys.stderr)
         return 2
 
-    async def amain() -> None:
+    async def amain() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await run(args, stop)
+        return await run(args, stop)
 
-    asyncio.run(amain())
-    return 0
+    code = asyncio.run(amain())
+    if code:  # Ray's node broke (ray_watch.py): its at-exit shutdown would wait on the dead parts
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
