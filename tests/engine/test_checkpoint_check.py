@@ -91,17 +91,19 @@ def test_each_broken_checkpoint_is_named_in_one_line(checkpoint, case):
     assert "\n" not in problem and str(checkpoint) in problem
 
 
-def test_serve_refuses_a_truncated_checkpoint_before_ray_starts(checkpoint):
-    _truncated(checkpoint)
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_serve_refuses_each_broken_checkpoint_before_ray_starts(checkpoint, case):
+    breaks, expected = BROKEN[case]
+    breaks(checkpoint)
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "splitserve.cli", "serve", "--model", str(checkpoint)],
                           capture_output=True, text=True, timeout=60)
     took = time.monotonic() - started
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2, proc.stderr
-    assert len(lines) == 1 and "the file is truncated" in lines[0] and "Traceback" not in proc.stderr
+    assert len(lines) == 1 and expected in lines[0] and "Traceback" not in proc.stderr
     assert "ray" not in (proc.stdout + proc.stderr).lower()
-    print(f"refused in {took:.1f} s")  # the issue asks for 5 s; the interpreter's start is most of it
+    print(f"{case}: refused in {took:.1f} s")  # issue 39 asks for 5 s: 1.6-1.7 s here, mostly the interpreter
 
 
 def test_an_unwritable_demo_cache_is_one_line(tmp_path):
