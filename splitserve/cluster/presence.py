@@ -78,6 +78,18 @@ class WorkerPresence:
         except BusError as exc:
             log.warning("worker %s: could not announce draining: %s", self.info.worker_id, exc)
 
+    async def withdraw(self, why: str) -> None:
+        """Leave the registry now, as a failed health check does, without waiting for the
+        next heartbeat; the heartbeat loop registers again once the checks pass."""
+        if self.withdrawn or not self.visible:
+            return
+        log.error("worker %s is unhealthy (%s): leaving the registry until it recovers", self.info.worker_id, why)
+        self.withdrawn = True
+        try:
+            await self.bus.deregister(self.info.worker_id)
+        except BusError as exc:
+            log.warning("worker %s: could not deregister: %s", self.info.worker_id, exc)
+
     async def hide(self) -> None:
         """Leave the registry (draining): routers stop sending new requests here."""
         self.visible = False
@@ -111,14 +123,7 @@ class WorkerPresence:
                                 self.recheck_s)
                 why = again
             if why:
-                if not self.withdrawn:  # routers stop sending here; in-flight streams migrate
-                    log.error("worker %s is unhealthy (%s): leaving the registry until it recovers",
-                              self.info.worker_id, why)
-                    self.withdrawn = True
-                    try:
-                        await self.bus.deregister(self.info.worker_id)
-                    except BusError as exc:
-                        log.warning("worker %s: could not deregister: %s", self.info.worker_id, exc)
+                await self.withdraw(why)  # routers stop sending here; in-flight streams migrate
                 continue
             if self.withdrawn:
                 log.warning("worker %s recovered: registering again", self.info.worker_id)

@@ -224,8 +224,14 @@ class WorkerBase(abc.ABC):
         registry (presence) and its streams migrate. Still stuck after twice that, the engine
         is given up for dead, so the process is replaced: a hung kernel never returns."""
         limit = 2 * self.config.engine_stall_timeout_s
+        silent_limit = self.config.engine_heartbeat_timeout_s
         while self.failed is None and self.engine.alive:
-            await asyncio.sleep(min(1.0, limit / 20))
+            await asyncio.sleep(min(1.0, limit / 20, silent_limit / 4 or 1.0))
+            if silent_limit and hasattr(self.engine, "heartbeat_age_s") and self.presence is not None:
+                silent = self.engine.heartbeat_age_s()
+                if silent > silent_limit:  # frozen: out of the registry now, not at the next heartbeat
+                    await self.presence.withdraw(f"engine_unhealthy: its engine process has not answered a "
+                                                 f"heartbeat for {silent:.0f}s")
             running = self.engine.step_running_s()
             if running is not None and running > limit:
                 self._engine_died(EngineStalledError(f"one engine step has run for {running:.1f}s "
