@@ -53,6 +53,7 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
         self.senders: dict[str, object] = {}
         self.throughput = PrefillThroughput()  # admission: refuse what cannot meet its deadline
         self.orphans: dict[str, float] = {}  # held requests no call owns, since when (monotonic)
+        self.held_expired = 0  # holds the sweep released: each one a bug (/health, tests' pool invariant)
         self._sweeper: asyncio.Task | None = None
 
     async def start(self) -> str:
@@ -87,7 +88,8 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
 
     # ---- state ------------------------------------------------------------------------
     def _kv_extras(self, s: EngineStats) -> dict:
-        return {"held_for_push": s.held_for_push, "held_blocks": s.held_blocks, "waiters": len(self.waiters)}
+        return {"held_for_push": s.held_for_push, "held_blocks": s.held_blocks, "waiters": len(self.waiters),
+                "held_expired": self.held_expired}
 
     def admin_extras(self) -> dict:
         return {"waiters": len(self.waiters)}
@@ -233,6 +235,7 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
                               "Prefill call left to push them; releasing them. This is a bug: please report it "
                               "with this log", self.worker_id, rid, blocks, now - since)
                     self.metrics.kv_held_expired.labels(worker=self.worker_id).inc()
+                    self.held_expired += 1
                     self.orphans.pop(rid)
                     await self._release(rid, abort=False)
 

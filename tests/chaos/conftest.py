@@ -15,6 +15,11 @@ from pathlib import Path
 import pytest
 import requests
 
+from tests.helpers.pools import (
+    WORKER_LINE,
+    kv_idle,
+    pools_back_to_idle,  # noqa: F401 - autouse: every pool idle after each test
+)
 from tests.helpers.processes import SplitserveProcess
 from tests.reliability.conftest import (
     SERVED,
@@ -26,13 +31,6 @@ DISAGG_MIN = 64  # prompts with at least this many uncached tokens go to the pre
 LONG_TOKENS = 3 * DISAGG_MIN  # "long" prompts in these tests
 TTL = 6.0  # the workers' heartbeat TTL (WorkerConfig's default, which `serve` uses)
 
-# serve's own line, printed before it serves: "splitserve: decode worker decode-0: gRPC 127.0.0.1:1,
-# KV receiver 127.0.0.1:2, metrics http://127.0.0.1:3/metrics"; and the worker's log line, relayed
-# by Ray (later, and again after a restart): "... decode worker decode-0 serving on 127.0.0.1:1
-# (KV receiver 127.0.0.1:2, 256 blocks, admin http://127.0.0.1:3; ..."
-_WORKER_LINE = re.compile(
-    r"(decode|prefill) worker (\S+?):? (?:gRPC|serving on) ([0-9.:]+),? (?:\(?KV receiver ([0-9.:]+), )?"
-    r".*?(?:metrics|admin) (http://[0-9.:]+)")
 _BRIDGE_LINE = re.compile(r"embedded bus bridge on grpc://(\S+)")
 
 
@@ -72,7 +70,7 @@ class Serve:
     def workers(self) -> dict[str, Worker]:
         """Every worker's latest endpoints (a worker restarted by Ray logs new ones)."""
         found: dict[str, Worker] = {}
-        for m in _WORKER_LINE.finditer(self.log()):
+        for m in WORKER_LINE.finditer(self.log()):
             role, wid, grpc, kv, admin = m.groups()
             found[wid] = Worker(role, wid, grpc, kv, admin)
         return found
@@ -111,10 +109,7 @@ class Serve:
 
 
 def _recovered(h: dict) -> bool:
-    kv = h.get("kv", {})
-    return (h.get("status") == "ok" and h["engine"]["alive"] and kv["free_blocks"] == kv["total_blocks"]
-            and kv["sequences"] == 0 and not kv.get("remote_prefills") and not kv.get("kv_leases")
-            and not kv.get("held_for_push") and not kv.get("waiters") and not h.get("streams"))
+    return h.get("status") == "ok" and h["engine"]["alive"] and kv_idle(h.get("kv", {})) and not h.get("streams")
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.pools import pools_back_to_idle  # noqa: F401 - autouse: every pool idle after each test
 from tests.helpers.processes import SplitserveProcess, start_redis
 
 SERVED = "tiny-llama"

@@ -49,7 +49,10 @@ def start_redis(workdir: Path) -> tuple[str, subprocess.Popen]:
 class SplitserveProcess:
     """`splitserve <command> ...` as a child process; ready when it prints its URL."""
 
+    serving: set[SplitserveProcess] = set()  # `serve` processes up now: tests/helpers/pools.py checks them
+
     def __init__(self, command: str, args: list[str], timeout: float = 180, env: dict | None = None):
+        self.command = command
         self.port = free_port()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_ACCEPT_CALLS_FROM_PYTHON_VERSION_MISMATCH": "1",
                **(env or {})}
@@ -72,6 +75,8 @@ class SplitserveProcess:
             self.stop()
             raise RuntimeError(f"splitserve {command} did not start:\n" + "".join(self.lines[-60:]))
         self.base_url = f"http://127.0.0.1:{self.port}"
+        if command == "serve":
+            SplitserveProcess.serving.add(self)
 
     @staticmethod
     def _is_banner(line: str) -> bool:
@@ -83,6 +88,7 @@ class SplitserveProcess:
         return "".join(self.lines)
 
     def stop(self) -> None:
+        SplitserveProcess.serving.discard(self)
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)  # Ctrl-C: the command stops everything it started
             try:

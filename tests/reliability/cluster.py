@@ -20,6 +20,7 @@ import redis
 import requests
 
 from splitserve.engine.faults import ENV as FAULT_ENV
+from tests.helpers.pools import kv_idle
 from tests.helpers.processes import free_port
 
 SERVED = "tiny-llama"
@@ -207,9 +208,7 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while True:
             states = self.kv_states()
-            if all(s["free_blocks"] == s["total_blocks"] and s["sequences"] == 0
-                   and not s.get("remote_prefills") and not s.get("kv_leases") and not s.get("held_for_push")
-                   for s in states.values()):
+            if all(kv_idle(s) for s in states.values()):
                 return states
             if time.monotonic() > deadline:
                 raise AssertionError(f"KV blocks still in use: {states}")

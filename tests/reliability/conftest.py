@@ -46,6 +46,14 @@ def cluster(make_ckpt, tmp_path_factory):
         c.stop()
 
 
+@pytest.fixture(autouse=True)
+def pools_back_to_idle(request):
+    """After each test on the cluster: every live worker's pool at idle (tests/helpers/pools.py)."""
+    yield
+    if "cluster" in request.fixturenames:
+        request.getfixturevalue("cluster").wait_all_blocks_free()
+
+
 @pytest.fixture(scope="session")
 def reference(make_ckpt):
     """Greedy token ids and text from an undisturbed engine, cached per (prompt, max_tokens)."""

@@ -120,4 +120,5 @@ async def test_held_blocks_nobody_will_push_are_released_and_counted(prefill_wor
     await wait_for(lambda: held_gauge() == 0, "the gauge to fall back to 0", timeout=30)
     stats = worker.engine.stats
     assert stats.held_for_push == 0 and not worker.engine.engine.held
+    assert worker.kv_state()["held_expired"] == 1  # what the suites' pool invariant refuses
     assert await worker.engine.held_summary() == {}
