@@ -34,7 +34,9 @@ SOURCES = [_HERE / "cpu_decode_attention.cpp", _HERE / "cpu_prefill_attention.cp
 HEADERS = [_HERE / "cpu_scalar.h"]
 # -fassociative-math (with the two flags it needs) lets sums be vectorised in any order, as
 # SDPA's blocked sums are; no -ffast-math: NaN and infinity keep their meaning.
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+# SPLITSERVE_CPU_MARCH: another target than this CPU (tests build the AVX2 variant with "haswell").
+MARCH = os.environ.get("SPLITSERVE_CPU_MARCH", "native")
+FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp-simd", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 ERRORS = {1: "unsupported head geometry (heads not a multiple of kv heads, > 256 heads, > 64 query heads per kv "

@@ -29,9 +29,23 @@ using splitserve::exp_approx;
 using splitserve::load;
 using splitserve::store;
 
-constexpr int kKeys = 64;    // keys per tile: four AVX-512 registers of scores per query row
-constexpr int kTokens = 64;  // new tokens per query tile (times the group's heads: its rows)
+// The tile fits the vector registers there are. With AVX-512: 32 registers of 16 floats, and
+// a tile of 4 query rows x 64 keys keeps its 16 score vectors and 4 key vectors in them.
+// Without (AVX2: 16 registers of 8 floats; NEON: 32 of 4), 16-float values are split in two
+// and that tile needed 40 registers: every update spilled to memory, and the kernel ran at
+// 4 GFLOP/s against SDPA's 66 (measured by compiling for -march=haswell on an AVX-512 host;
+// issue 30's 1,500-token SmolLM2 prefill spent 34 of 44.5 s there). So narrower vectors and
+// 2 rows x 32 keys: 8 score vectors and 4 key vectors.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr int kKeys = 64;    // keys per tile: four registers of scores per query row
 constexpr int kRows = 4;     // query rows computed together (their scores stay in registers)
+#else
+constexpr int kLanes = 8;
+constexpr int kKeys = 32;
+constexpr int kRows = 2;
+#endif
+constexpr int kTokens = 64;  // new tokens per query tile (times the group's heads: its rows)
 constexpr int kChunk = 32;   // head dims of the V sums held in registers at once
 constexpr int kMaxDim = 512;
 constexpr int kMaxGroup = 64;
@@ -48,13 +62,11 @@ inline const T* row_at(const T* cache, const int32_t* blocks, int t, int kh, con
            int64_t(kh) * g.head_stride;
 }
 
-// Sixteen floats as one value: GCC keeps arrays of these in vector registers (512-bit here,
-// split into narrower ones where the CPU has none), which plain float arrays indexed in loops
-// were not: their every update went through memory, and the stores capped the tile at a third
-// of the core's multiply-add rate.
-typedef float Vec __attribute__((vector_size(64)));
-typedef float VecUnaligned __attribute__((vector_size(64), aligned(4), may_alias));
-constexpr int kLanes = 16;
+// kLanes floats as one value: GCC keeps arrays of these in vector registers, which plain
+// float arrays indexed in loops were not: their every update went through memory, and the
+// stores capped the tile at a third of the core's multiply-add rate.
+typedef float Vec __attribute__((vector_size(kLanes * 4)));
+typedef float VecUnaligned __attribute__((vector_size(kLanes * 4), aligned(4), may_alias));
 
 inline Vec vload(const float* p) { return *reinterpret_cast<const VecUnaligned*>(p); }
 inline void vstore(float* p, Vec v) { *reinterpret_cast<VecUnaligned*>(p) = v; }

@@ -141,3 +141,29 @@ def test_ops_dispatch_takes_native_only_where_it_was_measured_faster(monkeypatch
         q, kv, cu = _case(4, 2, dim, dtype, seqs=[(7, 7)])
         ops.paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 0.2)
     assert calls == ["cpu_native", "reference", "reference", "reference"]
+
+
+def _cpu_has(*flags: str) -> bool:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return all(f in line.split() for f in flags)
+
+
+@pytest.mark.skipif(not _cpu_has("avx2", "fma"), reason="this CPU cannot run an AVX2 build")
+@pytest.mark.skipif(cpu_native.MARCH != "native", reason="already a cross build")
+def test_the_avx2_build_matches_the_reference_too():
+    """The kernel's tile has a second shape for CPUs without AVX-512 (where the first spilled
+    its registers and ran 20x slower than SDPA): this machine builds it with -march=haswell
+    and runs this module's reference comparisons on it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SPLITSERVE_CPU_MARCH": "haswell", "SPLITSERVE_TEST_BUDGET": "off"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__,
+                           "-k", "reference and not avx2"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout
