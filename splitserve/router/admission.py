@@ -59,12 +59,18 @@ def check_request_limits(params: SamplingParams) -> None:
 class AdmissionConfig:
     max_queued_requests: int | None = None  # None: no bound
     request_timeout_s: float | None = None  # per-request deadline; None: none
+    # With no healthy worker, how long a request waits for one to (re)register before 503: a
+    # lone worker whose heartbeat was late under CPU starvation drops out of the registry for
+    # a few seconds, and its clients should see latency then, not errors (issue 30).
+    no_worker_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(f"--max-queued-requests must be at least 1, got {self.max_queued_requests}")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"--request-timeout must be a positive number of seconds, got {self.request_timeout_s}")
+        if not self.no_worker_wait_s >= 0:
+            raise ValueError(f"--no-worker-wait must be >= 0 seconds, got {self.no_worker_wait_s}")
 
 
 class Overloaded(APIError):

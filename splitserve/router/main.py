@@ -59,6 +59,10 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
                          "token and the finish are never held back (default: %(default)s)")
     ap.add_argument("--max-queued-requests", type=int,
                     help="requests this router keeps in flight; beyond it: 429 with Retry-After (default: no bound)")
+    ap.add_argument("--no-worker-wait", type=float, default=AdmissionConfig.no_worker_wait_s,
+                    help="seconds a request waits for a healthy worker when there is none (one whose heartbeat was "
+                         "late under load re-registering, a restart) before 503 no_workers; 0: answer 503 at once "
+                         "(default: %(default)s)")
     ap.add_argument("--request-timeout", type=float,
                     help="seconds a request may take end to end; then it is aborted on every worker and the "
                          "client gets 504 (default: no deadline)")
@@ -93,7 +97,7 @@ async def start_router(args: argparse.Namespace, model: str, served: str, bus: C
                        sock: socket.socket | None = None) -> tuple[web.AppRunner, Dispatcher]:
     """The router on `sock` if given (bound early by the caller), else on --host/--port."""
     try:
-        admission = AdmissionConfig(args.max_queued_requests, args.request_timeout)
+        admission = AdmissionConfig(args.max_queued_requests, args.request_timeout, args.no_worker_wait)
         limits = HTTPLimits(args.max_request_body_mb, args.body_read_timeout, args.http_idle_timeout)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None

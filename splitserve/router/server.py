@@ -243,12 +243,27 @@ class RouterServer:
         finally:  # also on client disconnect (the handler is cancelled) and deadline
             self.admission.leave(started)
 
+    async def _decide(self, prompt: list[int], rid: str):
+        """The routing decision; with no healthy worker, wait up to --no-worker-wait for one
+        (the client's disconnect or deadline cancels the wait), then 503."""
+        limits = self.config.admission
+        waited_until = time.monotonic() + min(limits.no_worker_wait_s, limits.request_timeout_s or float("inf"))
+        logged = False
+        while True:
+            try:
+                return self.dispatcher.decide(prompt)[0]
+            except NoHealthyWorker as exc:
+                if time.monotonic() >= waited_until:
+                    raise APIError(503, f"{exc}; retry shortly", "service_unavailable", code="no_workers") from None
+                if not logged:
+                    log.warning("request %s: %s; waiting up to %.0f s for one to register (--no-worker-wait)",
+                                rid, exc, limits.no_worker_wait_s)
+                    logged = True
+            await asyncio.sleep(0.1)
+
     async def _admitted(self, request: web.Request, req, prompt: list[int], params, rid: str,
                         chat: bool, output: ChatOutputConfig | None) -> web.StreamResponse:
-        try:
-            decision, _ = self.dispatcher.decide(prompt)
-        except NoHealthyWorker as exc:
-            raise APIError(503, f"{exc}; retry shortly", "service_unavailable", code="no_workers") from None
+        decision = await self._decide(prompt, rid)
         client_id = client_request_id(request)
         log.info("request %s%s: %d prompt tokens -> %s", rid, f" (client id {client_id})" if client_id else "",
                  len(prompt), decision.header_value())
