@@ -7,6 +7,7 @@ This is the incremental interface the workers drive (add_request / step / abort)
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -54,6 +55,7 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # finished, blocks kept for a KV push
         self.remote: dict[str, Sequence] = {}  # waiting for KV from a prefill worker
+        self.step_seconds = 0.0  # wall time in step() so far (with prompt_tokens_computed: the prefill rate)
         if config.use_warm_up:
             warm_up(self)
 
@@ -166,10 +168,18 @@ class LLMEngine:
         return EngineStats(steps, len(s.waiting), len(s.running), len(prefilling), queued, len(self.remote),
                            len(self.held), len(self.sequences), s.num_free_blocks,
                            s.num_blocks, s.prefix_query_tokens, s.prefix_hit_tokens,
-                           s.num_preemptions, sum(len(q.block_table) for q in self.held.values()))
+                           s.num_preemptions, sum(len(q.block_table) for q in self.held.values()),
+                           s.prompt_tokens_computed, self.step_seconds)
 
     # ---- the loop ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.step_seconds += time.perf_counter() - started
+
+    def _step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch:
             return []

@@ -52,6 +52,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.prompt_tokens_computed = 0  # prefill tokens run so far (a prefill worker's rate)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -108,6 +109,7 @@ class Scheduler:
 
     def computed(self, batch: ScheduledBatch) -> None:
         """The batch's forward pass ran: its KV is in the pool, full blocks join the cache."""
+        self.prompt_tokens_computed += sum(n for _, n in batch.prefills)
         for seq, n in batch.entries:
             seq.num_computed_tokens += n
             self.bm.publish_full_blocks(seq)

@@ -25,6 +25,8 @@ class EngineStats:
     prefix_hit_tokens: int
     preemptions: int
     held_blocks: int = 0  # prefill side: KV blocks of the held_for_push sequences
+    prompt_tokens_computed: int = 0  # prefill tokens run so far
+    step_seconds: float = 0.0  # wall time of steps so far
 
     @property
     def kv_usage(self) -> float:

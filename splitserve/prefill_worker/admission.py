@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PUSH_SHARE = 0.2  # of the deadline, kept for the KV push and the reply
-MIN_WINDOW_S = 0.05  # shorter busy windows are folded into the next (timer noise)
+MIN_WINDOW_S = 0.1  # seconds of steps a rate sample spans at least (one demo-model prefill: 0.16 s)
 REMEASURE_S = 60.0  # an idle worker with an older measurement admits one prompt to measure again
 
 
@@ -34,50 +34,46 @@ REMEASURE_S = 60.0  # an idle worker with an older measurement admits one prompt
 class PrefillThroughput:
     """Outstanding prompt tokens and the measured prompt tokens per busy second."""
 
+    blind_tokens: int = 2048  # admitted before any measurement: one step's budget
     smoothing: float = 0.3  # weight of the newest window
     tokens_per_s: float | None = None
     outstanding_tokens: int = 0
     outstanding: int = 0
     measured_at: float | None = None
-    _busy_since: float = 0.0
-    _window_tokens: int = 0
-    _window_busy_s: float = 0.0
+    _tokens: int | None = None  # the engine's counters at the start of the current window
+    _seconds: float = 0.0
 
-    def started(self, tokens: int, now: float) -> None:
-        if self.outstanding == 0:
-            self._busy_since = now
+    def started(self, tokens: int) -> None:
         self.outstanding += 1
         self.outstanding_tokens += tokens
 
-    def finished(self, tokens: int, now: float, computed: bool, gave_up_after: float | None = None) -> None:
-        """A prefill left the queue; `computed`: it ran to its first token. `gave_up_after`:
-        its caller's deadline passed this long after it was admitted, unfinished, so the
-        rate is below tokens / that (a worker whose every prefill times out measures
-        nothing otherwise, and would admit blind for ever)."""
-        self._window_busy_s += now - self._busy_since
-        self._busy_since = now
+    def finished(self, tokens: int) -> None:
         self.outstanding = max(0, self.outstanding - 1)
         self.outstanding_tokens = max(0, self.outstanding_tokens - tokens)
-        if computed:
-            self._window_tokens += tokens
-        if self._window_tokens and self._window_busy_s >= MIN_WINDOW_S:
-            rate = self._window_tokens / self._window_busy_s
+
+    def observe(self, tokens_computed: int, step_seconds: float, now: float) -> None:
+        """The engine's cumulative prompt tokens and step seconds (EngineStats)."""
+        if self._tokens is None or tokens_computed < self._tokens:  # first look, or a new engine
+            self._tokens, self._seconds = tokens_computed, step_seconds
+            return
+        busy, done = step_seconds - self._seconds, tokens_computed - self._tokens
+        if busy >= MIN_WINDOW_S and done > 0:
+            rate = done / busy
             self.tokens_per_s = rate if self.tokens_per_s is None else (
                 self.smoothing * rate + (1 - self.smoothing) * self.tokens_per_s)
-            self._window_tokens, self._window_busy_s = 0, 0.0
             self.measured_at = now
-        if gave_up_after:
-            bound = tokens / gave_up_after
-            if self.tokens_per_s is None or bound < self.tokens_per_s:
-                self.tokens_per_s, self.measured_at = bound, now
+            self._tokens, self._seconds = tokens_computed, step_seconds
 
     def refusal(self, prompt_tokens: int, deadline_s: float, now: float) -> str | None:
         """None to admit a prompt of `prompt_tokens` due within `deadline_s` (0: no
         deadline); otherwise why it would miss, for the caller's log."""
         if deadline_s <= 0:
             return None
-        if self.tokens_per_s is None:
-            return None  # nothing measured yet
+        if self.tokens_per_s is None:  # nothing measured yet: one step's worth, which measures it
+            if self.outstanding == 0 or self.outstanding_tokens + prompt_tokens <= self.blind_tokens:
+                return None
+            return (f"{self.outstanding_tokens} prompt tokens are queued and this worker has not measured its "
+                    f"prefill rate yet (it admits {self.blind_tokens} tokens until it has)")
         if self.outstanding == 0 and now - self.measured_at > REMEASURE_S:
             return None  # idle, and the measurement is old: this one measures again
         return refusal(self.outstanding_tokens, prompt_tokens, self.tokens_per_s, deadline_s)

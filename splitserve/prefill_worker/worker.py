@@ -51,7 +51,8 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
         super().__init__(config, metrics, bus)
         self.waiters: dict[str, asyncio.Future[RequestOutput]] = {}
         self.senders: dict[str, object] = {}
-        self.throughput = PrefillThroughput()  # admission: refuse what cannot meet its deadline
+        # admission: refuse what cannot meet its deadline (admission.py)
+        self.throughput = PrefillThroughput(blind_tokens=config.engine.max_num_batched_tokens)
         self.orphans: dict[str, float] = {}  # held requests no call owns, since when (monotonic)
         self.held_expired = 0  # holds the sweep released: each one a bug (/health, tests' pool invariant)
         self._sweeper: asyncio.Task | None = None
@@ -138,6 +139,7 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
         except InvalidSamplingParams as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {exc}")
         tokens = len(request.prompt_token_ids)
+        self._observe_rate()
         why = self.throughput.refusal(tokens, request.timeout_s, time.monotonic())
         if why is not None:  # admission.py: it would miss the deadline and be computed twice
             self.metrics.prefill_refused.labels(worker=self.worker_id).inc()
@@ -146,8 +148,7 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
                                 f"request {rid}: prefill worker {self.worker_id}: {why}; prefill it locally")
         fut: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
         self.waiters[rid] = fut
-        started = time.monotonic()
-        self.throughput.started(tokens, started)
+        self.throughput.started(tokens)
         try:
             try:
                 await self.engine.add_request(rid, list(request.prompt_token_ids), params, hold_kv=True)
@@ -184,12 +185,8 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
             # remaining chunks ran on and it finished into the held set with nobody left to
             # release it (issue 38).
             finished = fut.done() and not fut.cancelled()
-            now = time.monotonic()
-            self.throughput.finished(tokens, now, computed=finished and fut.exception() is None
-                                     and fut.result().error is None,
-                                     gave_up_after=now - started if fut.cancelled() else None)
-            if self.throughput.tokens_per_s:
-                self.metrics.prefill_tokens_per_second.labels(worker=self.worker_id).set(self.throughput.tokens_per_s)
+            self.throughput.finished(tokens)
+            self._observe_rate()
             await asyncio.shield(asyncio.ensure_future(self._release(rid, abort=not finished)))
         # the step's part only (the first output's new token is its only one): an engine in its
         # own process sends no cumulative fields (engine/engine_process.py)
@@ -201,6 +198,12 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
         if result is not None:
             reply.kv_bytes, reply.kv_seconds = result.nbytes, result.seconds
         return reply
+
+    def _observe_rate(self) -> None:
+        s = self.engine.stats
+        self.throughput.observe(s.prompt_tokens_computed, s.step_seconds, time.monotonic())
+        if self.throughput.tokens_per_s:
+            self.metrics.prefill_tokens_per_second.labels(worker=self.worker_id).set(self.throughput.tokens_per_s)
 
     async def _release(self, rid: str, abort: bool) -> None:
         try:
@@ -224,6 +227,7 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
                 log.warning("prefill worker %s: could not read its held KV blocks (%r); trying again in %.0f s",
                             self.worker_id, exc, HELD_SWEEP_S)
                 continue
+            self._observe_rate()  # a long burst is measured while it runs, not only at admissions
             now = time.monotonic()
             self.orphans = {rid: t for rid, t in self.orphans.items() if rid in held and rid not in self.waiters}
             for rid, blocks in held.items():

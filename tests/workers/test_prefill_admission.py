@@ -21,39 +21,30 @@ from splitserve.proto.worker_pb2_grpc import PrefillWorkerStub
 from tests.workers.test_prefill_deadline_release import wait_for
 
 
-def test_throughput_counts_busy_time_only():
-    t = PrefillThroughput(smoothing=1.0)
-    assert t.refusal(10_000, 1.0, now=0.0) is None  # nothing measured: admitted
-    t.started(100, now=0.0)
-    t.started(300, now=0.5)  # batched with the first
-    assert (t.outstanding, t.outstanding_tokens) == (2, 400)
-    t.finished(100, now=1.0, computed=True)
-    assert t.tokens_per_s == pytest.approx(100.0)  # 100 tokens in 1 busy second
-    t.finished(300, now=2.0, computed=True)
-    assert t.tokens_per_s == pytest.approx(300.0)
-    # idle from 2 to 100: not counted
-    t.started(50, now=100.0)
-    t.finished(50, now=100.5, computed=True)
-    assert t.tokens_per_s == pytest.approx(100.0)
-    t.started(50, now=200.0)
-    t.finished(50, now=260.0, computed=False)  # aborted: no tokens, its time joins the next window
-    assert t.tokens_per_s == pytest.approx(100.0) and t.outstanding_tokens == 0
-    assert t.measured_at == 100.5
-    assert t.refusal(2000, 10.0, now=100.5 + REMEASURE_S + 1) is None  # idle and stale: measure again
-    t.started(10, now=300.0)
-    assert "about 20.1 s" in t.refusal(2000, 10.0, now=300.5)  # busy: 20 s of work for a 10 s deadline
-    assert t.refusal(700, 10.0, now=300.5) is None  # 7.1 s fits
-
-
-def test_a_prefill_given_up_by_its_caller_bounds_the_rate():
-    """Where every prefill times out nothing completes to measure: the deadline itself says
-    the worker computed under tokens / seconds, so the next such prompt is refused."""
-    t = PrefillThroughput()
-    t.started(1500, now=0.0)
-    t.finished(1500, now=30.0, computed=False, gave_up_after=30.0)
-    assert t.tokens_per_s == pytest.approx(50.0)
-    t.started(100, now=30.5)
-    assert "about 32.0 s" in t.refusal(1500, 30.0, now=30.5)  # (100 + 1500) / 50
+def test_the_rate_is_the_engines_prompt_tokens_over_its_step_seconds():
+    t = PrefillThroughput(smoothing=1.0, blind_tokens=2048)
+    assert t.refusal(10_000, 1.0, now=0.0) is None  # nothing measured, nothing queued: admitted
+    t.started(1500)
+    assert t.refusal(500, 1.0, now=0.0) is None  # within one step's budget
+    assert "has not measured its prefill rate yet" in t.refusal(600, 1.0, now=0.0)  # beyond it
+    t.finished(1500)
+    t.observe(0, 0.0, now=0.0)  # the counters' first look starts a window
+    t.observe(100, 0.05, now=1.0)
+    assert t.tokens_per_s is None  # under MIN_WINDOW_S of steps: no sample yet
+    t.observe(400, 1.0, now=50.0)  # 400 tokens in 1 s of steps; the idle wall time does not count
+    assert t.tokens_per_s == pytest.approx(400.0) and t.measured_at == 50.0
+    t.started(1500)
+    t.started(1500)
+    assert (t.outstanding, t.outstanding_tokens) == (2, 3000)
+    assert "about 11.2 s" in t.refusal(1500, 10.0, now=51.0)  # (3000 + 1500) / 400 > 8 s
+    assert t.refusal(200, 10.0, now=51.0) is None  # 8.0 s fits
+    t.finished(1500)
+    t.finished(1500)
+    assert t.refusal(4000, 10.0, now=51.0) is not None  # idle, recent: the estimate stands
+    assert t.refusal(4000, 10.0, now=50.0 + REMEASURE_S + 1) is None  # idle and stale: measure again
+    t.observe(400, 1.0, now=60.0)
+    t.observe(0, 0.0, now=61.0)  # counters went back (a restarted engine): a new window, no sample
+    assert t.tokens_per_s == pytest.approx(400.0)
 
 
 def test_refusal_keeps_a_share_of_the_deadline_for_the_push():
@@ -89,6 +80,7 @@ async def test_a_prompt_that_would_miss_its_deadline_is_refused_before_any_work(
     worker.throughput.measured_at = time.monotonic()
     worker.throughput.outstanding_tokens = 40  # and a queue ahead
     worker.throughput.outstanding = 1
+    worker.throughput.observe = lambda *a: None  # the engine's own counters would measure it fast
     async with grpc.aio.insecure_channel(worker.address) as channel:
         stub = PrefillWorkerStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as err:
