@@ -34,7 +34,8 @@ from splitserve.core.block_events import BlockEvent
 from splitserve.core.logprobs import TokenLogprobs
 from splitserve.core.sampling_params import SamplingParams
 from splitserve.engine.faults import FaultPlan
-from splitserve.engine.llm_engine import LLMEngine, RequestOutput, Reservation
+from splitserve.engine.llm_engine import LLMEngine, RequestOutput
+from splitserve.engine.outputs import Reservation
 from splitserve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
