@@ -74,8 +74,7 @@ def weight_files_problem(root: Path) -> tuple[list[Path], str | None]:
         return [root / name for name in files], None
     files = sorted(root.glob("*.safetensors"))
     if not files:
-        return [], (f"{root}: no weights: no *.safetensors file and no {INDEX_FILE} "
-                    "(only safetensors checkpoints are served)")
+        return [], f"{root}: no *.safetensors weights (and no {INDEX_FILE}; only safetensors checkpoints are served)"
     return files, None
 
 

@@ -2,37 +2,25 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from splitserve.core.checkpoint_check import weight_files_problem
 from splitserve.core.model_config import CheckpointError
-
-INDEX_FILE = "model.safetensors.index.json"
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint, checked against the shard index if there is one."""
+    """The safetensors files of a checkpoint, checked against the shard index if there is one
+    (core/checkpoint_check.py: the same rule `serve` checks before anything starts)."""
     root = Path(model_dir)
     if not root.is_dir():
         raise CheckpointError(f"{root}: checkpoint directory not found")
-    index = root / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index}: expected a JSON object with a 'weight_map' field ({exc})") from exc
-        files = [root / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"{index}: names shard(s) that do not exist: {missing}")
-        return files
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{root}: no *.safetensors weights (and no {INDEX_FILE})")
+    files, problem = weight_files_problem(root)
+    if problem:
+        raise CheckpointError(problem)
     return files
 
 

@@ -22,6 +22,10 @@ adds 10%). In its own process the engine has its interpreter to itself.
   error): the cumulative fields (`prompt_token_ids`, `token_ids`, `logprobs`, `text`) are
   left empty, so a step's message grows with the batch, not with the context. Workers read
   only the new part (tests/workers/test_engine_process.py holds them to it).
+- the child's main thread answers a ping every PING_INTERVAL_S whatever the engine does, so a
+  process frozen between steps is seen (`health()`, `--engine-heartbeat-timeout`).
+(Just over 300 lines: the parent's half of one pipe protocol, calls, reader, heartbeat and
+death, is one piece; engine_child.py is the other half.)
 """
 
 from __future__ import annotations

@@ -101,6 +101,18 @@ class Dispatcher:
         self._sent[worker] = sent
         return len(sent)
 
+    async def decide_waiting(self, prompt: list[int], wait_s: float, on_wait=None) -> RouteDecision:
+        """decide(), but with no healthy decode worker first wait up to `wait_s` for one to
+        register (a lone worker's late heartbeat, a restart); then NoHealthyWorker as
+        decide() raises it. `on_wait()` runs once if it has to wait."""
+        deadline = time.monotonic() + wait_s
+        while not self.sync.live("decode") and time.monotonic() < deadline:
+            if on_wait is not None:
+                on_wait()
+                on_wait = None
+            await asyncio.sleep(0.1)
+        return self.decide(prompt)[0]
+
     def decide(self, prompt: list[int], exclude: set[str] = frozenset()) -> tuple[RouteDecision, list[int]]:
         start = time.perf_counter()
         hashes = self.prompt_hashes(prompt)

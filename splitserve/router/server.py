@@ -5,7 +5,9 @@
 Tokenize once here, route by prefix, stream from the decode worker, detokenize here.
 Clients are untrusted: bodies are size- and time-limited, validated before anything else,
 and tokenized off the event loop when long (router/prompts.py); every client mistake is
-an OpenAI-format 4xx and nothing a client sends produces a 5xx.
+an OpenAI-format 4xx and nothing a client sends produces a 5xx. (Just over 300 lines: a
+request's path from body to stream, with its admission and error mapping, reads in order
+here; the pieces that stand alone already live beside it.)
 """
 
 from __future__ import annotations
@@ -244,22 +246,16 @@ class RouterServer:
             self.admission.leave(started)
 
     async def _decide(self, prompt: list[int], rid: str):
-        """The routing decision; with no healthy worker, wait up to --no-worker-wait for one
-        (the client's disconnect or deadline cancels the wait), then 503."""
+        """The routing decision; with no healthy worker, wait up to --no-worker-wait (within the
+        request's deadline) for one, then 503. The client's disconnect cancels the wait."""
         limits = self.config.admission
-        waited_until = time.monotonic() + min(limits.no_worker_wait_s, limits.request_timeout_s or float("inf"))
-        logged = False
-        while True:
-            try:
-                return self.dispatcher.decide(prompt)[0]
-            except NoHealthyWorker as exc:
-                if time.monotonic() >= waited_until:
-                    raise APIError(503, f"{exc}; retry shortly", "service_unavailable", code="no_workers") from None
-                if not logged:
-                    log.warning("request %s: %s; waiting up to %.0f s for one to register (--no-worker-wait)",
-                                rid, exc, limits.no_worker_wait_s)
-                    logged = True
-            await asyncio.sleep(0.1)
+        wait = min(limits.no_worker_wait_s, limits.request_timeout_s or float("inf"))
+        try:
+            return await self.dispatcher.decide_waiting(prompt, wait, lambda: log.warning(
+                "request %s: no healthy decode worker; waiting up to %.0f s for one to register "
+                "(--no-worker-wait)", rid, wait))
+        except NoHealthyWorker as exc:
+            raise APIError(503, f"{exc}; retry shortly", "service_unavailable", code="no_workers") from None
 
     async def _admitted(self, request: web.Request, req, prompt: list[int], params, rid: str,
                         chat: bool, output: ChatOutputConfig | None) -> web.StreamResponse:

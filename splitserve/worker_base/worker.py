@@ -227,11 +227,10 @@ class WorkerBase(abc.ABC):
         silent_limit = self.config.engine_heartbeat_timeout_s
         while self.failed is None and self.engine.alive:
             await asyncio.sleep(min(1.0, limit / 20, silent_limit / 4 or 1.0))
-            if silent_limit and hasattr(self.engine, "heartbeat_age_s") and self.presence is not None:
-                silent = self.engine.heartbeat_age_s()
-                if silent > silent_limit:  # frozen: out of the registry now, not at the next heartbeat
-                    await self.presence.withdraw(f"engine_unhealthy: its engine process has not answered a "
-                                                 f"heartbeat for {silent:.0f}s")
+            if self.presence is not None:  # unhealthy (frozen, stalled): out of the registry now,
+                ok, why = self.engine.health()  # not at the next heartbeat
+                if not ok:
+                    await self.presence.withdraw(f"engine_unhealthy: {why}")
             running = self.engine.step_running_s()
             if running is not None and running > limit:
                 self._engine_died(EngineStalledError(f"one engine step has run for {running:.1f}s "

@@ -61,7 +61,7 @@ def _no_tokenizer(d: Path) -> None:
 
 
 BROKEN = {
-    "no weights": (_no_weights, "no weights: no *.safetensors file"),
+    "no weights": (_no_weights, "no *.safetensors weights"),
     "truncated": (_truncated, "the file is truncated"),
     "garbled header": (_garbled_header, "safetensors header is not valid JSON"),
     "not safetensors": (_not_safetensors, "its header claims"),
