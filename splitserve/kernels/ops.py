@@ -163,3 +163,11 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids):
     from splitserve.kernels import moe_reference
 
     return moe_reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+
+
+def quantized_linear(x, qw, bias=None):
+    """x [M, K] @ dequantize(qw).T (+ bias), in x's dtype, for a weight-only quantized weight
+    (kernels/quant_weight.py); float32 accumulation on every path."""
+    from splitserve.kernels import quant_weight
+
+    return quant_weight.quantized_linear_reference(x, qw, bias)
