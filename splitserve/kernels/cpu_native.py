@@ -30,7 +30,8 @@ from splitserve.core.model_dir import cache_root
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / "cpu_decode_attention.cpp", _HERE / "cpu_prefill_attention.cpp", _HERE / "cpu_fused_ops.cpp"]
+SOURCES = [_HERE / "cpu_decode_attention.cpp", _HERE / "cpu_prefill_attention.cpp", _HERE / "cpu_fused_ops.cpp",
+           _HERE / "cpu_quant_linear.cpp"]
 HEADERS = [_HERE / "cpu_scalar.h"]
 # -fassociative-math (with the two flags it needs) lets sums be vectorised in any order, as
 # SDPA's blocked sums are; no -ffast-math: NaN and infinity keep their meaning.
@@ -41,7 +42,8 @@ FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp-simd", "-fno-math-errno", "-fassoci
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 ERRORS = {1: "unsupported head geometry (heads not a multiple of kv heads, > 256 heads, > 64 query heads per kv "
              "head in prefill, head_dim > 512 or an odd rotary dim)",
-          3: "a sequence length is outside its block table (or shorter than its new tokens)", 4: "a block id is outside the KV pool"}
+          3: "a sequence length is outside its block table (or shorter than its new tokens)", 4: "a block id is outside the KV pool",
+          5: "quantized weight layout unsupported (bits, or a group not a multiple of 16)"}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {  # C entry point -> argument types (all return int: 0 or an ERRORS code)
     "splitserve_decode_attention": [_I] + [_P] * 6 + [_I] * 8 + [_I64] * 3 + [_F, _I, _F],
@@ -50,6 +52,8 @@ SIGNATURES = {  # C entry point -> argument types (all return int: 0 or an ERROR
     "splitserve_rotary_store": [_I, _P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I, _P, _P, _P, _P, _I, _I, _I, _I,
                                 _I64, _I, _I64, _I64, _I64],
     "splitserve_act_and_mul": [_I, _P, _I64, _P, _I, _I, _I],
+    "splitserve_quant_gemv": [_P, _I, _I, _P, _I, _P, _P, _I, _P, _P, _I, _I, _I],  # quant_native.py
+    "splitserve_quant_dequantize": [_P, _I, _P, _P, _I, _I, _P, _I, _I],
 }
 
 _lock = threading.Lock()

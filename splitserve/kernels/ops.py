@@ -45,8 +45,17 @@ def _triton():
     return triton_ops
 
 
+def _kv_scales(k_cache, k_scale, v_scale) -> tuple[float, float]:
+    return (k_scale, v_scale) if k_cache.dtype == torch.float8_e4m3fn else (1.0, 1.0)
+
+
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None, window=0,
-                           softcap=0.0):
+                           softcap=0.0, k_scale=1.0, v_scale=1.0):
+    """k_scale / v_scale: what one stored unit of an fp8 cache is worth (engine/kv_cache.py).
+    The kernels read fp8 codes as their plain values; the scales fold in here, exactly as
+    q . (k * k_scale) = (q . k) * k_scale and sum p (v * v_scale) = v_scale * sum p v. A float
+    cache holds values, not codes: the scales do not apply to it."""
+    k_scale, v_scale = _kv_scales(k_cache, k_scale, v_scale)
     backend = backend_for(q)
     impl = _triton() if backend == "triton" else reference
     if backend == "native":
@@ -54,12 +63,15 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, n
 
         if cpu_native.supports(q, k_cache, v_cache):
             impl = cpu_native
-    return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, window,
-                                       softcap)
+    out = impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale * k_scale, num_splits,
+                                      window, softcap)
+    return out if v_scale == 1.0 else out.mul_(v_scale)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, window=0,
-                            softcap=0.0):
+                            softcap=0.0, k_scale=1.0, v_scale=1.0):
+    """k_scale / v_scale as in paged_decode_attention."""
+    k_scale, v_scale = _kv_scales(k_cache, k_scale, v_scale)
     backend = backend_for(q)
     impl = _triton() if backend == "triton" else reference
     if backend == "native":
@@ -67,13 +79,15 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
 
         if cpu_native.supports_prefill(q, k_cache, v_cache):
             impl = cpu_native
-    return impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                        window, softcap)
+    out = impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale * k_scale,
+                                       window, softcap)
+    return out if v_scale == 1.0 else out.mul_(v_scale)
 
 
-def store_kv(key, value, k_cache, v_cache, slot_mapping):
+def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
+    """Write K/V rows to their slots; into an fp8 cache as clamp(x / scale, +-448) in e4m3."""
     impl = _triton() if backend_for(key) == "triton" else reference
-    return impl.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    return impl.store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def pack_blocks(pool, block_ids):
@@ -124,13 +138,13 @@ def apply_rotary(q, k, cos, sin):
     return impl.apply_rotary(q, k, cos, sin)
 
 
-def rotary_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+def rotary_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
     """Neox rotary on the first cos.shape[-1] dims of each q and k head (all of them unless the
     model rotates only part: Phi-4-mini's partial_rotary_factor), then k and v written to
-    their slots; returns the rotated q."""
+    their slots (as store_kv, scales included); returns the rotated q."""
     backend = backend_for(q)
     if backend == "native" and _fused().rotary_store_supported(q, k, v, cos, sin, k_cache, v_cache):
-        return _fused().rotary_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        return _fused().rotary_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if backend == "triton" and _triton_fused().rotary_store_supported(q, k, v, cos, sin, k_cache, v_cache):
         return _triton_fused().rotary_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
     rot = cos.shape[-1]
@@ -139,7 +153,7 @@ def rotary_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
     else:
         q_rot, k_rot = apply_rotary(q[..., :rot].contiguous(), k[..., :rot].contiguous(), cos, sin)
         q, k = torch.cat([q_rot, q[..., rot:]], dim=-1), torch.cat([k_rot, k[..., rot:]], dim=-1)
-    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
 
 
@@ -170,4 +184,9 @@ def quantized_linear(x, qw, bias=None):
     (kernels/quant_weight.py); float32 accumulation on every path."""
     from splitserve.kernels import quant_weight
 
+    if backend_for(x) == "native":
+        from splitserve.kernels import quant_native  # lazily, like _fused()
+
+        if quant_native.supports(x, qw):
+            return quant_native.quantized_linear(x, qw, bias)
     return quant_weight.quantized_linear_reference(x, qw, bias)

@@ -1,0 +1,249 @@
+// Weight-only quantized linear layers on CPU (issue 31): y = x @ dequantize(w).T for the
+// QuantizedWeight layout of splitserve/kernels/quant_weight.py,
+//     w[n, k] = code[n, k] * scale[n, k / group] + offset[n, k / group].
+// Built with the other kernels into one library by cpu_native.py; called by quant_native.py.
+//
+// Two entry points:
+//  - splitserve_quant_gemv, for decode (a few rows of x): each weight row's codes are read
+//    once, dequantised in registers 16 at a time and multiplied into all rows of x. This is
+//    where weight-only quantization pays: a decode step reads 1/8 (4 bits) to 1/4 (8 bits)
+//    of the float32 weight bytes.
+//  - splitserve_quant_dequantize, for prefill (many rows): a tile of weight rows as float32,
+//    which the caller hands to torch's GEMM; the dequantising costs one pass over the tile
+//    against M multiply-adds per weight, so it fades as M grows.
+//
+// The gemv walks K in chunks of 16 codes. Byte codes (bits 5..8, fp8) are 16 consecutive
+// columns; packed 4-bit codes are 8 bytes whose low nibbles (the even columns) come first and
+// high nibbles (the odd columns) second, and the caller orders x's columns the same way
+// (any order is fine for a dot product). Groups are a multiple of 16 columns, so a chunk never
+// straddles two. FP8 e4m3 codes become float16 bit patterns ((b & 0x7f) << 7, the sign on top),
+// worth 2^-8 of the code, which the hardware converts exactly (subnormals included); the 2^8
+// goes into the scale. Sums are float32.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kFp8 = 0;
+constexpr int kMaxRows = 8;  // rows of x per pass over a weight row: accumulators held in registers
+
+// The 256 float values of fp8 e4m3fn codes (the scalar paths).
+struct Fp8Table {
+    float v[256];
+    Fp8Table() {
+        for (int b = 0; b < 256; b++) {
+            const int e = (b >> 3) & 15, m = b & 7;
+            float f = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.f + m / 8.f, e - 7);
+            if ((b & 0x7f) == 0x7f) f = NAN;
+            v[b] = (b & 0x80) ? -f : f;
+        }
+    }
+};
+const Fp8Table kFp8Table;
+
+#if defined(__AVX512F__)
+// 16 float lanes: one register.
+struct Vec {
+    __m512 v;
+    static Vec zero() { return {_mm512_setzero_ps()}; }
+    static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+    static Vec set1(float s) { return {_mm512_set1_ps(s)}; }
+    static Vec from_bytes(__m128i b) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))}; }
+    static Vec from_halves(__m256i h) { return {_mm512_cvtph_ps(h)}; }
+    float sum() const { return _mm512_reduce_add_ps(v); }
+};
+inline Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+#elif defined(__AVX2__)
+// 16 float lanes: two registers.
+struct Vec {
+    __m256 a, b;
+    static Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+    static Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+    static Vec set1(float s) { return {_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
+    static Vec from_bytes(__m128i x) {
+        return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x)),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(x, 8)))};
+    }
+    static Vec from_halves(__m256i h) {
+        return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
+    }
+    float sum() const {
+        __m256 s = _mm256_add_ps(a, b);
+        __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+        q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+        q = _mm_add_ss(q, _mm_movehdup_ps(q));
+        return _mm_cvtss_f32(q);
+    }
+};
+inline Vec fma(Vec x, Vec y, Vec z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+// 16 codes of chunk c of a weight row, as floats in the chunk's lane order (see the top).
+template <int BITS>
+inline Vec codes16(const uint8_t* row, int c) {
+    if constexpr (BITS == 4) {
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c));
+        const __m128i mask = _mm_set1_epi8(0x0f);
+        const __m128i low = _mm_and_si128(b, mask), high = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+        return Vec::from_bytes(_mm_unpacklo_epi64(low, high));
+    } else if constexpr (BITS == kFp8) {
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
+        const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+        const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7);
+        return Vec::from_halves(_mm256_or_si256(sign, rest));
+    } else {
+        return Vec::from_bytes(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
+    }
+}
+
+// out[m, n] for rows m < R of x and weight rows [n_first, n_end): accumulators in registers.
+template <int BITS, int R>
+void gemv_rows(const float* x, int K, const uint8_t* codes, const float* scales, const float* offsets, int group,
+               const float* bias, float* out, int N, int n_first, int n_end) {
+    const int64_t row_bytes = BITS == 4 ? K / 2 : K;
+    const int groups = K / group, chunks_per_group = group / 16;
+    const float scale_factor = BITS == kFp8 ? 256.f : 1.f;  // fp8 codes arrive as 2^-8 of their value
+    for (int n = n_first; n < n_end; n++) {
+        const uint8_t* row = codes + n * row_bytes;
+        Vec acc[R];
+        for (int r = 0; r < R; r++) acc[r] = Vec::zero();
+        for (int g = 0; g < groups; g++) {
+            const Vec s = Vec::set1(scales[int64_t(n) * groups + g] * scale_factor);
+            const Vec o = Vec::set1(offsets ? offsets[int64_t(n) * groups + g] : 0.f);
+            for (int c = g * chunks_per_group; c < (g + 1) * chunks_per_group; c++) {
+                const Vec w = fma(codes16<BITS>(row, c), s, o);
+                for (int r = 0; r < R; r++) acc[r] = fma(w, Vec::load(x + int64_t(r) * K + 16 * c), acc[r]);
+            }
+        }
+        const float b = bias ? bias[n] : 0.f;
+        for (int r = 0; r < R; r++) out[int64_t(r) * N + n] = acc[r].sum() + b;
+    }
+}
+#else
+// Portable: one code at a time (other CPUs; the compiler vectorises what it can).
+template <int BITS>
+inline float code_at(const uint8_t* row, int k) {  // k in the chunk lane order (see the top)
+    if constexpr (BITS == 4) {
+        const int c = k / 16, lane = k % 16;
+        const uint8_t b = row[8 * c + lane % 8];
+        return float(lane < 8 ? b & 15 : b >> 4);
+    } else if constexpr (BITS == kFp8) {
+        return kFp8Table.v[row[k]];
+    } else {
+        return float(row[k]);
+    }
+}
+
+template <int BITS, int R>
+void gemv_rows(const float* x, int K, const uint8_t* codes, const float* scales, const float* offsets, int group,
+               const float* bias, float* out, int N, int n_first, int n_end) {
+    const int64_t row_bytes = BITS == 4 ? K / 2 : K;
+    const int groups = K / group;
+    for (int n = n_first; n < n_end; n++) {
+        const uint8_t* row = codes + n * row_bytes;
+        float acc[R] = {};
+        for (int g = 0; g < groups; g++) {
+            const float s = scales[int64_t(n) * groups + g], o = offsets ? offsets[int64_t(n) * groups + g] : 0.f;
+            for (int k = g * group; k < (g + 1) * group; k++) {
+                const float w = code_at<BITS>(row, k) * s + o;
+                for (int r = 0; r < R; r++) acc[r] += w * x[int64_t(r) * K + k];
+            }
+        }
+        for (int r = 0; r < R; r++) out[int64_t(r) * N + n] = acc[r] + (bias ? bias[n] : 0.f);
+    }
+}
+#endif
+
+template <int BITS>
+void gemv(const float* x, int M, int K, const uint8_t* codes, const float* scales, const float* offsets, int group,
+          const float* bias, float* out, int N, int n_first, int n_end) {
+    // Weight rows in blocks small enough to stay in L1/L2 while every kMaxRows-row slice of x passes.
+    constexpr int kRowBlock = 16;
+    for (int n0 = n_first; n0 < n_end; n0 += kRowBlock) {
+        const int n1 = n0 + kRowBlock < n_end ? n0 + kRowBlock : n_end;
+        for (int m = 0; m < M; m += kMaxRows) {
+            const float* xm = x + int64_t(m) * K;
+            float* om = out + int64_t(m) * N;
+            switch (M - m < kMaxRows ? M - m : kMaxRows) {
+                case 1: gemv_rows<BITS, 1>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                case 2: gemv_rows<BITS, 2>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                case 3: gemv_rows<BITS, 3>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                case 4: gemv_rows<BITS, 4>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                case 5: gemv_rows<BITS, 5>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                case 6: gemv_rows<BITS, 6>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                case 7: gemv_rows<BITS, 7>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                default: gemv_rows<BITS, 8>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+            }
+        }
+    }
+}
+
+// Weight rows [n_first, n_end) as float32 in the layer's code column order (natural order, not
+// the gemv's chunk order), into out [n_end - n_first, K].
+template <int BITS>
+void dequantize(const uint8_t* codes, const float* scales, const float* offsets, int group, int K, float* out,
+                int n_first, int n_end) {
+    const int64_t row_bytes = BITS == 4 ? K / 2 : K;
+    const int groups = K / group;
+    for (int n = n_first; n < n_end; n++) {
+        const uint8_t* row = codes + n * row_bytes;
+        float* o = out + int64_t(n - n_first) * K;
+        for (int g = 0; g < groups; g++) {
+            const float s = scales[int64_t(n) * groups + g], z = offsets ? offsets[int64_t(n) * groups + g] : 0.f;
+            float* og = o + g * group;
+            if constexpr (BITS == 4) {
+                const uint8_t* b = row + g * group / 2;
+                for (int j = 0; j < group / 2; j++) {
+                    og[2 * j] = float(b[j] & 15) * s + z;
+                    og[2 * j + 1] = float(b[j] >> 4) * s + z;
+                }
+            } else if constexpr (BITS == kFp8) {
+                const uint8_t* b = row + g * group;
+                for (int j = 0; j < group; j++) og[j] = kFp8Table.v[b[j]] * s + z;
+            } else {
+                const uint8_t* b = row + g * group;
+                for (int j = 0; j < group; j++) og[j] = float(b[j]) * s + z;
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// bits: 4, 5..8, or 0 (fp8 e4m3). x float32 [M, K] (for bits 4 in the chunk column order);
+// out float32 [M, N]; offsets and bias may be null. Returns 0, or 5 (bits or group unsupported).
+int splitserve_quant_gemv(const float* x, int M, int K, const uint8_t* codes, int bits, const float* scales,
+                          const float* offsets, int group, const float* bias, float* out, int N, int n_first,
+                          int n_end) {
+    if (group % 16 || K % group) return 5;
+    switch (bits) {
+        case 4: gemv<4>(x, M, K, codes, scales, offsets, group, bias, out, N, n_first, n_end); return 0;
+        case kFp8: gemv<kFp8>(x, M, K, codes, scales, offsets, group, bias, out, N, n_first, n_end); return 0;
+        case 5: case 6: case 7: case 8:
+            gemv<8>(x, M, K, codes, scales, offsets, group, bias, out, N, n_first, n_end);
+            return 0;
+        default: return 5;
+    }
+}
+
+// Weight rows [n_first, n_end) dequantised into out float32 [n_end - n_first, K].
+int splitserve_quant_dequantize(const uint8_t* codes, int bits, const float* scales, const float* offsets, int group,
+                                int K, float* out, int n_first, int n_end) {
+    if (K % group || (bits == 4 && group % 2)) return 5;
+    switch (bits) {
+        case 4: dequantize<4>(codes, scales, offsets, group, K, out, n_first, n_end); return 0;
+        case kFp8: dequantize<kFp8>(codes, scales, offsets, group, K, out, n_first, n_end); return 0;
+        case 5: case 6: case 7: case 8: dequantize<8>(codes, scales, offsets, group, K, out, n_first, n_end); return 0;
+        default: return 5;
+    }
+}
+
+}  // extern "C"
