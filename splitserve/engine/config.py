@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
+from splitserve.engine.kv_cache import kv_cache_torch_dtype
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -20,6 +21,7 @@ class EngineConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8 (= fp8_e4m3): e4m3 codes, engine/kv_cache.py
     max_num_seqs: int = 64  # most sequences in one batch
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     max_model_len: int | None = None  # None: the model's own limit
@@ -34,6 +36,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        kv_cache_torch_dtype(self.kv_cache_dtype, self.torch_dtype)  # one clear error for a bad value
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < self.block_size:
@@ -54,3 +57,8 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV pool's element type."""
+        return kv_cache_torch_dtype(self.kv_cache_dtype, self.torch_dtype)

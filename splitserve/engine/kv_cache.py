@@ -5,6 +5,12 @@ Layout: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
 all layers, are contiguous. A KV transfer of block b is then one contiguous
 region (one RDMA write, one checksum), and the per-layer views the attention
 kernels take are plain strided views [num_blocks, block_size, kv_heads, head_dim].
+
+FP8 KV (`--kv-cache-dtype fp8`, vLLM's flag): the pool holds float8_e4m3fn codes, half the
+bytes of bf16 per token. Each attention layer has one k_scale and one v_scale (per tensor;
+models/layers.py Attention, 1.0 as in vLLM when the checkpoint carries none): the KV write
+stores clamp(x / scale, +-448) in e4m3 (round to nearest even, saturating), attention reads
+code * scale (kernels/ops.py folds the scales into the softmax scale and the output).
 """
 
 from __future__ import annotations
@@ -12,6 +18,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value: the KV write saturates here
+# --kv-cache-dtype values; "auto" is the model's dtype, fp8 and fp8_e4m3 are the same (as in vLLM)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's element type for a --kv-cache-dtype value."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return model_dtype if kv_cache_dtype == "auto" else FP8
 
 
 @dataclass(frozen=True)
@@ -50,6 +68,15 @@ class KVCachePool:
         self.num_blocks = num_blocks
         self.num_scratch_blocks = scratch_blocks
         self.data = torch.zeros((num_blocks + scratch_blocks, *spec.block_shape), dtype=spec.dtype, device=device)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.spec.dtype == FP8
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the usable blocks hold (scratch blocks excluded)."""
+        return self.num_blocks * self.spec.block_size
 
     @property
     def scratch_block(self) -> int | None:

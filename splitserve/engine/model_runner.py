@@ -28,7 +28,7 @@ class ModelRunner:
             model_cfg.local_rope, model_cfg.head_dim, max_model_len, cfg.torch_dtype, self.device)
         self.ropes: dict[str, RopeTable] = {FULL: full, SLIDING: local}
         spec = KVCacheSpec(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
-                           cfg.block_size, cfg.torch_dtype)
+                           cfg.block_size, cfg.kv_torch_dtype)
         num_blocks = cfg.num_kv_blocks or num_blocks_for_memory(spec, cfg.kv_cache_memory_bytes)
         # one scratch block: where the padding rows of a fixed-shape decode batch write
         self.kv_pool = KVCachePool(spec, num_blocks, self.device, scratch_blocks=1)

@@ -8,7 +8,9 @@
 // b * block_stride + s * slot_stride + h * head_stride; its head_dim elements are contiguous.
 // q and out are contiguous [batch, num_heads, head_dim]; query heads h*G .. h*G+G-1 share kv
 // head h (grouped-query attention). Scores, softmax and sums are float32 whatever the storage
-// type, and the softmax is exact (max, exp, sum over the whole context), as SDPA's.
+// type, and the softmax is exact (max, exp, sum over the whole context), as SDPA's. The cache
+// may hold float8_e4m3fn codes under a float32 or bfloat16 query (an fp8 KV pool): rows are
+// converted through a table as they are read, and the float path stays as it was.
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -24,6 +26,7 @@ constexpr int kMaxDim = 512;
 
 using splitserve::Bf16;
 using splitserve::exp_approx;
+using splitserve::Fp8;
 using splitserve::load;
 using splitserve::store;
 
@@ -72,8 +75,8 @@ inline const float* as_float(const T* row, int dim, float* buf) {
 // One sequence, all heads, context positions [start, len). Position t's K (and V) rows of all
 // kv heads are adjacent in a block, so the context is read as it lies in memory, once. DIM > 0
 // is a compile-time copy of g.dim (the dot products unroll); 0 reads it from g.
-template <typename T, int DIM>
-void attend_sequence(const T* q, const T* k, const T* v, T* out, const int32_t* blocks, int start, int len,
+template <typename T, typename C, int DIM>
+void attend_sequence(const T* q, const C* k, const C* v, T* out, const int32_t* blocks, int start, int len,
                      const Geometry& g, float* scores, float* acc) {
     const int n = len - start, dim = DIM > 0 ? DIM : g.dim, heads = g.heads;
     alignas(64) float kv_row[DIM > 0 ? DIM : kMaxDim];
@@ -81,9 +84,9 @@ void attend_sequence(const T* q, const T* k, const T* v, T* out, const int32_t* 
     float* qf = acc;  // the query (scaled) lives where the output accumulates, until it is used
     for (int i = 0; i < heads * dim; i++) qf[i] = load(q[i]) * g.scale;
     for (int h = 0; h < heads; h++) maxes[h] = -FLT_MAX;
-    const int64_t row_bytes = int64_t(g.kv_heads) * g.head_stride * sizeof(T);
+    const int64_t row_bytes = int64_t(g.kv_heads) * g.head_stride * sizeof(C);
     for (int t = start; t < len; t++) {  // scores
-        const T* kr = position_row(k, blocks, t, len, g, row_bytes);
+        const C* kr = position_row(k, blocks, t, len, g, row_bytes);
         for (int kh = 0; kh < g.kv_heads; kh++) {
             const float* krow = as_float<DIM>(kr + kh * g.head_stride, dim, kv_row);
             for (int h = kh * g.group; h < (kh + 1) * g.group; h++) {
@@ -104,7 +107,7 @@ void attend_sequence(const T* q, const T* k, const T* v, T* out, const int32_t* 
     }
     for (int i = 0; i < heads * dim; i++) acc[i] = 0.f;
     for (int t = start; t < len; t++) {  // weighted sum of V
-        const T* vr = position_row(v, blocks, t, len, g, row_bytes);
+        const C* vr = position_row(v, blocks, t, len, g, row_bytes);
         for (int kh = 0; kh < g.kv_heads; kh++) {
             const float* vrow = as_float<DIM>(vr + kh * g.head_stride, dim, kv_row);
             for (int h = kh * g.group; h < (kh + 1) * g.group; h++) {
@@ -121,12 +124,13 @@ void attend_sequence(const T* q, const T* k, const T* v, T* out, const int32_t* 
     }
 }
 
-template <typename T>
+template <typename T, typename C>
 int decode(const void* q_, const void* k_, const void* v_, void* out_, const int32_t* block_tables,
            const int32_t* seq_lens, int first_seq, int end_seq, int num_heads, int num_kv_heads, int head_dim,
            int block_size, int max_blocks, int num_blocks, int64_t block_stride, int64_t slot_stride,
            int64_t head_stride, float scale, int window, float softcap) {
-    const T *q = static_cast<const T*>(q_), *k = static_cast<const T*>(k_), *v = static_cast<const T*>(v_);
+    const T* q = static_cast<const T*>(q_);
+    const C *k = static_cast<const C*>(k_), *v = static_cast<const C*>(v_);
     T* out = static_cast<T*>(out_);
     const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
     if (group < 1 || num_heads > kMaxHeads || head_dim > kMaxDim || group * num_kv_heads != num_heads) return 1;
@@ -141,11 +145,11 @@ int decode(const void* q_, const void* k_, const void* v_, void* out_, const int
         longest = seq_lens[b] > longest ? seq_lens[b] : longest;
     }
     std::vector<float> scores(size_t(num_heads) * size_t(longest)), acc(size_t(num_heads) * head_dim);
-    auto attend = attend_sequence<T, 0>;  // common head sizes get an unrolled copy
-    if (head_dim == 32) attend = attend_sequence<T, 32>;
-    if (head_dim == 64) attend = attend_sequence<T, 64>;
-    if (head_dim == 128) attend = attend_sequence<T, 128>;
-    if (head_dim == 256) attend = attend_sequence<T, 256>;
+    auto attend = attend_sequence<T, C, 0>;  // common head sizes get an unrolled copy
+    if (head_dim == 32) attend = attend_sequence<T, C, 32>;
+    if (head_dim == 64) attend = attend_sequence<T, C, 64>;
+    if (head_dim == 128) attend = attend_sequence<T, C, 128>;
+    if (head_dim == 256) attend = attend_sequence<T, C, 256>;
     for (int b = first_seq; b < end_seq; b++) {
         const int len = seq_lens[b];
         const int start = (window > 0 && len > window) ? len - window : 0;
@@ -159,14 +163,16 @@ int decode(const void* q_, const void* k_, const void* v_, void* out_, const int
 }  // namespace
 
 // 0 on success; 1: unsupported head geometry; 3: a sequence length outside its block table;
-// 4: a block id outside the pool. Nothing is read before these checks pass.
-extern "C" int splitserve_decode_attention(int dtype_code, const void* q, const void* k_cache,
+// 4: a block id outside the pool. Nothing is read before these checks pass. dtype_code: the
+// query's (0 float32, 1 bfloat16); cache_code: the cache's (the same, or 2: float8_e4m3fn).
+extern "C" int splitserve_decode_attention(int dtype_code, int cache_code, const void* q, const void* k_cache,
                                            const void* v_cache, void* out, const int32_t* block_tables,
                                            const int32_t* seq_lens, int first_seq, int end_seq, int num_heads,
                                            int num_kv_heads, int head_dim, int block_size, int max_blocks,
                                            int num_blocks, int64_t block_stride, int64_t slot_stride,
                                            int64_t head_stride, float scale, int window, float softcap) {
-    auto run = dtype_code == 0 ? decode<float> : decode<Bf16>;
+    auto run = dtype_code == 0 ? decode<float, float> : decode<Bf16, Bf16>;
+    if (cache_code == 2) run = dtype_code == 0 ? decode<float, Fp8> : decode<Bf16, Fp8>;
     return run(q, k_cache, v_cache, out, block_tables, seq_lens, first_seq, end_seq, num_heads, num_kv_heads,
                head_dim, block_size, max_blocks, num_blocks, block_stride, slot_stride, head_stride, scale, window,
                softcap);

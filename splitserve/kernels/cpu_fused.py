@@ -3,7 +3,8 @@
 Same contracts as the torch reference (reference.rms_norm, apply_rotary + store_kv, the gated
 MLP's activation * up); each is one C call over rows already in memory. Callers ask
 `supports()` first and take the reference where it says no (another device or dtype, an
-fp8/fp16 KV cache, strides the kernel does not walk, no compiler).
+fp16 KV cache, strides the kernel does not walk, no compiler). An fp8 KV cache is written
+natively (rotary_store_supported).
 """
 
 from __future__ import annotations
@@ -47,23 +48,28 @@ def heads_walkable(t: torch.Tensor) -> bool:
     return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
 
 
-def rotary_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+def rotary_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
     """Neox rotary on the first cos.shape[-1] dims of q and k; k (rotated) and v written to
-    their slots of the paged cache; returns the rotated q, contiguous [n, heads, dim]."""
+    their slots of the paged cache (an fp8 cache: as reference.quantize_fp8 with the scales);
+    returns the rotated q, contiguous [n, heads, dim]."""
     n, heads, dim = q.shape
     slots = slot_mapping.to(torch.int64).contiguous()
     out = torch.empty((n, heads, dim), dtype=q.dtype)
     code = cpu_native.library().splitserve_rotary_store(
-        DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        DTYPE_CODES[q.dtype], cpu_native.cache_code(q, k_cache), q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.shape[-1], out.data_ptr(), k_cache.data_ptr(),
         v_cache.data_ptr(), slots.data_ptr(), n, heads, k.shape[1], dim, k_cache.shape[0], k_cache.shape[1],
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), float(k_scale), float(v_scale))
     _check(code)
     return out
 
 
 def rotary_store_supported(q, k, v, cos, sin, k_cache, v_cache) -> bool:
-    return (supports(q, k, v, cos, sin, k_cache, v_cache) and all(map(heads_walkable, (q, k, v)))
+    fp8 = k_cache.dtype == torch.float8_e4m3fn  # codes written from q's dtype (heads up to 512 dims)
+    if fp8 and not (v_cache.dtype == k_cache.dtype and k_cache.device.type == "cpu" and k_cache.stride(-1) == 1
+                    and q.shape[2] <= 512):
+        return False
+    return (supports(q, k, v, cos, sin, *(() if fp8 else (k_cache, v_cache))) and all(map(heads_walkable, (q, k, v)))
             and k.shape == v.shape and k.shape[1:] == k_cache.shape[2:] and q.shape[2] == k.shape[2]
             and k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
             and cos.stride() == sin.stride() and cos.shape[-1] % 2 == 0 and cos.shape[-1] <= q.shape[2])

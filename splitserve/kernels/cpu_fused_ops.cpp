@@ -9,6 +9,7 @@
 // Every function returns 0, or an error code cpu_native.py explains.
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cpu_scalar.h"
 
@@ -16,6 +17,7 @@ namespace {
 
 using splitserve::Bf16;
 using splitserve::exp_approx;
+using splitserve::Fp8;
 using splitserve::load;
 using splitserve::rounded;
 using splitserve::store;
@@ -55,17 +57,28 @@ inline void rotate_head(const T* x, const T* cos, const T* sin, T* out, int rot,
     for (int i = rot; i < dim; i++) out[i] = x[i];
 }
 
+constexpr int kMaxDim = 512;
+
 struct Pool {
     int64_t num_blocks, block_stride, slot_stride, head_stride;
     int block_size;
 };
 
-// Rotates q into q_out [n, heads, dim] and k into the cache at each token's slot; copies v
-// there too. Rows of q, k, v are `*_row` elements apart, heads `dim` apart within a row.
+// One head's row (dim values of T) into an fp8 cache row as reference.quantize_fp8 writes it:
+// x / scale rounded to T (torch divides in x's dtype), then e4m3, saturating at +-448.
 template <typename T>
+inline void quantize_row(const T* x, Fp8* dst, float scale, int dim) {
+    for (int i = 0; i < dim; i++) store(dst + i, splitserve::rounded<T>(load(x[i]) / scale));
+}
+
+// Rotates q into q_out [n, heads, dim] and k into the cache at each token's slot; copies v
+// there too. Rows of q, k, v are `*_row` elements apart, heads `dim` apart within a row. An
+// fp8 cache (C = Fp8) gets rotated k and v quantized with their scales.
+template <typename T, typename C>
 int rotary_store(const T* q, int64_t q_row, const T* k, int64_t k_row, const T* v, int64_t v_row,
-                 const T* cos, const T* sin, int64_t cs_row, int rot, T* q_out, T* k_cache, T* v_cache,
-                 const int64_t* slots, int n, int heads, int kv_heads, int dim, const Pool& p) {
+                 const T* cos, const T* sin, int64_t cs_row, int rot, T* q_out, C* k_cache, C* v_cache,
+                 const int64_t* slots, int n, int heads, int kv_heads, int dim, const Pool& p, float k_scale,
+                 float v_scale) {
     for (int t = 0; t < n; t++) {  // every slot checked before anything is written
         if (slots[t] < 0 || slots[t] / p.block_size >= p.num_blocks) return 4;
     }
@@ -77,10 +90,18 @@ int rotary_store(const T* q, int64_t q_row, const T* k, int64_t k_row, const T* 
         }
         const int64_t base = slots[t] / p.block_size * p.block_stride + slots[t] % p.block_size * p.slot_stride;
         for (int h = 0; h < kv_heads; h++) {
-            rotate_head(k + t * k_row + h * dim, c, s, k_cache + base + h * p.head_stride, rot, dim);
             const T* vr = v + t * v_row + h * dim;
-            T* vd = v_cache + base + h * p.head_stride;
-            for (int i = 0; i < dim; i++) vd[i] = vr[i];
+            C* kd = k_cache + base + h * p.head_stride;
+            C* vd = v_cache + base + h * p.head_stride;
+            if constexpr (std::is_same<C, Fp8>::value) {
+                T rotated[kMaxDim];
+                rotate_head(k + t * k_row + h * dim, c, s, rotated, rot, dim);
+                quantize_row(rotated, kd, k_scale, dim);
+                quantize_row(vr, vd, v_scale, dim);
+            } else {
+                rotate_head(k + t * k_row + h * dim, c, s, kd, rot, dim);
+                for (int i = 0; i < dim; i++) vd[i] = vr[i];
+            }
         }
     }
     return 0;
@@ -126,24 +147,40 @@ int splitserve_rms_norm(int dtype, const void* x, int64_t x_row, const void* w, 
     return 0;
 }
 
-int splitserve_rotary_store(int dtype, const void* q, int64_t q_row, const void* k, int64_t k_row, const void* v,
+// cache_code: 2 for a float8_e4m3fn cache (k and v stored as codes of x / scale), else the same as dtype.
+int splitserve_rotary_store(int dtype, int cache_code, const void* q, int64_t q_row, const void* k, int64_t k_row, const void* v,
                             int64_t v_row, const void* cos, const void* sin, int64_t cs_row, int rot, void* q_out,
                             void* k_cache, void* v_cache, const int64_t* slots, int n, int heads, int kv_heads,
                             int dim, int64_t num_blocks, int block_size, int64_t block_stride, int64_t slot_stride,
-                            int64_t head_stride) {
-    if (rot > dim || rot % 2) return 1;
+                            int64_t head_stride, float k_scale, float v_scale) {
+    if (rot > dim || rot % 2 || (cache_code == 2 && dim > kMaxDim)) return 1;
     const Pool p{num_blocks, block_stride, slot_stride, head_stride, block_size};
+    if (dtype == 0 && cache_code == 2) {
+        return rotary_store(static_cast<const float*>(q), q_row, static_cast<const float*>(k), k_row,
+                            static_cast<const float*>(v), v_row, static_cast<const float*>(cos),
+                            static_cast<const float*>(sin), cs_row, rot, static_cast<float*>(q_out),
+                            static_cast<Fp8*>(k_cache), static_cast<Fp8*>(v_cache), slots, n, heads, kv_heads,
+                            dim, p, k_scale, v_scale);
+    }
+    if (cache_code == 2) {
+        return rotary_store(static_cast<const Bf16*>(q), q_row, static_cast<const Bf16*>(k), k_row,
+                            static_cast<const Bf16*>(v), v_row, static_cast<const Bf16*>(cos),
+                            static_cast<const Bf16*>(sin), cs_row, rot, static_cast<Bf16*>(q_out),
+                            static_cast<Fp8*>(k_cache), static_cast<Fp8*>(v_cache), slots, n, heads, kv_heads,
+                            dim, p, k_scale, v_scale);
+    }
     if (dtype == 0) {
         return rotary_store(static_cast<const float*>(q), q_row, static_cast<const float*>(k), k_row,
                             static_cast<const float*>(v), v_row, static_cast<const float*>(cos),
                             static_cast<const float*>(sin), cs_row, rot, static_cast<float*>(q_out),
                             static_cast<float*>(k_cache), static_cast<float*>(v_cache), slots, n, heads, kv_heads,
-                            dim, p);
+                            dim, p, 1.f, 1.f);
     }
     return rotary_store(static_cast<const Bf16*>(q), q_row, static_cast<const Bf16*>(k), k_row,
                         static_cast<const Bf16*>(v), v_row, static_cast<const Bf16*>(cos),
                         static_cast<const Bf16*>(sin), cs_row, rot, static_cast<Bf16*>(q_out),
-                        static_cast<Bf16*>(k_cache), static_cast<Bf16*>(v_cache), slots, n, heads, kv_heads, dim, p);
+                        static_cast<Bf16*>(k_cache), static_cast<Bf16*>(v_cache), slots, n, heads, kv_heads, dim, p,
+                        1.f, 1.f);
 }
 
 int splitserve_act_and_mul(int dtype, const void* x, int64_t x_row, void* out, int rows, int inter, int gelu) {

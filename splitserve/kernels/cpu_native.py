@@ -40,17 +40,23 @@ MARCH = os.environ.get("SPLITSERVE_CPU_MARCH", "native")
 FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp-simd", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+FP8_CODE = 2  # a float8_e4m3fn KV cache (engine/kv_cache.py) under a float32 or bfloat16 query
+
+
+def cache_code(q: torch.Tensor, cache: torch.Tensor) -> int:
+    return FP8_CODE if cache.dtype == torch.float8_e4m3fn else DTYPE_CODES[q.dtype]
+
 ERRORS = {1: "unsupported head geometry (heads not a multiple of kv heads, > 256 heads, > 64 query heads per kv "
              "head in prefill, head_dim > 512 or an odd rotary dim)",
           3: "a sequence length is outside its block table (or shorter than its new tokens)", 4: "a block id is outside the KV pool",
           5: "quantized weight layout unsupported (bits, or a group not a multiple of 16)"}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {  # C entry point -> argument types (all return int: 0 or an ERRORS code)
-    "splitserve_decode_attention": [_I] + [_P] * 6 + [_I] * 8 + [_I64] * 3 + [_F, _I, _F],
-    "splitserve_prefill_attention": [_I] + [_P] * 7 + [_I] * 9 + [_I64] * 3 + [_F, _I, _F],
+    "splitserve_decode_attention": [_I, _I] + [_P] * 6 + [_I] * 8 + [_I64] * 3 + [_F, _I, _F],
+    "splitserve_prefill_attention": [_I, _I] + [_P] * 7 + [_I] * 9 + [_I64] * 3 + [_F, _I, _F],
     "splitserve_rms_norm": [_I, _P, _I64, _P, _P, _I, _I, _F, _I],
-    "splitserve_rotary_store": [_I, _P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I, _P, _P, _P, _P, _I, _I, _I, _I,
-                                _I64, _I, _I64, _I64, _I64],
+    "splitserve_rotary_store": [_I, _I, _P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I, _P, _P, _P, _P, _I, _I, _I,
+                                _I, _I64, _I, _I64, _I64, _I64, _F, _F],
     "splitserve_act_and_mul": [_I, _P, _I64, _P, _I, _I, _I],
     "splitserve_quant_gemv": [_P, _I, _I, _P, _I, _P, _P, _I, _P, _P, _I, _I, _I],  # quant_native.py
     "splitserve_quant_dequantize": [_P, _I, _P, _P, _I, _I, _P, _I, _I],
@@ -121,9 +127,10 @@ def library() -> ctypes.CDLL | None:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the native kernel takes these tensors (else the caller uses the reference)."""
-    return (q.device.type == "cpu" and q.dtype in DTYPE_CODES and k_cache.dtype == q.dtype
-            and v_cache.dtype == q.dtype and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    """Whether the native kernel takes these tensors (else the caller uses the reference): a
+    cache of the query's dtype, or an fp8 one."""
+    return (q.device.type == "cpu" and q.dtype in DTYPE_CODES and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
+            and v_cache.dtype == k_cache.dtype and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
             and library() is not None)
 
 
@@ -146,8 +153,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, n
     tables = block_tables.to(device="cpu", dtype=torch.int32).contiguous()
     lens = seq_lens.to(device="cpu", dtype=torch.int32).contiguous()
     _, heads, dim = q.shape
-    args = (DTYPE_CODES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-            tables.data_ptr(), lens.data_ptr())
+    args = (DTYPE_CODES[q.dtype], cache_code(q, k_cache), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            out.data_ptr(), tables.data_ptr(), lens.data_ptr())
     shape = (heads, k_cache.shape[2], dim, k_cache.shape[1], tables.shape[1], k_cache.shape[0],
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), float(scale), int(window), float(softcap))
 
@@ -165,8 +172,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     cu = cu_seqlens_q.to(device="cpu", dtype=torch.int32).contiguous()
     lens = seq_lens.to(device="cpu", dtype=torch.int32).contiguous()
     num_seqs, kv_heads = len(lens), k_cache.shape[2]
-    args = (DTYPE_CODES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-            tables.data_ptr(), cu.data_ptr(), lens.data_ptr(), num_seqs)
+    args = (DTYPE_CODES[q.dtype], cache_code(q, k_cache), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            out.data_ptr(), tables.data_ptr(), cu.data_ptr(), lens.data_ptr(), num_seqs)
     shape = (q.shape[1], kv_heads, q.shape[2], k_cache.shape[1], tables.shape[1], k_cache.shape[0],
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), float(scale), int(window), float(softcap))
 

@@ -8,7 +8,8 @@
 // Here a tile of 64 keys is transposed once ([dim][64]) and shared by every query row of its kv
 // head (all query heads of the group, 16 tokens), so the scores are rank-1 updates across 64
 // lanes and the weighted sum of V runs along head_dim: both vectorise; the softmax is the
-// online (flash) one, exact up to float rounding, in float32 whatever the storage type.
+// online (flash) one, exact up to float rounding, in float32 whatever the storage type. The
+// cache may hold float8_e4m3fn codes (an fp8 KV pool), converted as the tile is loaded.
 //
 // Layout as cpu_decode_attention.cpp: the K/V row of (block b, slot s, kv head h) starts at
 // b * block_stride + s * slot_stride + h * head_stride. q and out are contiguous
@@ -26,6 +27,7 @@ namespace {
 
 using splitserve::Bf16;
 using splitserve::exp_approx;
+using splitserve::Fp8;
 using splitserve::load;
 using splitserve::store;
 
@@ -121,9 +123,9 @@ inline void weigh_values(const float (*s)[kKeys], const float* const* v_rows, in
 // All rows of one query tile of one kv head: rows r = i * group + j are token i (position
 // pos0 + i) of query head kh * group + j. q_rows [rows][dim] holds the scaled queries; the
 // output rows are written to out (the sequence's [n, heads, dim] rows from token tok0).
-template <typename T, int DIM>
+template <typename T, typename C, int DIM>
 __attribute__((target("prefer-vector-width=512")))
-void attend_tile(const float* q_rows, int tokens, int pos0, int kh, const T* k, const T* v, const int32_t* blocks,
+void attend_tile(const float* q_rows, int tokens, int pos0, int kh, const C* k, const C* v, const int32_t* blocks,
                  T* out, const Geometry& g, float* kt, float* vt, float* acc, float* m, float* l) {
     const int dim = DIM > 0 ? DIM : g.dim, group = g.group, rows = tokens * group;
     const int padded = (rows + kRows - 1) / kRows * kRows;
@@ -139,10 +141,10 @@ void attend_tile(const float* q_rows, int tokens, int pos0, int kh, const T* k, 
         const int nk = last + 1 - t0 < kKeys ? last + 1 - t0 : kKeys;
         for (int j = 0; j < kKeys; j++) {  // K transposed into kt[d][j]; V rows as float
             if (j < nk) {
-                const T* kr = row_at(k, blocks, t0 + j, kh, g);
+                const C* kr = row_at(k, blocks, t0 + j, kh, g);
                 for (int d = 0; d < dim; d++) kt[d * kKeys + j] = load(kr[d]);
-                const T* vr = row_at(v, blocks, t0 + j, kh, g);
-                if constexpr (std::is_same<T, float>::value) {
+                const C* vr = row_at(v, blocks, t0 + j, kh, g);
+                if constexpr (std::is_same<C, float>::value) {
                     v_rows[j] = vr;  // used in place
                 } else {
                     for (int d = 0; d < dim; d++) vt[j * dim + d] = load(vr[d]);
@@ -226,8 +228,8 @@ void attend_tile(const float* q_rows, int tokens, int pos0, int kh, const T* k, 
     }
 }
 
-template <typename T, int DIM>
-void attend_items(const T* q, const T* k, const T* v, T* out, const int32_t* block_tables, const int32_t* cu_q,
+template <typename T, typename C, int DIM>
+void attend_items(const T* q, const C* k, const C* v, T* out, const int32_t* block_tables, const int32_t* cu_q,
                   const int32_t* seq_lens, int max_blocks, int first_item, int end_item, const Geometry& g) {
     const int dim = DIM > 0 ? DIM : g.dim, rows = kTokens * g.group;
     const int padded = (rows + kRows - 1) / kRows * kRows;
@@ -246,14 +248,14 @@ void attend_items(const T* q, const T* k, const T* v, T* out, const int32_t* blo
                     for (int d = 0; d < dim; d++) dst[d] = i < tokens ? load(src[d]) * g.scale : 0.f;
                 }
             }
-            attend_tile<T, DIM>(q_rows.data(), tokens, len - n + i0, kh, k, v, blocks,
+            attend_tile<T, C, DIM>(q_rows.data(), tokens, len - n + i0, kh, k, v, blocks,
                                 out + int64_t(start + i0) * g.heads * dim, g, kt.data(), vt.data(), acc.data(),
                                 m.data(), l.data());
         }
     }
 }
 
-template <typename T>
+template <typename T, typename C>
 int prefill(const void* q_, const void* k_, const void* v_, void* out_, const int32_t* block_tables,
             const int32_t* cu_q, const int32_t* seq_lens, int num_seqs, int first_item, int end_item, int num_heads,
             int num_kv_heads, int head_dim, int block_size, int max_blocks, int num_blocks, int64_t block_stride,
@@ -269,13 +271,14 @@ int prefill(const void* q_, const void* k_, const void* v_, void* out_, const in
     }
     const Geometry g{num_heads, num_kv_heads, group, head_dim, block_size, window, block_stride, slot_stride,
                      head_stride, scale, softcap};
-    const T *q = static_cast<const T*>(q_), *k = static_cast<const T*>(k_), *v = static_cast<const T*>(v_);
+    const T* q = static_cast<const T*>(q_);
+    const C *k = static_cast<const C*>(k_), *v = static_cast<const C*>(v_);
     T* out = static_cast<T*>(out_);
-    auto run = attend_items<T, 0>;  // common head sizes get an unrolled copy
-    if (head_dim == 32) run = attend_items<T, 32>;
-    if (head_dim == 64) run = attend_items<T, 64>;
-    if (head_dim == 128) run = attend_items<T, 128>;
-    if (head_dim == 256) run = attend_items<T, 256>;
+    auto run = attend_items<T, C, 0>;  // common head sizes get an unrolled copy
+    if (head_dim == 32) run = attend_items<T, C, 32>;
+    if (head_dim == 64) run = attend_items<T, C, 64>;
+    if (head_dim == 128) run = attend_items<T, C, 128>;
+    if (head_dim == 256) run = attend_items<T, C, 256>;
     run(q, k, v, out, block_tables, cu_q, seq_lens, max_blocks, first_item, end_item, g);
     return 0;
 }
@@ -284,15 +287,17 @@ int prefill(const void* q_, const void* k_, const void* v_, void* out_, const in
 
 // 0 on success; 1: unsupported head geometry; 3: a sequence's length outside its block table
 // (or fewer cached tokens than new ones); 4: a block id outside the pool. Items are
-// sequence * num_kv_heads + kv head; [first_item, end_item) is this call's share.
-extern "C" int splitserve_prefill_attention(int dtype_code, const void* q, const void* k_cache,
+// sequence * num_kv_heads + kv head; [first_item, end_item) is this call's share. dtype_code
+// and cache_code as in splitserve_decode_attention.
+extern "C" int splitserve_prefill_attention(int dtype_code, int cache_code, const void* q, const void* k_cache,
                                             const void* v_cache, void* out, const int32_t* block_tables,
                                             const int32_t* cu_seqlens_q, const int32_t* seq_lens, int num_seqs,
                                             int first_item, int end_item, int num_heads, int num_kv_heads,
                                             int head_dim, int block_size, int max_blocks, int num_blocks,
                                             int64_t block_stride, int64_t slot_stride, int64_t head_stride,
                                             float scale, int window, float softcap) {
-    auto run = dtype_code == 0 ? prefill<float> : prefill<Bf16>;
+    auto run = dtype_code == 0 ? prefill<float, float> : prefill<Bf16, Bf16>;
+    if (cache_code == 2) run = dtype_code == 0 ? prefill<float, Fp8> : prefill<Bf16, Fp8>;
     return run(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, num_seqs, first_item, end_item,
                num_heads, num_kv_heads, head_dim, block_size, max_blocks, num_blocks, block_stride, slot_stride,
                head_stride, scale, window, softcap);

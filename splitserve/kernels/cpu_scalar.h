@@ -24,6 +24,44 @@ inline void store(Bf16* dst, float x) {  // round to nearest even, as torch's fl
     dst->bits = uint16_t(bits >> 16);
 }
 
+// float8_e4m3fn KV codes (engine/kv_cache.py): 1 sign, 4 exponent (bias 7), 3 mantissa bits;
+// no infinity, 0x7f / 0xff are NaN, 448 the largest value. Read through a 256-entry table
+// (one load, no branches); written as torch's cast writes them: round to nearest even,
+// saturating at +-448 (infinity too), NaN kept NaN.
+struct Fp8 { uint8_t bits; };
+
+struct Fp8Table {
+    float value[256];
+    Fp8Table() {
+        for (int c = 0; c < 256; c++) {
+            const int e = (c >> 3) & 15, m = c & 7;
+            float v = e == 0 ? float(m) / 512.f : float(8 + m) * float(1 << e) / 1024.f;  // 2^-9 m | 2^(e-7) 1.m
+            if ((c & 127) == 127) v = __builtin_nanf("");
+            value[c] = (c & 128) ? -v : v;
+        }
+    }
+};
+inline const Fp8Table fp8_table;
+
+inline float load(Fp8 x) { return fp8_table.value[x.bits]; }
+inline void store(Fp8* dst, float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    const uint8_t sign = uint8_t((bits >> 24) & 0x80u);
+    const uint32_t mag = bits & 0x7fffffffu;
+    if (mag > 0x7f800000u) { dst->bits = sign | 0x7f; return; }   // NaN
+    if (mag >= 0x43e00000u) { dst->bits = sign | 0x7e; return; }  // >= 448 (and infinity): saturate
+    if (mag < 0x3c800000u) {  // below 2^-6: a subnormal code m * 2^-9, m = round(|x| * 512), up to 8 = 2^-6
+        float scaled;
+        const uint32_t a = mag;
+        std::memcpy(&scaled, &a, 4);
+        dst->bits = sign | uint8_t(__builtin_nearbyintf(scaled * 512.f));
+        return;
+    }
+    const uint32_t rounded = (mag + 0x7ffffu + ((mag >> 20) & 1u)) >> 20;  // keep 3 mantissa bits, to even
+    dst->bits = sign | uint8_t(rounded - (120u << 3));  // rebias the exponent: 127 -> 7
+}
+
 // x as storage type T would hold it: what torch's op-by-op bfloat16 arithmetic rounds to.
 template <typename T>
 inline float rounded(float x) {

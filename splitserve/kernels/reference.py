@@ -8,6 +8,10 @@ Shapes (see splitserve/engine/kv_cache.py for the pool layout):
 Attention options (both attention kernels): `window` > 0 is sliding-window attention, a
 query at position p sees keys p - window + 1 .. p (transformers' `kv_idx > q_idx - window`);
 `softcap` > 0 caps the scaled scores at softcap * tanh(score / softcap) (Gemma 2).
+
+An fp8 (float8_e4m3fn) cache is read as its codes' plain values, converted exactly to the
+query's dtype; the per-layer scales are folded in by kernels/ops.py. store_kv divides by the
+scale and saturates at +-448 before the cast (torch's own cast also saturates on CPU).
 """
 
 from __future__ import annotations
@@ -101,8 +105,8 @@ def _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale, window, so
     max_len = int(seq_lens.max())
     n_blocks = (max_len + block_size - 1) // block_size
     bt = block_tables[:, :n_blocks]
-    k = _gather_blocks(k_cache, bt, "k").reshape(batch, n_blocks * block_size, num_kv_heads, head_dim)
-    v = _gather_blocks(v_cache, bt, "v").reshape(batch, n_blocks * block_size, num_kv_heads, head_dim)
+    k = _gather_blocks(k_cache, bt, "k").reshape(batch, n_blocks * block_size, num_kv_heads, head_dim).to(q.dtype)
+    v = _gather_blocks(v_cache, bt, "v").reshape(batch, n_blocks * block_size, num_kv_heads, head_dim).to(q.dtype)
     positions = torch.arange(n_blocks * block_size, device=q.device)
     lens = seq_lens.to(q.device).long()[:, None]
     mask = positions[None, :] < lens  # [batch, T]
@@ -138,8 +142,8 @@ def paged_prefill_attention(
         n = e - s
         if n == 0:
             continue
-        k = _gather_kv(k_cache, block_tables[b], length, "k")
-        v = _gather_kv(v_cache, block_tables[b], length, "v")
+        k = _gather_kv(k_cache, block_tables[b], length, "k").to(q.dtype)
+        v = _gather_kv(v_cache, block_tables[b], length, "v").to(q.dtype)
         mask = None  # a whole prompt at once, no window, no soft-cap: SDPA's own causal mask
         if n != length or window or softcap:
             q_pos = torch.arange(length - n, length, device=q.device)
@@ -160,13 +164,26 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write new K/V rows [n, kv_heads, head_dim] to slots (block_id * block_size + offset)."""
+    """Write new K/V rows [n, kv_heads, head_dim] to slots (block_id * block_size + offset);
+    into an fp8 cache as quantize_fp8(x, scale), else converted (the scales unused)."""
     block_size = k_cache.shape[1]
     slots = slot_mapping.long()
     blocks, offsets = slots // block_size, slots % block_size
+    if k_cache.dtype == FP8:
+        key, value = quantize_fp8(key, k_scale), quantize_fp8(value, v_scale)
     k_cache[blocks, offsets] = key.to(k_cache.dtype)
     v_cache[blocks, offsets] = value.to(v_cache.dtype)
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale in e4m3 codes: divided in x's dtype, saturated at +-448, round to nearest even."""
+    return x.div(scale).clamp(-448.0, 448.0).to(FP8)
 
 
 def pack_blocks(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

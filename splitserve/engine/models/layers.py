@@ -58,6 +58,9 @@ class Attention(nn.Module):
         self.window = cfg.layer_window(layer)
         self.softcap = cfg.attn_softcap
         self.rope_kind = cfg.layer_types[layer]  # which rope table this layer reads
+        # per-tensor scales of an fp8 KV cache (engine/kv_cache.py): 1.0 unless the checkpoint
+        # ships self_attn.k_scale / v_scale (the loader sets them)
+        self.k_scale = self.v_scale = 1.0
         # q, k and v as one matmul; the loader fills the three row ranges.
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
@@ -73,9 +76,10 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = ops.rotary_and_store_kv(q, k, v, *ropes[self.rope_kind], k_cache, v_cache, meta.slot_mapping)
+        q = ops.rotary_and_store_kv(q, k, v, *ropes[self.rope_kind], k_cache, v_cache, meta.slot_mapping,
+                                    self.k_scale, self.v_scale)
         p = meta.num_prefill_tokens
-        opts = dict(window=self.window, softcap=self.softcap)
+        opts = dict(window=self.window, softcap=self.softcap, k_scale=self.k_scale, v_scale=self.v_scale)
         if p:
             prefill = ops.paged_prefill_attention(q[:p], k_cache, v_cache, meta.prefill_block_tables,
                                                   meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, self.scale,
