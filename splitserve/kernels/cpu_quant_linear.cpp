@@ -12,7 +12,7 @@
 //    which the caller hands to torch's GEMM; the dequantising costs one pass over the tile
 //    against M multiply-adds per weight, so it fades as M grows.
 //
-// The gemv walks K in chunks of 16 codes. Byte codes (bits 5..8, fp8) are 16 consecutive
+// Both walk K in chunks of 16 codes. Byte codes (bits 5..8, fp8) are 16 consecutive
 // columns; packed 4-bit codes are 8 bytes whose low nibbles (the even columns) come first and
 // high nibbles (the odd columns) second, and the caller orders x's columns the same way
 // (any order is fine for a dot product). Groups are a multiple of 16 columns, so a chunk never
@@ -31,20 +31,12 @@ namespace {
 
 constexpr int kFp8 = 0;
 constexpr int kMaxRows = 8;  // rows of x per pass over a weight row: accumulators held in registers
+#if defined(__AVX512F__)
+constexpr int kWeightRows = 2;  // weight rows per pass of the gemv: 2 x 8 accumulators of the 32 registers
+#else
+constexpr int kWeightRows = 1;  // AVX2's 16 registers hold 8 two-register accumulators, no more
+#endif
 
-// The 256 float values of fp8 e4m3fn codes (the scalar paths).
-struct Fp8Table {
-    float v[256];
-    Fp8Table() {
-        for (int b = 0; b < 256; b++) {
-            const int e = (b >> 3) & 15, m = b & 7;
-            float f = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.f + m / 8.f, e - 7);
-            if ((b & 0x7f) == 0x7f) f = NAN;
-            v[b] = (b & 0x80) ? -f : f;
-        }
-    }
-};
-const Fp8Table kFp8Table;
 
 #if defined(__AVX512F__)
 // 16 float lanes: one register.
@@ -55,6 +47,7 @@ struct Vec {
     static Vec set1(float s) { return {_mm512_set1_ps(s)}; }
     static Vec from_bytes(__m128i b) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))}; }
     static Vec from_halves(__m256i h) { return {_mm512_cvtph_ps(h)}; }
+    void store(float* p) const { _mm512_storeu_ps(p, v); }
     float sum() const { return _mm512_reduce_add_ps(v); }
 };
 inline Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
@@ -72,6 +65,7 @@ struct Vec {
     static Vec from_halves(__m256i h) {
         return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
     }
+    void store(float* p) const { _mm256_storeu_ps(p, a); _mm256_storeu_ps(p + 8, b); }
     float sum() const {
         __m256 s = _mm256_add_ps(a, b);
         __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
@@ -102,31 +96,78 @@ inline Vec codes16(const uint8_t* row, int c) {
     }
 }
 
-// out[m, n] for rows m < R of x and weight rows [n_first, n_end): accumulators in registers.
-template <int BITS, int R>
+// out[m, n] for rows m < R of x and weight rows [n_first, n_end), NR weight rows at a time so
+// each load of x feeds NR multiply-adds: accumulators in registers (NR * R of them).
+template <int BITS, int R, int NR>
 void gemv_rows(const float* x, int K, const uint8_t* codes, const float* scales, const float* offsets, int group,
                const float* bias, float* out, int N, int n_first, int n_end) {
     const int64_t row_bytes = BITS == 4 ? K / 2 : K;
     const int groups = K / group, chunks_per_group = group / 16;
     const float scale_factor = BITS == kFp8 ? 256.f : 1.f;  // fp8 codes arrive as 2^-8 of their value
-    for (int n = n_first; n < n_end; n++) {
-        const uint8_t* row = codes + n * row_bytes;
-        Vec acc[R];
-        for (int r = 0; r < R; r++) acc[r] = Vec::zero();
+    int n = n_first;
+    for (; n + NR <= n_end; n += NR) {
+        Vec acc[NR][R];
+        for (int i = 0; i < NR; i++)
+            for (int r = 0; r < R; r++) acc[i][r] = Vec::zero();
         for (int g = 0; g < groups; g++) {
-            const Vec s = Vec::set1(scales[int64_t(n) * groups + g] * scale_factor);
-            const Vec o = Vec::set1(offsets ? offsets[int64_t(n) * groups + g] : 0.f);
+            Vec s[NR], o[NR];
+            for (int i = 0; i < NR; i++) {
+                const int64_t at = int64_t(n + i) * groups + g;
+                s[i] = Vec::set1(scales[at] * scale_factor);
+                o[i] = Vec::set1(offsets ? offsets[at] : 0.f);
+            }
             for (int c = g * chunks_per_group; c < (g + 1) * chunks_per_group; c++) {
-                const Vec w = fma(codes16<BITS>(row, c), s, o);
-                for (int r = 0; r < R; r++) acc[r] = fma(w, Vec::load(x + int64_t(r) * K + 16 * c), acc[r]);
+                Vec w[NR];
+                for (int i = 0; i < NR; i++) w[i] = fma(codes16<BITS>(codes + (n + i) * row_bytes, c), s[i], o[i]);
+                for (int r = 0; r < R; r++) {
+                    const Vec xv = Vec::load(x + int64_t(r) * K + 16 * c);
+                    for (int i = 0; i < NR; i++) acc[i][r] = fma(w[i], xv, acc[i][r]);
+                }
             }
         }
-        const float b = bias ? bias[n] : 0.f;
-        for (int r = 0; r < R; r++) out[int64_t(r) * N + n] = acc[r].sum() + b;
+        for (int i = 0; i < NR; i++) {
+            const float b = bias ? bias[n + i] : 0.f;
+            for (int r = 0; r < R; r++) out[int64_t(r) * N + n + i] = acc[i][r].sum() + b;
+        }
+    }
+    if constexpr (NR > 1) {
+        if (n < n_end) gemv_rows<BITS, R, 1>(x, K, codes, scales, offsets, group, bias, out, N, n, n_end);
+    }
+}
+
+// Weight rows [n_first, n_end) as float32, 16 codes at a time in the chunk column order.
+template <int BITS>
+void dequantize(const uint8_t* codes, const float* scales, const float* offsets, int group, int K, float* out,
+                int n_first, int n_end) {
+    const int64_t row_bytes = BITS == 4 ? K / 2 : K;
+    const int groups = K / group, chunks_per_group = group / 16;
+    const float scale_factor = BITS == kFp8 ? 256.f : 1.f;
+    for (int n = n_first; n < n_end; n++) {
+        const uint8_t* row = codes + n * row_bytes;
+        float* o = out + int64_t(n - n_first) * K;
+        for (int g = 0; g < groups; g++) {
+            const Vec s = Vec::set1(scales[int64_t(n) * groups + g] * scale_factor);
+            const Vec z = Vec::set1(offsets ? offsets[int64_t(n) * groups + g] : 0.f);
+            for (int c = g * chunks_per_group; c < (g + 1) * chunks_per_group; c++)
+                fma(codes16<BITS>(row, c), s, z).store(o + 16 * c);
+        }
     }
 }
 #else
 // Portable: one code at a time (other CPUs; the compiler vectorises what it can).
+// The 256 float values of fp8 e4m3fn codes (the scalar paths).
+struct Fp8Table {
+    float v[256];
+    Fp8Table() {
+        for (int b = 0; b < 256; b++) {
+            const int e = (b >> 3) & 15, m = b & 7;
+            float f = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.f + m / 8.f, e - 7);
+            if ((b & 0x7f) == 0x7f) f = NAN;
+            v[b] = (b & 0x80) ? -f : f;
+        }
+    }
+};
+const Fp8Table kFp8Table;
 template <int BITS>
 inline float code_at(const uint8_t* row, int k) {  // k in the chunk lane order (see the top)
     if constexpr (BITS == 4) {
@@ -140,7 +181,7 @@ inline float code_at(const uint8_t* row, int k) {  // k in the chunk lane order 
     }
 }
 
-template <int BITS, int R>
+template <int BITS, int R, int NR>
 void gemv_rows(const float* x, int K, const uint8_t* codes, const float* scales, const float* offsets, int group,
                const float* bias, float* out, int N, int n_first, int n_end) {
     const int64_t row_bytes = BITS == 4 ? K / 2 : K;
@@ -158,6 +199,19 @@ void gemv_rows(const float* x, int K, const uint8_t* codes, const float* scales,
         for (int r = 0; r < R; r++) out[int64_t(r) * N + n] = acc[r] + (bias ? bias[n] : 0.f);
     }
 }
+template <int BITS>
+void dequantize(const uint8_t* codes, const float* scales, const float* offsets, int group, int K, float* out,
+                int n_first, int n_end) {
+    const int64_t row_bytes = BITS == 4 ? K / 2 : K;
+    const int groups = K / group;
+    for (int n = n_first; n < n_end; n++) {
+        for (int k = 0; k < K; k++) {
+            const int64_t at = int64_t(n) * groups + k / group;
+            out[int64_t(n - n_first) * K + k] = code_at<BITS>(codes + n * row_bytes, k) * scales[at]
+                                                + (offsets ? offsets[at] : 0.f);
+        }
+    }
+}
 #endif
 
 template <int BITS>
@@ -171,44 +225,14 @@ void gemv(const float* x, int M, int K, const uint8_t* codes, const float* scale
             const float* xm = x + int64_t(m) * K;
             float* om = out + int64_t(m) * N;
             switch (M - m < kMaxRows ? M - m : kMaxRows) {
-                case 1: gemv_rows<BITS, 1>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
-                case 2: gemv_rows<BITS, 2>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
-                case 3: gemv_rows<BITS, 3>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
-                case 4: gemv_rows<BITS, 4>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
-                case 5: gemv_rows<BITS, 5>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
-                case 6: gemv_rows<BITS, 6>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
-                case 7: gemv_rows<BITS, 7>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
-                default: gemv_rows<BITS, 8>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
-            }
-        }
-    }
-}
-
-// Weight rows [n_first, n_end) as float32 in the layer's code column order (natural order, not
-// the gemv's chunk order), into out [n_end - n_first, K].
-template <int BITS>
-void dequantize(const uint8_t* codes, const float* scales, const float* offsets, int group, int K, float* out,
-                int n_first, int n_end) {
-    const int64_t row_bytes = BITS == 4 ? K / 2 : K;
-    const int groups = K / group;
-    for (int n = n_first; n < n_end; n++) {
-        const uint8_t* row = codes + n * row_bytes;
-        float* o = out + int64_t(n - n_first) * K;
-        for (int g = 0; g < groups; g++) {
-            const float s = scales[int64_t(n) * groups + g], z = offsets ? offsets[int64_t(n) * groups + g] : 0.f;
-            float* og = o + g * group;
-            if constexpr (BITS == 4) {
-                const uint8_t* b = row + g * group / 2;
-                for (int j = 0; j < group / 2; j++) {
-                    og[2 * j] = float(b[j] & 15) * s + z;
-                    og[2 * j + 1] = float(b[j] >> 4) * s + z;
-                }
-            } else if constexpr (BITS == kFp8) {
-                const uint8_t* b = row + g * group;
-                for (int j = 0; j < group; j++) og[j] = kFp8Table.v[b[j]] * s + z;
-            } else {
-                const uint8_t* b = row + g * group;
-                for (int j = 0; j < group; j++) og[j] = float(b[j]) * s + z;
+                case 1: gemv_rows<BITS, 1, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                case 2: gemv_rows<BITS, 2, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                case 3: gemv_rows<BITS, 3, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                case 4: gemv_rows<BITS, 4, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                case 5: gemv_rows<BITS, 5, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                case 6: gemv_rows<BITS, 6, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                case 7: gemv_rows<BITS, 7, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                default: gemv_rows<BITS, 8, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
             }
         }
     }
@@ -234,10 +258,11 @@ int splitserve_quant_gemv(const float* x, int M, int K, const uint8_t* codes, in
     }
 }
 
-// Weight rows [n_first, n_end) dequantised into out float32 [n_end - n_first, K].
+// Weight rows [n_first, n_end) dequantised into out float32 [n_end - n_first, K], columns in the
+// chunk order (as the gemv's x). Returns 0, or 5 (bits or group unsupported).
 int splitserve_quant_dequantize(const uint8_t* codes, int bits, const float* scales, const float* offsets, int group,
                                 int K, float* out, int n_first, int n_end) {
-    if (K % group || (bits == 4 && group % 2)) return 5;
+    if (group % 16 || K % group) return 5;
     switch (bits) {
         case 4: dequantize<4>(codes, scales, offsets, group, K, out, n_first, n_end); return 0;
         case kFp8: dequantize<kFp8>(codes, scales, offsets, group, K, out, n_first, n_end); return 0;

@@ -18,9 +18,9 @@ import torch
 from splitserve.kernels import cpu_native
 from splitserve.kernels.quant_weight import QuantizedWeight
 
-# Measured on this machine's AVX-512 core (bench/experiments/quant_linear_cpu.py): the gemv
-# beats dequantise-then-GEMM up to here, for int4 and int8 alike.
-GEMV_MAX_ROWS = 16
+# Measured on this machine's AVX-512 core (bench/experiments/quant_linear_cpu.py, "crossover"):
+# the gemv beats dequantise-then-GEMM up to 64 rows at SmolLM2's and 4096 x 4096 shapes.
+GEMV_MAX_ROWS = 64
 TILE_FLOATS = 1 << 18  # 1 MiB of float32 weights per tile: stays in L2 while the GEMM reads it
 
 
@@ -41,6 +41,9 @@ def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | 
     if qw.input_perm is not None:
         rows = rows.index_select(1, qw.input_perm)  # once per call: the codes' column order
     rows = rows.float()
+    if qw.bits == 4:  # each 16 columns as the kernels read packed nibbles: the 8 even, then the 8 odd
+        rows = rows.reshape(rows.shape[0], -1, 8, 2).transpose(2, 3).reshape(rows.shape[0], -1)
+    rows = rows.contiguous()
     if bias is not None:
         bias = bias.float().contiguous()
     if rows.shape[0] <= GEMV_MAX_ROWS:
@@ -52,9 +55,6 @@ def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | 
 
 def _gemv(rows: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     m, k = rows.shape
-    if qw.bits == 4:  # each 16 columns as the kernel reads packed nibbles: the 8 even, then the 8 odd
-        rows = rows.reshape(m, k // 16, 8, 2).transpose(2, 3)
-    rows = rows.contiguous()
     n = qw.out_features
     out = torch.empty(m, n)
     fn = cpu_native.library().splitserve_quant_gemv
@@ -68,22 +68,25 @@ def _tiled_gemm(rows: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | No
     n, k = qw.out_features, qw.in_features
     tile = max(16, TILE_FLOATS // k)
     weights = torch.empty(min(tile, n), k)
-    out_t = torch.empty(n, rows.shape[0])  # y.T: each tile's result is a contiguous block of rows
-    rows_t = rows.T
+    out = torch.empty(rows.shape[0], n)
     fn = cpu_native.library().splitserve_quant_dequantize
     args = (qw.codes.data_ptr(), qw.bits, qw.scales.data_ptr(), _ptr(qw.offsets), qw.group_size, k)
     for first in range(0, n, tile):
         end = min(first + tile, n)
         _sliced(lambda a, b, first=first: fn(*args, weights[a - first:].data_ptr(), a, b), end - first, first)
-        torch.mm(weights[:end - first], rows_t, out=out_t[first:end])
-    out = out_t.T
+        out[:, first:end] = rows @ weights[:end - first].T
     if bias is not None:
-        out = out + bias
-    return out.contiguous()
+        out += bias
+    return out
 
 
 def _sliced(run, rows: int, first: int = 0) -> None:
     """run(a, b) over weight rows [first, first + rows), split over torch's threads."""
+    if torch.get_num_threads() == 1:  # the engine's usual case: no slicing to pay for
+        code = run(first, first + rows)
+        if code:
+            raise ValueError(f"native quantized linear refused its input: {cpu_native.ERRORS.get(code, code)}")
+        return
     cpu_native._run_sliced(lambda a, b: run(first + a, first + b), torch.ones(rows, dtype=torch.int64),
                            "quantized linear")
 
