@@ -78,20 +78,29 @@ def weight_files_problem(root: Path) -> tuple[list[Path], str | None]:
     return files, None
 
 
-def checkpoint_files_problem(model_dir: str, vocab_size: int, hidden_size: int) -> str | None:
-    """The first problem with the checkpoint's weight and tokenizer files, or None."""
+def checkpoint_files_problem(model_dir: str, vocab_size: int, hidden_size: int, quantization=None) -> str | None:
+    """The first problem with the checkpoint's weight and tokenizer files, or None.
+    `quantization` (core/quantization.QuantSpec or None) is checked against the tensors:
+    quantized tensors need a quantization_config, and a quantization_config its tensors."""
+    from splitserve.core.quantization import tensors_problem
+
     root = Path(model_dir)
     files, problem = weight_files_problem(root)
     if problem:
         return problem
+    headers: dict[str, dict] = {}
     for path in files:
         tensors, problem = safetensors_header(path)
         if problem:
             return problem
+        headers.update(tensors)
         for name, info in tensors.items():
             if name.endswith("embed_tokens.weight") and list(info["shape"]) != [vocab_size, hidden_size]:
                 return (f"{path}: {name} is {info['shape']}, but config.json says vocab_size {vocab_size} and "
                         f"hidden_size {hidden_size}: the weights and the config are of different models")
+    problem = tensors_problem(quantization, headers, str(root))
+    if problem:
+        return problem
     tokenizer = root / "tokenizer.json"
     if not tokenizer.is_file():
         return f"{tokenizer}: not found (only fast tokenizers, tokenizer.json, are supported)"

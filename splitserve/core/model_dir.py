@@ -34,24 +34,30 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
     elif not os.path.isfile(os.path.join(model, "config.json")):
         raise SystemExit(f"{model}/config.json not found: --model must be a Hugging Face checkpoint directory")
     else:
-        problem = checkpoint_problem(model)
+        problem = checkpoint_problem(model, getattr(args, "quantization", None))
         if problem:  # an architecture or config this build cannot serve: say so before starting anything
             print(problem, file=sys.stderr)
             raise SystemExit(2)
     return model, args.served_model_name or os.path.basename(os.path.normpath(model))
 
 
-def checkpoint_problem(model_dir: str) -> str | None:
-    """One line saying why `model_dir` cannot be served (missing or unsupported config,
-    missing, truncated or garbled weights, no tokenizer), or None. No torch, and no
-    tensor is loaded: core/checkpoint_check.py reads the safetensors headers only."""
+def checkpoint_problem(model_dir: str, quantization: str | None = None) -> str | None:
+    """One line saying why `model_dir` cannot be served (missing or unsupported config or
+    quantization, `quantization` (--quantization) not what the checkpoint holds, missing,
+    truncated or garbled weights, no tokenizer), or None. No torch, and no tensor is
+    loaded: core/checkpoint_check.py reads the safetensors headers only."""
     from splitserve.core.checkpoint_check import checkpoint_files_problem
     from splitserve.core.model_config import CheckpointError, ModelConfig
+    from splitserve.core.quantization import quantization_from_config
 
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         return f"{model_dir}/config.json not found: --model must be a Hugging Face checkpoint directory"
     try:
         cfg = ModelConfig.from_dir(model_dir)
+        spec = quantization_from_config(cfg.raw, f"{model_dir}/config.json", quantization)
     except CheckpointError as exc:
         return str(exc)
-    return checkpoint_files_problem(model_dir, cfg.vocab_size, cfg.hidden_size)
+    if spec is not None and cfg.num_experts:
+        return (f"{model_dir}/config.json: a quantized ({spec.describe()}) mixture-of-experts model: quantized "
+                "experts are not supported yet (serve its float checkpoint)")
+    return checkpoint_files_problem(model_dir, cfg.vocab_size, cfg.hidden_size, spec)

@@ -1,42 +1,90 @@
 """Build a model from a checkpoint directory: each checkpoint tensor goes where the model's
 `weight_target` says: (parameter, None) for all of it, or (parameter, index) for the part
 `param[index]` (rows of a fused projection, one expert of a stacked MoE weight). Every
-parameter must be filled completely, each part once."""
+parameter must be filled completely, each part once.
+
+A weight source may yield QuantizedWeights (engine/quant/ for quantized safetensors, the
+GGUF reader): their linear becomes a QuantizedLinear holding each part as it comes. The
+linears a quantized safetensors checkpoint quantizes are swapped before any memory is
+allocated; one that first shows up quantized mid-stream (GGUF decides per tensor) is
+swapped then, keeping the float rows it already holds. A quantized embedding is
+dequantised (its lookup reads float rows)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from splitserve.core.model_config import CheckpointError, ModelConfig
+from splitserve.core.quantization import quantization_from_config
 from splitserve.engine.checkpoint import iter_weights
+from splitserve.engine.models.quant_linear import QuantizedLinear, move_weight
 from splitserve.engine.models.registry import model_class
+from splitserve.engine.quant import iter_quantized_weights, quantized_linears
+from splitserve.kernels.quant_weight import QuantizedWeight
+
+Weights = Iterable[tuple[str, "torch.Tensor | QuantizedWeight"]]
 
 
-def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device) -> nn.Module:
+def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
+               quantization: str | None = None, weights: Weights | None = None) -> nn.Module:
+    """`quantization`: --quantization, checked against the checkpoint's; `weights`: another
+    source of (name, tensor or QuantizedWeight) than the directory's safetensors."""
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
+    if weights is None:
+        spec = quantization_from_config(cfg.raw, f"{model_dir}/config.json", quantization)
+        if spec is None:
+            weights = iter_weights(model_dir)
+        else:
+            if cfg.num_experts:
+                raise CheckpointError(f"{model_dir}: quantized mixture-of-experts checkpoints are not supported")
+            for module in quantized_linears(model_dir, spec):
+                target = model.weight_target(f"{module}.weight")
+                if target is not None:
+                    swap_linear(model, target[0], model_dir)
+            weights = iter_quantized_weights(model_dir, spec)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:  # to_empty() unties shared parameters
         model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = set(params) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    quantized = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     filled: dict[str, int] = {}  # elements written per parameter
-    seen: set[tuple[str, str]] = set()
+    seen: dict[str, list] = {}  # parameter -> the indexes filled
 
-    for name, tensor in iter_weights(model_dir):
+    for name, tensor in weights:
         target = model.weight_target(name)
         if target is None:
             continue
         param_name, index = target
-        if param_name not in params:
+        is_quantized = isinstance(tensor, QuantizedWeight)
+        if param_name not in params and param_name not in quantized:
             raise CheckpointError(f"{model_dir}: unexpected tensor '{name}' for {cfg.architecture}")
-        key = (param_name, repr(index))
-        if key in seen:
+        if is_quantized and param_name not in quantized and not is_embedding(model, param_name):
+            # the first quantized part of a float linear (GGUF): swap it, keeping the rows filled so far
+            linear = swap_linear(model, param_name, model_dir)
+            for done in seen.pop(param_name, []):
+                linear.set_part(done, params[param_name].data if done is None else params[param_name].data[done])
+            quantized[param_name] = linear
+            del params[param_name]
+        if param_name in quantized:
+            if not (index is None or isinstance(index, slice)):
+                raise CheckpointError(f"{model_dir}: '{name}' is a quantized expert weight: quantized "
+                                      "mixture-of-experts checkpoints are not supported")
+            try:
+                quantized[param_name].set_part(index, move_weight(tensor, device, dtype))
+            except ValueError as exc:
+                raise CheckpointError(f"{model_dir}: tensor '{name}': {exc} (check config.json's sizes)") from exc
+            continue
+        if is_quantized:
+            tensor = tensor.dequantize()  # an embedding: its lookup reads float rows
+        if repr(index) in map(repr, seen.get(param_name, [])):
             raise CheckpointError(f"{model_dir}: tensor '{name}' fills '{param_name}' a second time")
-        seen.add(key)
+        seen.setdefault(param_name, []).append(index)
         dst = params[param_name].data if index is None else params[param_name].data[index]
         if dst.shape != tensor.shape:
             raise CheckpointError(
@@ -46,14 +94,37 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
         dst.copy_(tensor.to(dtype))
         filled[param_name] = filled.get(param_name, 0) + dst.numel()
 
-    missing = sorted(p for p in expected if filled.get(p, 0) != params[p].numel())
+    missing = sorted(p for p in expected if p in params and filled.get(p, 0) != params[p].numel())
+    missing += sorted(p for p, m in quantized.items() if m.missing_rows())
     if missing:
         raise CheckpointError(f"{model_dir}: checkpoint lacks tensors for {missing[:5]}"
                               f"{' and more' if len(missing) > 5 else ''}")
+    for linear in quantized.values():
+        linear.finish()
     model.eval()
     if torch.device(device).type == "cpu" and dtype == torch.float32:
         store_linear_weights_input_major(model)
     return model
+
+
+def is_embedding(model: nn.Module, param_name: str) -> bool:
+    return isinstance(model.get_submodule(param_name.rpartition(".")[0]), nn.Embedding)
+
+
+def swap_linear(model: nn.Module, param_name: str, model_dir) -> QuantizedLinear:
+    """Replace the nn.Linear whose weight is `param_name` with a QuantizedLinear (same bias)."""
+    path, _, attr = param_name.rpartition(".")
+    parent_path, _, child = path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    linear = getattr(parent, child, None)
+    if isinstance(linear, QuantizedLinear):  # q_proj swapped qkv_proj already
+        return linear
+    if attr != "weight" or not isinstance(linear, nn.Linear):
+        raise CheckpointError(f"{model_dir}: a quantized tensor for '{param_name}', which is not a linear layer's "
+                              "weight (quantized mixture-of-experts checkpoints are not supported)")
+    quantized = QuantizedLinear.replacing(linear)
+    setattr(parent, child, quantized)
+    return quantized
 
 
 def store_linear_weights_input_major(model: nn.Module) -> None:

@@ -1,0 +1,171 @@
+"""Which quantization a checkpoint uses, read from config.json's `quantization_config`
+without torch (serve checks it before anything starts; the engine's weight reader,
+engine/quant/, converts the tensors it describes).
+
+Supported (weight-only on every device: activations stay in the model dtype):
+  fp8                 block-wise FP8 (`weight_block_size`, float8_e4m3fn `weight` and
+                      `weight_scale_inv`, as Qwen3-FP8 and DeepSeek ship)
+  gptq                4-bit, any group size or -1, sym or asym, with or without act-order
+  awq                 4-bit GEMM packing with zero points
+  compressed-tensors  float-quantized (FP8, per-tensor / per-channel / block scales),
+                      pack-quantized (INT4/INT8, channel or group), naive-quantized (INT8)
+
+Anything else (bitsandbytes, marlin, hqq, exl2, ...) or a setting outside these is refused
+with one line naming it and what is supported, instead of being served as float.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitserve.core.model_config import CheckpointError
+
+METHODS = ("fp8", "gptq", "awq", "compressed-tensors")
+CT_FORMATS = ("float-quantized", "pack-quantized", "naive-quantized")
+SUPPORTED_LINE = ("supported: fp8 (block-wise), gptq and awq (4-bit), compressed-tensors "
+                  f"({', '.join(CT_FORMATS)})")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    method: str  # one of METHODS
+    format: str  # fp8-block | gptq | awq | float-quantized | pack-quantized | naive-quantized
+    bits: int = 4
+    group_size: int = -1  # -1: one group per output row (channel / whole input)
+    symmetric: bool = True
+    desc_act: bool = False  # GPTQ act-order: g_idx permutes the input columns
+    zero_plus_one: bool = True  # GPTQ v1 stores zero points minus one (vLLM and transformers add it back)
+    block: tuple[int, int] | None = None  # FP8 block-wise: (rows, cols) per scale
+    activations: str | None = None  # what the checkpoint asks of activations (we run weight-only)
+    ignore: tuple[str, ...] = ()  # modules the checkpoint keeps in float
+
+    def describe(self) -> str:
+        if self.method in ("gptq", "awq"):
+            return (f"{self.method} {self.bits}-bit, group {self.group_size}, "
+                    f"{'sym' if self.symmetric else 'asym'}{', act-order' if self.desc_act else ''}")
+        return f"{self.method} {self.format}" + (f" {self.bits}-bit" if self.format != "float-quantized" else "")
+
+
+def _refuse(source: str, what: str) -> CheckpointError:
+    return CheckpointError(f"{source}: {what} is not supported ({SUPPORTED_LINE})")
+
+
+def quantization_from_config(raw: dict, source: str = "config.json", override: str | None = None) -> QuantSpec | None:
+    """The checkpoint's QuantSpec, None for a float checkpoint; CheckpointError (one line)
+    for a method or setting this build cannot serve, or an `override` (--quantization)
+    the checkpoint does not match."""
+    qc = raw.get("quantization_config")
+    if qc is None:
+        if override:
+            raise CheckpointError(f"{source}: --quantization {override} given, but the checkpoint has no "
+                                  "quantization_config (it is a float checkpoint; drop the flag)")
+        return None
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{source}: quantization_config must be a JSON object")
+    method = str(qc.get("quant_method", "")).lower().replace("_", "-")
+    method = "compressed-tensors" if method == "compressed-tensors" else method
+    if method not in METHODS:
+        raise _refuse(source, f"quantization method {qc.get('quant_method')!r}")
+    if override and override != method:
+        raise CheckpointError(f"{source}: --quantization {override} given, but the checkpoint is quantized "
+                              f"with {method} (drop the flag or pass --quantization {method})")
+    if method == "fp8":
+        return _fp8(qc, source)
+    if method in ("gptq", "awq"):
+        return _int4(qc, method, source)
+    return _compressed_tensors(qc, source)
+
+
+def _fp8(qc: dict, source: str) -> QuantSpec:
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise _refuse(source, f"fp8 with weight_block_size {block!r} (need [rows, cols], e.g. [128, 128])")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise _refuse(source, f"fp8 fmt {fmt!r} (only e4m3 weights)")
+    scheme = qc.get("activation_scheme", "dynamic")
+    return QuantSpec("fp8", "fp8-block", bits=8, block=(block[0], block[1]),
+                     activations=f"fp8 {scheme}" if scheme else None,
+                     ignore=tuple(qc.get("modules_to_not_convert") or ()))
+
+
+def _int4(qc: dict, method: str, source: str) -> QuantSpec:
+    bits = qc.get("bits", qc.get("w_bit"))
+    group = qc.get("group_size", qc.get("q_group_size"))
+    if bits != 4:
+        raise _refuse(source, f"{method} with bits {bits!r} (only 4-bit)")
+    if not isinstance(group, int) or (group <= 0 and group != -1):
+        raise _refuse(source, f"{method} group_size {group!r}")
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise _refuse(source, f"awq version {version!r} (only the GEMM packing)")
+        if not qc.get("zero_point", True):
+            raise _refuse(source, "awq with zero_point false")
+        return QuantSpec("awq", "awq", bits=4, group_size=group, symmetric=False,
+                         ignore=tuple(qc.get("modules_to_not_convert") or ()))
+    fmt = qc.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise _refuse(source, f"gptq checkpoint_format {fmt!r}")
+    return QuantSpec("gptq", "gptq", bits=4, group_size=group, symmetric=bool(qc.get("sym", True)),
+                     desc_act=bool(qc.get("desc_act", False)), zero_plus_one=fmt == "gptq",
+                     ignore=tuple(qc.get("modules_to_not_convert") or ()))
+
+
+def _compressed_tensors(qc: dict, source: str) -> QuantSpec:
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict) or len(groups) != 1:
+        raise _refuse(source, f"compressed-tensors with {len(groups) if isinstance(groups, dict) else 0} "
+                              "config_groups (exactly one scheme for all linears)")
+    scheme = next(iter(groups.values()))
+    fmt = scheme.get("format") or qc.get("format")
+    if fmt not in CT_FORMATS:
+        raise _refuse(source, f"compressed-tensors format {fmt!r}")
+    w = scheme.get("weights") or {}
+    kind, bits, strategy = w.get("type"), w.get("num_bits"), w.get("strategy")
+    if scheme.get("targets") not in (["Linear"], None):
+        raise _refuse(source, f"compressed-tensors targets {scheme.get('targets')!r} (only ['Linear'])")
+    if w.get("dynamic"):
+        raise _refuse(source, "compressed-tensors with dynamic weight quantization")
+    if w.get("actorder") not in (None, False):
+        raise _refuse(source, f"compressed-tensors actorder {w.get('actorder')!r}")
+    act = scheme.get("input_activations")
+    activations = f"{act.get('type')}{act.get('num_bits')} {act.get('strategy')}" if act else None
+    ignore = tuple(qc.get("ignore") or ())
+    if fmt == "float-quantized":
+        if kind != "float" or bits != 8 or strategy not in ("tensor", "channel", "block"):
+            raise _refuse(source, f"compressed-tensors float-quantized {kind}{bits} {strategy}")
+        block = tuple(w.get("block_structure") or ()) or None
+        return QuantSpec("compressed-tensors", fmt, bits=8, block=block, activations=activations, ignore=ignore)
+    want_bits = (4, 8) if fmt == "pack-quantized" else (8,)
+    if kind != "int" or bits not in want_bits or strategy not in ("channel", "group"):
+        raise _refuse(source, f"compressed-tensors {fmt} {kind}{bits} {strategy} (int{'/'.join(map(str, want_bits))}"
+                              ", channel or group)")
+    group = int(w.get("group_size") or -1) if strategy == "group" else -1
+    return QuantSpec("compressed-tensors", fmt, bits=bits, group_size=group, symmetric=bool(w.get("symmetric", True)),
+                     activations=activations, ignore=ignore)
+
+
+# ---- what the tensors say, checked against the config (header names and dtypes only) ----------
+
+QUANT_SUFFIXES = (".qweight", ".qzeros", ".g_idx", ".weight_packed", ".weight_scale_inv", ".weight_scale",
+                  ".weight_zero_point", ".weight_shape", ".input_scale")
+
+
+def tensors_problem(spec: QuantSpec | None, headers: dict[str, dict], source: str) -> str | None:
+    """One line when the tensors and the config disagree: quantized tensors in a float
+    checkpoint, or a quantization_config whose tensors are not there."""
+    quantized = [n for n, info in headers.items()
+                 if n.endswith(QUANT_SUFFIXES) or info.get("dtype") in ("F8_E4M3", "F8_E5M2")]
+    if spec is None:
+        if quantized:
+            return (f"{source}: holds quantized tensors (e.g. {quantized[0]!r}) but config.json has no "
+                    "quantization_config: an incomplete checkpoint (copy config.json from the quantized release)")
+        return None
+    marker = {"fp8-block": ".weight_scale_inv", "gptq": ".qweight", "awq": ".qweight",
+              "float-quantized": ".weight_scale", "pack-quantized": ".weight_packed",
+              "naive-quantized": ".weight_scale"}[spec.format]
+    if not any(n.endswith(marker) for n in headers):
+        return (f"{source}: config.json says {spec.describe()}, but no tensor ends in {marker!r}: the weights "
+                "are not in that format (a float checkpoint with a stray quantization_config?)")
+    return None

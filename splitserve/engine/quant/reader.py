@@ -1,0 +1,101 @@
+"""A quantized checkpoint's weights as the loader takes them: the stream of
+engine/checkpoint.iter_weights with each quantized linear's tensors (qweight, qzeros,
+scales, g_idx; weight + weight_scale_inv; weight_packed + weight_scale ...) gathered and
+converted into one QuantizedWeight yielded under `<module>.weight`. Everything else
+(embeddings, norms, biases, a float lm_head) passes through as it is.
+
+Which tensors belong to a quantized linear is read from the safetensors headers first,
+so a linear is converted as soon as its last tensor arrives, whatever the shard order."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from splitserve.core.checkpoint_check import safetensors_header
+from splitserve.core.model_config import CheckpointError
+from splitserve.core.quantization import QuantSpec
+from splitserve.engine.checkpoint import iter_weights, weight_files
+from splitserve.engine.quant.awq import awq_weight
+from splitserve.engine.quant.compressed import naive_quantized_weight, pack_quantized_weight
+from splitserve.engine.quant.fp8 import fp8_weight
+from splitserve.engine.quant.gptq import gptq_weight
+from splitserve.kernels.quant_weight import QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+# per format: (the suffix that marks a quantized linear, the suffixes it may have)
+PARTS = {
+    "fp8-block": ("weight_scale_inv", ("weight", "weight_scale_inv", "input_scale")),
+    "float-quantized": ("weight_scale", ("weight", "weight_scale", "input_scale")),
+    "naive-quantized": ("weight_scale", ("weight", "weight_scale", "weight_zero_point", "input_scale")),
+    "gptq": ("qweight", ("qweight", "qzeros", "scales", "g_idx")),
+    "awq": ("qweight", ("qweight", "qzeros", "scales")),
+    "pack-quantized": ("weight_packed", ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")),
+}
+REQUIRED = {"gptq": {"qweight", "qzeros", "scales"}, "awq": {"qweight", "qzeros", "scales"},
+            "pack-quantized": {"weight_packed", "weight_scale", "weight_shape"}}
+
+
+def quantized_linears(model_dir: str | Path, spec: QuantSpec) -> dict[str, set[str]]:
+    """module name -> the suffixes of its tensors in the checkpoint, for each quantized linear."""
+    marker, allowed = PARTS[spec.format]
+    names: set[str] = set()
+    for path in weight_files(model_dir):
+        header, problem = safetensors_header(path)
+        if problem:
+            raise CheckpointError(problem)
+        names.update(header)
+    modules = {n.rsplit(".", 1)[0] for n in names if n.endswith("." + marker)}
+    plan = {m: {s for s in allowed if f"{m}.{s}" in names} for m in modules}
+    for module, have in plan.items():
+        missing = REQUIRED.get(spec.format, {allowed[0], allowed[1]}) - have
+        if missing:
+            raise CheckpointError(f"{model_dir}: quantized linear {module!r} lacks {sorted(missing)} "
+                                  f"({spec.describe()})")
+    return plan
+
+
+def iter_quantized_weights(model_dir: str | Path, spec: QuantSpec) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    plan = quantized_linears(model_dir, spec)
+    log.info("%s: %s, %d quantized linears; weight-only: activations stay in the model dtype%s", model_dir,
+             spec.describe(), len(plan), f" (the checkpoint's {spec.activations} activation quantization is "
+             "not applied)" if spec.activations else "")
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in iter_weights(model_dir):
+        module, _, suffix = name.rpartition(".")
+        if suffix not in plan.get(module, ()):
+            yield name, tensor
+            continue
+        parts = pending.setdefault(module, {})
+        parts[suffix] = tensor
+        if len(parts) == len(plan[module]):
+            del pending[module]
+            try:
+                yield f"{module}.weight", convert(spec, module, parts)
+            except ValueError as exc:
+                raise CheckpointError(f"{model_dir}: {exc} ({spec.describe()})") from exc
+    if pending:
+        raise CheckpointError(f"{model_dir}: quantized linears {sorted(pending)[:3]} were not read completely")
+
+
+def convert(spec: QuantSpec, module: str, t: dict[str, torch.Tensor]) -> QuantizedWeight:
+    """One linear's checkpoint tensors -> its QuantizedWeight (input_scale, the static
+    activation scale of W8A8 checkpoints, is not used: we run weight-only)."""
+    fmt = spec.format
+    if fmt == "fp8-block":
+        return fp8_weight(t["weight"], t["weight_scale_inv"], spec.block, module)
+    if fmt == "float-quantized":
+        return fp8_weight(t["weight"], t["weight_scale"], spec.block, module)
+    if fmt == "gptq":
+        return gptq_weight(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), spec.group_size,
+                           spec.zero_plus_one, module)
+    if fmt == "awq":
+        return awq_weight(t["qweight"], t["qzeros"], t["scales"], spec.group_size, module)
+    if fmt == "pack-quantized":
+        return pack_quantized_weight(t["weight_packed"], t["weight_scale"], t["weight_shape"],
+                                     t.get("weight_zero_point"), spec.bits, module)
+    return naive_quantized_weight(t["weight"], t["weight_scale"], t.get("weight_zero_point"), module)
