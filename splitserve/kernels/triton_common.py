@@ -138,9 +138,10 @@ def check_paged_kv(what: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError(
             f"{what}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
         )
-    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+    if k_cache.dtype not in (q.dtype, torch.float8_e4m3fn) or v_cache.dtype != k_cache.dtype:
         raise ValueError(
-            f"{what}: q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+            f"{what}: q, k_cache and v_cache must share a dtype (or the caches be float8_e4m3fn), "
+            f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
     if block_tables.dim() != 2 or block_tables.shape[0] != batch:
         raise ValueError(

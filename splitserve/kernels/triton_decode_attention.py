@@ -58,6 +58,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DIRECT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -76,7 +77,8 @@ def _decode_split_kernel(
     dim_ok = dims < HEAD_DIM
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :] * stride_qd,
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    q = q.to(k_ptr.dtype.element_ty)
+    if not KV_FP8:  # an fp8 cache is widened to the query's dtype instead (its values are exact there)
+        q = q.to(k_ptr.dtype.element_ty)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -92,6 +94,8 @@ def _decode_split_kernel(
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
         k_rows = block_ids * stride_kb + in_block * stride_kt + kv_head * stride_kh
         k = tl.load(k_ptr + k_rows[:, None] + dims[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q_ptr.dtype.element_ty)
         if UPCAST:
             k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [GROUP_PAD, TILE]
@@ -104,6 +108,8 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v_rows = block_ids * stride_vb + in_block * stride_vt + kv_head * stride_vh
         v = tl.load(v_ptr + v_rows[:, None] + dims[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q_ptr.dtype.element_ty)
         if UPCAST:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -193,6 +199,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=pow2(group, 16), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE=TILE_N, DIRECT=direct,
         PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype, q.device), SOFTCAP=bool(softcap),
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=4,
     )
     if not direct:

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.kernels.reference import quantize_fp8
 from splitserve.kernels.triton_common import as_raw_bits, kernel, pow2
 
 COPY_CHUNK = 4096  # elements per program when moving blocks
@@ -53,9 +54,12 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Same contract as reference.store_kv (slot = block_id * block_size + offset), plus:
-    negative slots are skipped. Slots are trusted to lie inside the pool."""
+    """Same contract as reference.store_kv (slot = block_id * block_size + offset; an fp8
+    cache gets reference.quantize_fp8(x, scale)), plus: negative slots are skipped. Slots are
+    trusted to lie inside the pool."""
     what = "store_kv"
     if key.dim() != 3 or value.shape != key.shape:
         raise ValueError(f"{what}: key and value must both be [n, kv_heads, head_dim], "
@@ -72,8 +76,11 @@ def store_kv(
     n, num_kv_heads, head_dim = key.shape
     if n == 0:
         return
-    # Rare (the engine stores in the cache dtype): convert with torch, whose rounding is
-    # the reference's; the kernel then moves raw bits only.
+    # Another dtype (rare, but every step for an fp8 cache): converted with torch, whose
+    # rounding is the reference's (fp8: divided in x's dtype, saturated, to nearest even; one
+    # fused elementwise op each on the GPU); the kernel then moves raw bits only.
+    if k_cache.dtype == torch.float8_e4m3fn:
+        key, value = quantize_fp8(key, k_scale), quantize_fp8(value, v_scale)
     key, value = key.to(k_cache.dtype), value.to(k_cache.dtype)
     launch[(n,)](
         as_raw_bits(key), as_raw_bits(value), as_raw_bits(k_cache), as_raw_bits(v_cache), slot_mapping,

@@ -47,6 +47,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, SEQS_PAD: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     slot = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -72,7 +73,8 @@ def _prefill_kernel(
     q_rows = q_tok.to(tl.int64) * stride_qt + heads * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + dims[None, :] * stride_qd,
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    q = q.to(k_ptr.dtype.element_ty)
+    if not KV_FP8:  # an fp8 cache is widened to the query's dtype instead (its values are exact there)
+        q = q.to(k_ptr.dtype.element_ty)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -94,6 +96,8 @@ def _prefill_kernel(
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k_rows = block_ids * stride_kb + in_block * stride_kt + kv_head * stride_kh
         k = tl.load(k_ptr + k_rows[:, None] + dims[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q_ptr.dtype.element_ty)
         if UPCAST:
             k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
@@ -111,6 +115,8 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v_rows = block_ids * stride_vb + in_block * stride_vt + kv_head * stride_vh
         v = tl.load(v_ptr + v_rows[:, None] + dims[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q_ptr.dtype.element_ty)
         if UPCAST:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -166,6 +172,7 @@ def paged_prefill_attention(
         # compiled anew in the middle of traffic); a 64-wide search of cu_seqlens costs nothing
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, TILE=TILE_N, SEQS_PAD=pow2(batch, 64),
         PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype, q.device), SOFTCAP=bool(softcap),
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=8,
     )
     return out
