@@ -184,7 +184,12 @@ def quantized_linear(x, qw, bias=None):
     (kernels/quant_weight.py); float32 accumulation on every path."""
     from splitserve.kernels import quant_weight
 
-    if backend_for(x) == "native":
+    backend = backend_for(x)
+    if backend == "triton":
+        from splitserve.kernels import triton_quant  # lazily, like _triton()
+
+        return triton_quant.quantized_linear(x, qw, bias)
+    if backend == "native":
         from splitserve.kernels import quant_native  # lazily, like _fused()
 
         if quant_native.supports(x, qw):
