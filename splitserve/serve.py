@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"splitserve serve: --kv-backend mooncake: {problem}", file=sys.stderr)
             return 2
     # checked before Ray or any process starts: one line, exit 2
-    problem = checkpoint_problem(args.model) if args.model is not None else (
+    problem = checkpoint_problem(args.model, args.quantization) if args.model is not None else (
         None if (demo_dir() / "config.json").is_file() else cache_dir_problem(demo_dir()))
     if problem:
         print(f"splitserve serve: {problem}", file=sys.stderr)

@@ -8,7 +8,8 @@ Supported (weight-only on every device: activations stay in the model dtype):
   gptq                4-bit, any group size or -1, sym or asym, with or without act-order
   awq                 4-bit GEMM packing with zero points
   compressed-tensors  float-quantized (FP8, per-tensor / per-channel / block scales),
-                      pack-quantized (INT4/INT8, channel or group), naive-quantized (INT8)
+                      pack-quantized (INT4/INT8, channel or group), naive- and
+                      int-quantized (INT8)
 
 Anything else (bitsandbytes, marlin, hqq, exl2, ...) or a setting outside these is refused
 with one line naming it and what is supported, instead of being served as float.
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 from splitserve.core.model_config import CheckpointError
 
 METHODS = ("fp8", "gptq", "awq", "compressed-tensors")
-CT_FORMATS = ("float-quantized", "pack-quantized", "naive-quantized")
+QUANTIZATION_CHOICES = METHODS + ("gguf",)  # --quantization; gguf: a .gguf model (core/gguf_model.py)
+CT_FORMATS = ("float-quantized", "pack-quantized", "naive-quantized", "int-quantized")
 SUPPORTED_LINE = ("supported: fp8 (block-wise), gptq and awq (4-bit), compressed-tensors "
                   f"({', '.join(CT_FORMATS)})")
 
@@ -29,7 +31,7 @@ SUPPORTED_LINE = ("supported: fp8 (block-wise), gptq and awq (4-bit), compressed
 @dataclass(frozen=True)
 class QuantSpec:
     method: str  # one of METHODS
-    format: str  # fp8-block | gptq | awq | float-quantized | pack-quantized | naive-quantized
+    format: str  # fp8-block | gptq | awq | float-quantized | pack-quantized | naive-quantized (int8)
     bits: int = 4
     group_size: int = -1  # -1: one group per output row (channel / whole input)
     symmetric: bool = True
@@ -137,6 +139,7 @@ def _compressed_tensors(qc: dict, source: str) -> QuantSpec:
             raise _refuse(source, f"compressed-tensors float-quantized {kind}{bits} {strategy}")
         block = tuple(w.get("block_structure") or ()) or None
         return QuantSpec("compressed-tensors", fmt, bits=8, block=block, activations=activations, ignore=ignore)
+    fmt = "naive-quantized" if fmt == "int-quantized" else fmt  # int-quantized: the same int8 tensors (W8A8)
     want_bits = (4, 8) if fmt == "pack-quantized" else (8,)
     if kind != "int" or bits not in want_bits or strategy not in ("channel", "group"):
         raise _refuse(source, f"compressed-tensors {fmt} {kind}{bits} {strategy} (int{'/'.join(map(str, want_bits))}"

@@ -7,6 +7,7 @@ import argparse
 from splitserve.core.cli_types import positive_int
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.core.model_dir import resolve_model as core_resolve_model
+from splitserve.core.quantization import QUANTIZATION_CHOICES
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache import KV_CACHE_DTYPES
 
@@ -17,6 +18,10 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", help="model name clients send; seeds the block-hash space "
                                                "(must be the same on router and workers; default: directory name)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", choices=list(QUANTIZATION_CHOICES),
+                   help="the checkpoint's quantization, detected from config.json's quantization_config (or a "
+                        ".gguf file); given, it must match, else serve refuses in one line. All are weight-only: "
+                        "activations stay in --dtype (docs/architecture.md, Quantized checkpoints)")
     g.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N")
     g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     g.add_argument("--num-kv-blocks", type=int, help="KV blocks per worker (default: from --kv-cache-memory)")
@@ -55,5 +60,6 @@ def engine_config_from_args(args: argparse.Namespace, model: str, served: str) -
                         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, model_id=served,
+                        quantization=getattr(args, "quantization", None),
                         cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None,
                         warm_up=False if getattr(args, "no_warm_up", False) else None)

@@ -26,6 +26,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     max_model_len: int | None = None  # None: the model's own limit
     enable_prefix_caching: bool = True
+    quantization: str | None = None  # --quantization: must match the checkpoint's (core/quantization.py)
     model_id: str | None = None  # seeds the block-hash space; default: the directory name
     seed: int = 0  # seed of the generator used by unseeded sampled requests
     cuda_graphs: bool | None = None  # decode steps replayed from CUDA graphs; None: on for CUDA, off on CPU

@@ -22,7 +22,7 @@ class ModelRunner:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.block_size = cfg.block_size
-        self.model = load_model(cfg.model, model_cfg, cfg.torch_dtype, self.device)
+        self.model = load_model(cfg.model, model_cfg, cfg.torch_dtype, self.device, cfg.quantization)
         full = rope_table(model_cfg.rope, model_cfg.head_dim, max_model_len, cfg.torch_dtype, self.device)
         local = full if model_cfg.local_rope is None else rope_table(
             model_cfg.local_rope, model_cfg.head_dim, max_model_len, cfg.torch_dtype, self.device)

@@ -149,12 +149,12 @@ def spec_ct_float(t):
     return t["weight"].float() * t["weight_scale"].float()
 
 
-def write_ct_pack(w, strategy="group", group=128, sym=False):
+def write_ct_pack(w, strategy="group", group=128, sym=False, bits=4):
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization.utils import calculate_qparams
 
     extra = {"group_size": group} if strategy == "group" else {}
-    scheme, _ = ct_scheme("pack-quantized", num_bits=4, type="int", strategy=strategy, symmetric=sym, **extra)
+    scheme, _ = ct_scheme("pack-quantized", num_bits=bits, type="int", strategy=strategy, symmetric=sym, **extra)
     w = w.to(torch.bfloat16)  # 16-bit scales, as released checkpoints have
     n, k = w.shape
     g = w.reshape(n, -1, group if strategy == "group" else k)
@@ -163,17 +163,50 @@ def write_ct_pack(w, strategy="group", group=128, sym=False):
     return dict(PackedQuantizationCompressor.compress(state, scheme))
 
 
-def spec_ct_pack(t):
+def spec_ct_pack(t, bits=4, **_):
     packed, scale = t["weight_packed"].long(), t["weight_scale"].float()
     n, k = (int(v) for v in t["weight_shape"])
-    q = torch.stack([(packed >> (4 * i)) & 15 for i in range(8)], dim=2).reshape(n, -1)[:, :k] - 8
+    per, mask, offset = 32 // bits, (1 << bits) - 1, 1 << (bits - 1)
+    q = torch.stack([(packed >> (bits * i)) & mask for i in range(per)], dim=2).reshape(n, -1)[:, :k] - offset
     if "weight_zero_point" in t:
         zp = t["weight_zero_point"].long()
-        z = torch.stack([(zp >> (4 * i)) & 15 for i in range(8)], dim=1).reshape(-1, zp.shape[1])[:n] - 8
+        z = torch.stack([(zp >> (bits * i)) & mask for i in range(per)], dim=1).reshape(-1, zp.shape[1])[:n] - offset
     else:
         z = torch.zeros_like(scale, dtype=torch.int64)
     g = k // scale.shape[1]
     return (q - z.repeat_interleave(g, 1)).float() * scale.repeat_interleave(g, 1)
+
+
+def write_ct_int8(w, strategy="channel", sym=True, w8a8=False):
+    """naive-quantized int8 weights (int-quantized when activations are int8 too: W8A8)."""
+    from compressed_tensors.compressors.naive_quantized.base import NaiveQuantizationCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    scheme, _ = ct_int8_scheme(strategy, sym, w8a8)
+    w = w.to(torch.bfloat16)
+    scale, zero = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), scheme.weights)
+    state = {"weight": w, "weight_scale": scale} | ({} if sym else {"weight_zero_point": zero})
+    return dict(NaiveQuantizationCompressor.compress(state, scheme))
+
+
+def ct_int8_scheme(strategy, sym, w8a8):
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+    )
+
+    acts = QuantizationArgs(num_bits=8, type="int", strategy="token", dynamic=True, symmetric=True) if w8a8 else None
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=8, type="int", strategy=strategy, symmetric=sym), input_activations=acts)
+    fmt = "int-quantized" if w8a8 else "naive-quantized"
+    return scheme, QuantizationConfig(config_groups={"group_0": scheme}, format=fmt,
+                                      ignore=["lm_head"]).model_dump(exclude_none=True)
+
+
+def spec_ct_int8(t, **_):
+    z = t["weight_zero_point"].float() if "weight_zero_point" in t else 0.0
+    return (t["weight"].float() - z) * t["weight_scale"].float()
 
 
 def quant_config(layout: str, opts: dict) -> dict:
@@ -187,14 +220,17 @@ def quant_config(layout: str, opts: dict) -> dict:
     if layout == "ct-float":
         return ct_scheme("float-quantized", num_bits=8, type="float", strategy=opts.get("strategy", "channel"),
                          symmetric=True)[1]
+    if layout == "ct-int8":
+        return ct_int8_scheme(opts.get("strategy", "channel"), opts.get("sym", True), opts.get("w8a8", False))[1]
     strategy = opts.get("strategy", "group")
     extra = {"group_size": opts.get("group", 128)} if strategy == "group" else {}
-    return ct_scheme("pack-quantized", num_bits=4, type="int", strategy=strategy, symmetric=opts.get("sym", False),
-                     **extra)[1]
+    return ct_scheme("pack-quantized", num_bits=opts.get("bits", 4), type="int", strategy=strategy,
+                     symmetric=opts.get("sym", False), **extra)[1]
 
 
 WRITERS = {"gptq": (write_gptq, spec_gptq), "awq": (write_awq, spec_awq), "fp8-block": (write_fp8_block, spec_fp8_block),
-           "ct-float": (write_ct_float, spec_ct_float), "ct-pack": (write_ct_pack, spec_ct_pack)}
+           "ct-float": (write_ct_float, spec_ct_float), "ct-pack": (write_ct_pack, spec_ct_pack),
+           "ct-int8": (write_ct_int8, spec_ct_int8)}
 
 
 def quantize_checkpoint(src: Path, out: Path, layout: str, **opts) -> tuple[Path, Path]:
@@ -212,7 +248,7 @@ def quantize_checkpoint(src: Path, out: Path, layout: str, **opts) -> tuple[Path
         if name.endswith(".weight") and module.rpartition(".")[2] in LINEARS:
             tensors = write(w.float(), **opts)
             quantized.update({f"{module}.{s}": t.contiguous() for s, t in tensors.items()})
-            reference[name] = spec(tensors)
+            reference[name] = spec(tensors, **opts) if layout.startswith(("ct-pack", "ct-int8")) else spec(tensors)
         else:
             quantized[name] = reference[name] = w
     save_file(quantized, str(qdir / "model.safetensors"), metadata={"format": "pt"})
@@ -236,6 +272,9 @@ CASES = {
     "ct-float-tensor": ("ct-float", {"strategy": "tensor"}),
     "ct-pack-g128-asym": ("ct-pack", {}),
     "ct-pack-channel-sym": ("ct-pack", {"strategy": "channel", "sym": True}),
+    "ct-pack-8bit-g128-sym": ("ct-pack", {"bits": 8, "sym": True}),
+    "ct-naive-int8-channel-asym": ("ct-int8", {"sym": False}),
+    "ct-int8-w8a8": ("ct-int8", {"w8a8": True}),
 }
 
 

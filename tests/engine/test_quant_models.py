@@ -32,6 +32,10 @@ MODELS = {
     "ct-float-tensor-llama": ("llama", ODD, "ct-float", {"strategy": "tensor"}),
     "ct-pack-g128-asym-llama": ("llama", BIG, "ct-pack", {}),
     "ct-pack-channel-sym-qwen2": ("qwen2", {}, "ct-pack", {"strategy": "channel", "sym": True}),
+    "ct-pack-8bit-g128-llama": ("llama", BIG, "ct-pack", {"bits": 8, "sym": True}),
+    # a W8A8 checkpoint runs weight-only: int8 weights, activations in float
+    "ct-int8-w8a8-llama": ("llama", {}, "ct-int8", {"w8a8": True}),
+    "ct-naive-int8-asym-qwen3": ("qwen3", {}, "ct-int8", {"sym": False}),
 }
 
 
