@@ -45,7 +45,11 @@ class QuantSpec:
         if self.method in ("gptq", "awq"):
             return (f"{self.method} {self.bits}-bit, group {self.group_size}, "
                     f"{'sym' if self.symmetric else 'asym'}{', act-order' if self.desc_act else ''}")
-        return f"{self.method} {self.format}" + (f" {self.bits}-bit" if self.format != "float-quantized" else "")
+        if self.format == "fp8-block":
+            return f"fp8 block-wise {self.block[0]}x{self.block[1]}"
+        if self.format == "float-quantized":
+            return f"compressed-tensors float-quantized (fp8{', blocks' if self.block else ''})"
+        return f"compressed-tensors {self.format} int{self.bits}, group {self.group_size}"
 
 
 def _refuse(source: str, what: str) -> CheckpointError:
