@@ -63,6 +63,9 @@ class Metrics:
         self.kv_cache_usage = Gauge(
             "splitserve_kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
             ["role", "worker"], registry=r)
+        self.kv_capacity_tokens = Gauge(
+            "splitserve_kv_capacity_tokens", "Tokens the worker's KV pool holds (blocks x block size; an fp8 "
+            "KV cache holds twice the tokens of bf16 in the same memory).", ["role", "worker"], registry=r)
         self.prefix_cache_queries = Counter(
             "splitserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
             ["role", "worker"], registry=r)

@@ -10,6 +10,7 @@ Redis layout (prefix `splitserve:{cluster}:`, cluster = the InferenceDeployment 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -31,6 +32,7 @@ class WorkerInfo:
     block_size: int
     num_kv_blocks: int
     kv_backend: str = "grpc"
+    kv_cache_dtype: str = ""  # the KV pool's element type ("bfloat16", "float8_e4m3fn", ...); "": not said
     started_at: float = field(default_factory=time.time)
     draining: bool = False  # finishing its streams: routers send it nothing new
 
@@ -73,6 +75,21 @@ def registration_refusal(info: WorkerInfo, model: str | None, block_size: int | 
         return "block_size_mismatch", (f"worker {info.worker_id} ({info.role} at {info.address}) uses KV block size "
                                        f"{info.block_size}, this router {block_size}: refused (its prefix hashes "
                                        "would never match; start every component with the same --block-size)")
+    return None
+
+
+def kv_dtype_refusal(info: WorkerInfo, peers: Iterable[WorkerInfo]) -> tuple[str, str] | None:
+    """(metric reason, message) when `info` keeps its KV cache in another dtype than an admitted
+    peer: KV blocks move between workers byte for byte (prefill -> decode, migrations), so one
+    fleet has one KV dtype; the peers already admitted fix it."""
+    for peer in peers:
+        if (peer.worker_id != info.worker_id and info.kv_cache_dtype and peer.kv_cache_dtype
+                and peer.kv_cache_dtype != info.kv_cache_dtype):
+            return "kv_cache_dtype_mismatch", (
+                f"worker {info.worker_id} ({info.role} at {info.address}) keeps its KV cache in "
+                f"{info.kv_cache_dtype}, worker {peer.worker_id} ({peer.role}) in {peer.kv_cache_dtype}: refused "
+                "(KV blocks move between workers byte for byte; start every worker with the same "
+                "--kv-cache-dtype and --dtype)")
     return None
 
 

@@ -26,6 +26,7 @@ from splitserve.cluster.messages import (
     WorkerInfo,
     decode,
     encode,
+    kv_dtype_refusal,
     registration_refusal,
 )
 from splitserve.proto.build import ensure_built
@@ -116,7 +117,8 @@ class BusServicer(pb_grpc.BusServicer):
                 raise ValueError(f"ttl {ttl} is not in (0, {MAX_TTL_S}]")
             if m in ("register", "heartbeat"):
                 info = checked(WorkerInfo, payload)
-                refusal = registration_refusal(info, self.model, self.block_size)
+                refusal = registration_refusal(info, self.model, self.block_size) or kv_dtype_refusal(
+                    info, (await self.bus.live_workers()).values())
                 if refusal is not None:
                     reason, message = refusal
                     log.error("bus bridge: %s", message)

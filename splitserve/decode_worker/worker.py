@@ -87,8 +87,8 @@ class DecodeWorker(RemotePrefill, WorkerBase, DecodeWorkerServicer):
         await self._bind(self.server)
         self.kv_address = f"{self.address.rsplit(':', 1)[0]}:{kv_port}"  # what prefill workers dial
         await self._start_presence(engine)
-        log.info("decode worker %s serving on %s (KV receiver %s, %d blocks%s; links: %s)", self.worker_id,
-                 self.address, self.kv_address, engine.num_total_blocks,
+        log.info("decode worker %s serving on %s (KV receiver %s, %s%s; links: %s)", self.worker_id,
+                 self.address, self.kv_address, self.kv_pool_description(),
                  f", admin {self.admin_url}" if self.admin_url else "", cfg.security.describe())
         return self.address
 

@@ -71,8 +71,8 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
         self.metrics.kv_held_blocks.labels(role=self.role, worker=self.worker_id).set_function(
             lambda: self.engine.stats.held_blocks)  # as of the last step, read at scrape time
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_held())
-        log.info("prefill worker %s serving on %s (%d KV blocks%s; links: %s)", self.worker_id, self.address,
-                 engine.num_total_blocks, f", admin {self.admin_url}" if self.admin_url else "",
+        log.info("prefill worker %s serving on %s (%s%s; links: %s)", self.worker_id, self.address,
+                 self.kv_pool_description(), f", admin {self.admin_url}" if self.admin_url else "",
                  cfg.security.describe())
         return self.address
 

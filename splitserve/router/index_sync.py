@@ -21,7 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from splitserve.cluster.bus import START, BusError, ClusterBus, KVRecord, parse_position
-from splitserve.cluster.messages import LoadReport, WorkerInfo, registration_refusal
+from splitserve.cluster.messages import (
+    LoadReport,
+    WorkerInfo,
+    kv_dtype_refusal,
+    registration_refusal,
+)
 from splitserve.metrics import Metrics
 from splitserve.router.radix_index import RadixIndex
 
@@ -78,8 +83,12 @@ class IndexSync:
 
     # ---- refresh: registry and loads ---------------------------------------------------
     async def refresh(self) -> None:
-        live = await self.bus.live_workers()
-        live = {w: info for w, info in live.items() if self._admissible(info)}
+        registered = await self.bus.live_workers()
+        live: dict[str, WorkerInfo] = {}
+        # workers already admitted first, then newcomers by start time: the first fixes the KV dtype
+        for w, info in sorted(registered.items(), key=lambda kv: (kv[0] not in self.workers, kv[1].started_at)):
+            if self._admissible(info, live.values()):
+                live[w] = info
         for worker_id in [w for w in self.workers if w not in live]:
             log.warning("worker %s left the registry (stopped heartbeating, deregistered or unhealthy): dropping "
                         "its %d blocks from the router index", worker_id, self.index.blocks_of(worker_id))
@@ -106,8 +115,8 @@ class IndexSync:
             for role in ("prefill", "decode"):
                 self.metrics.workers_healthy.labels(role=role).set(len(self.live(role)))
 
-    def _admissible(self, info: WorkerInfo) -> bool:
-        refusal = registration_refusal(info, self.model, self.block_size)
+    def _admissible(self, info: WorkerInfo, peers) -> bool:
+        refusal = registration_refusal(info, self.model, self.block_size) or kv_dtype_refusal(info, peers)
         if refusal is None:
             self.refused.pop(info.worker_id, None)
             return True

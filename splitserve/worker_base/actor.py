@@ -76,7 +76,8 @@ class WorkerActor:
         kv = getattr(self.worker, "kv_address", "")
         url = self.worker.admin_url
         return f"{self.role} worker {self.worker.worker_id}: gRPC {self.worker.address}" + (
-            f", KV receiver {kv}" if kv else "") + (f", metrics {url}/metrics" if url else "")
+            f", KV receiver {kv}" if kv else "") + (f", metrics {url}/metrics" if url else "") + (
+            f", {self.worker.kv_pool_description()}")
 
     def drain(self, timeout: float = 600.0) -> bool:
         if self.role != "decode":

@@ -104,10 +104,22 @@ class WorkerBase(abc.ABC):
         cfg = self.config
         self.bus = self._given_bus or open_bus(cfg.bus_url, cfg.cluster, cfg.security)
         info = WorkerInfo(self.worker_id, self.role, self.address, engine.model_id, cfg.engine.block_size,
-                          engine.num_total_blocks, cfg.kv_backend)
+                          engine.num_total_blocks, cfg.kv_backend, kv_cache_dtype=self.kv_dtype_name())
         self.presence = WorkerPresence(self.bus, info, self.load_report, ttl=cfg.heartbeat_ttl_s,
                                        cached_blocks=self._cached_blocks, healthy=self._unhealthy_because)
         await self.presence.start()
+        self.num_kv_blocks = engine.num_total_blocks
+        self.metrics.kv_capacity_tokens.labels(role=self.role, worker=self.worker_id).set(
+            engine.num_total_blocks * cfg.engine.block_size)
+
+    def kv_dtype_name(self) -> str:
+        """The KV pool's element type as registration carries it ("float8_e4m3fn" for --kv-cache-dtype fp8)."""
+        return str(self.config.engine.kv_torch_dtype).removeprefix("torch.")
+
+    def kv_pool_description(self) -> str:
+        """What the start-up lines say of the KV pool: its size in blocks and tokens, and its dtype."""
+        blocks = self.num_kv_blocks
+        return f"{blocks} KV blocks = {blocks * self.config.engine.block_size} tokens of {self.kv_dtype_name()}"
 
     async def _stop_common(self) -> None:
         if self._watchdog is not None:
