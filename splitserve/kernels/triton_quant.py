@@ -76,9 +76,10 @@ def _quant_linear_kernel(
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _block_k(group: int) -> int:
-    """The widest of 64 / 32 / 16 dividing the group (one scale per row per step); 32 otherwise."""
-    return next((b for b in (64, 32, 16) if group % b == 0), 32)
+def _block_k(group: int, widest: int) -> int:
+    """The widest of 64 / 32 / 16 (up to `widest`) dividing the group (one scale per row per
+    step); 32 otherwise."""
+    return next((b for b in (64, 32, 16) if b <= widest and group % b == 0), 32)
 
 
 def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,12 +101,12 @@ def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | 
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     dot_float32 = x.dtype == torch.float32 or upcast_dot(x.dtype, x.device)
     if m:
-        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+        block_m = 16 if m <= 16 else (32 if m <= 32 or x.dtype == torch.float32 else 64)  # float32: fewer registers
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
         launch[grid](rows, codes.contiguous(), qw.scales.contiguous(), _or(qw.offsets, qw.scales),
                      _or(bias, qw.scales), out, m, n, k, rows.stride(0), codes.shape[1], out.stride(0),
                      GROUP=qw.group_size, BITS=qw.bits, HAS_OFFSETS=qw.offsets is not None,
-                     HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=_block_k(qw.group_size),
+                     HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=_block_k(qw.group_size, 32 if x.dtype == torch.float32 else 64),
                      PRECISION=dot_precision(torch.float32 if dot_float32 else x.dtype), DOT_FLOAT32=dot_float32,
                      num_warps=4)
     return out.reshape(*lead, n)
