@@ -31,8 +31,18 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise SystemExit(f"no --model given and the {DEMO_LABEL} is not built yet: run `splitserve "
                              "demo-model` (or `splitserve serve`, which builds it), or pass --model")
+    elif model_is_gguf(model):  # served from the .gguf's derived directory (core/gguf_model.py)
+        from splitserve.core.gguf_model import find_gguf, prepare_gguf
+
+        problem = checkpoint_problem(model, getattr(args, "quantization", None))
+        if problem:
+            print(problem, file=sys.stderr)
+            raise SystemExit(2)
+        gguf = find_gguf(model)
+        return str(prepare_gguf(gguf)), args.served_model_name or gguf.stem
     elif not os.path.isfile(os.path.join(model, "config.json")):
-        raise SystemExit(f"{model}/config.json not found: --model must be a Hugging Face checkpoint directory")
+        raise SystemExit(f"{model}/config.json not found: --model must be a Hugging Face checkpoint directory "
+                         "or a .gguf file")
     else:
         problem = checkpoint_problem(model, getattr(args, "quantization", None))
         if problem:  # an architecture or config this build cannot serve: say so before starting anything
@@ -50,6 +60,10 @@ def checkpoint_problem(model_dir: str, quantization: str | None = None) -> str |
     from splitserve.core.model_config import CheckpointError, ModelConfig
     from splitserve.core.quantization import quantization_from_config
 
+    if model_is_gguf(model_dir):
+        from splitserve.core.gguf_model import gguf_checkpoint_problem
+
+        return gguf_checkpoint_problem(model_dir, quantization)
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         return f"{model_dir}/config.json not found: --model must be a Hugging Face checkpoint directory"
     try:
@@ -61,3 +75,11 @@ def checkpoint_problem(model_dir: str, quantization: str | None = None) -> str |
         return (f"{model_dir}/config.json: a quantized ({spec.describe()}) mixture-of-experts model: quantized "
                 "experts are not supported yet (serve its float checkpoint)")
     return checkpoint_files_problem(model_dir, cfg.vocab_size, cfg.hidden_size, spec)
+
+
+def model_is_gguf(model: str) -> bool:
+    """--model names a .gguf file, or a directory with .gguf files and no config.json."""
+    path = Path(model)
+    if path.suffix == ".gguf" and not path.is_dir():
+        return True
+    return path.is_dir() and not (path / "config.json").is_file() and any(path.glob("*.gguf"))

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from splitserve.core.checkpoint_check import weight_files_problem
+from splitserve.core.gguf_model import gguf_source
 from splitserve.core.model_config import CheckpointError
 
 
@@ -25,7 +26,15 @@ def weight_files(model_dir: str | Path) -> list[Path]:
 
 
 def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every shard, read lazily one at a time."""
+    """(name, tensor) for every tensor of every shard, read lazily one at a time; for the
+    derived directory of a GGUF file (core/gguf_model.py), its tensors, block-quantized
+    linears as QuantizedWeights (engine/gguf_weights.py)."""
+    gguf = gguf_source(model_dir)
+    if gguf is not None:
+        from splitserve.engine.gguf_weights import iter_gguf_weights
+
+        yield from iter_gguf_weights(gguf)
+        return
     for path in weight_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
