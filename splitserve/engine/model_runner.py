@@ -9,7 +9,8 @@ import torch
 from splitserve.core.model_config import FULL, SLIDING, ModelConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
-from splitserve.engine.kv_cache import KVCachePool, KVCacheSpec, num_blocks_for_memory
+from splitserve.engine.kv_cache import FP8, KVCachePool, KVCacheSpec, num_blocks_for_memory
+from splitserve.engine.kv_scales import read_kv_scales
 from splitserve.engine.models.layers import AttentionMetadata
 from splitserve.engine.models.loader import load_model
 from splitserve.engine.models.rope import RopeTable, rope_table
@@ -23,6 +24,10 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.block_size = cfg.block_size
         self.model = load_model(cfg.model, model_cfg, cfg.torch_dtype, self.device, cfg.quantization)
+        if cfg.kv_torch_dtype == FP8:  # the checkpoint's per-layer scales of an fp8 KV cache, if it has them
+            for layer, (k_scale, v_scale) in read_kv_scales(cfg.model, model_cfg.num_layers).items():
+                attention = self.model.layers[layer].self_attn
+                attention.k_scale, attention.v_scale = k_scale, v_scale
         full = rope_table(model_cfg.rope, model_cfg.head_dim, max_model_len, cfg.torch_dtype, self.device)
         local = full if model_cfg.local_rope is None else rope_table(
             model_cfg.local_rope, model_cfg.head_dim, max_model_len, cfg.torch_dtype, self.device)

@@ -193,7 +193,10 @@ def pack_blocks(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 def unpack_blocks(buffer: torch.Tensor, pool: torch.Tensor, block_ids: torch.Tensor) -> None:
     """Scatter a packed buffer into destination blocks of the pool."""
-    pool.index_copy_(0, block_ids.long().to(pool.device), buffer.to(pool.dtype).view(-1, *pool.shape[1:]))
+    buffer = buffer.to(pool.dtype)
+    if pool.dtype == FP8:  # torch's index_copy_ has no fp8 kernel: the same bytes as uint8
+        pool, buffer = pool.view(torch.uint8), buffer.view(torch.uint8)
+    pool.index_copy_(0, block_ids.long().to(pool.device), buffer.view(-1, *pool.shape[1:]))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

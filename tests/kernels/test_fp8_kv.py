@@ -201,3 +201,15 @@ def test_triton_prefill_over_fp8_matches_the_reference(device, dtype):
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 0.125)
     got = triton_ops.paged_prefill_attention(*args)
     torch.testing.assert_close(got.float(), reference.paged_prefill_attention(*args).float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_fp8_blocks_pack_and_unpack_byte_for_byte(device, impl):
+    kernels = reference if impl == "reference" else triton_ops
+    gen = torch.Generator().manual_seed(5)
+    src = torch.randn((6, 2, 2, 4, 2, 8), generator=gen).to(FP8).to(device)
+    dst = torch.zeros_like(src)
+    packed = kernels.pack_blocks(src, torch.tensor([4, 1, 3], device=device))
+    kernels.unpack_blocks(packed, dst, torch.tensor([0, 5, 2], device=device))
+    assert torch.equal(dst[[0, 5, 2]].view(torch.uint8), src[[4, 1, 3]].view(torch.uint8))
+    assert not dst[[1, 3, 4]].view(torch.uint8).any()

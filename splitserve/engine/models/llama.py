@@ -25,7 +25,8 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
-IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# rotary tables some checkpoints save; an fp8 KV cache's scales (engine/kv_scales.py reads them)
+IGNORED = re.compile(r"rotary_emb\.inv_freq$|\.self_attn\.(?:k_scale|v_scale|kv_scale|[kv]_proj\.output_scale)$")
 
 
 class DecoderLayer(nn.Module):
