@@ -78,7 +78,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
             try:
                 quantized[param_name].set_part(index, move_weight(tensor, device, dtype))
             except ValueError as exc:
-                raise CheckpointError(f"{model_dir}: tensor '{name}': {exc} (check config.json's sizes)") from exc
+                raise CheckpointError(f"{model_dir}: tensor '{name}': {exc}") from exc
             continue
         if is_quantized:
             tensor = tensor.dequantize()  # an embedding: its lookup reads float rows

@@ -40,7 +40,7 @@ class QuantizedLinear(nn.Module):
             else tuple(weight.shape)
         if shape != (stop - start, self.in_features) or not 0 <= start < stop <= self.out_features:
             raise ValueError(f"a weight of shape {shape} cannot be rows {start}:{stop} of this "
-                             f"{self.out_features}x{self.in_features} layer")
+                             f"{self.out_features}x{self.in_features} layer (check config.json's sizes)")
         if any(start < b and a < stop for a, b in self.rows):
             raise ValueError(f"rows {start}:{stop} filled a second time")
         self.rows.append((start, stop))
