@@ -4,11 +4,12 @@
 parameter must be filled completely, each part once.
 
 A weight source may yield QuantizedWeights (engine/quant/ for quantized safetensors, the
-GGUF reader): their linear becomes a QuantizedLinear holding each part as it comes. The
-linears a quantized safetensors checkpoint quantizes are swapped before any memory is
-allocated; one that first shows up quantized mid-stream (GGUF decides per tensor) is
-swapped then, keeping the float rows it already holds. A quantized embedding is
-dequantised (its lookup reads float rows)."""
+GGUF reader): the loader learns a linear is quantized when its first quantized part
+arrives and swaps it for a QuantizedLinear then. So that no float copy of a quantized
+linear is ever allocated (a 7B GGUF would need 28 GB of float32 for nothing), every
+Linear's weight stays on the meta device until its first float part arrives. A quantized
+linear keeps float rows that came before its first quantized part as a float part; a
+quantized embedding is dequantised (its lookup reads float rows)."""
 
 from __future__ import annotations
 
@@ -23,36 +24,41 @@ from splitserve.core.quantization import quantization_from_config
 from splitserve.engine.checkpoint import iter_weights
 from splitserve.engine.models.quant_linear import QuantizedLinear, move_weight
 from splitserve.engine.models.registry import model_class
-from splitserve.engine.quant import iter_quantized_weights, quantized_linears
+from splitserve.engine.quant import iter_quantized_weights
 from splitserve.kernels.quant_weight import QuantizedWeight
 
 Weights = Iterable[tuple[str, "torch.Tensor | QuantizedWeight"]]
 
 
+def checkpoint_weights(model_dir: str | Path, cfg: ModelConfig, quantization: str | None = None) -> Weights:
+    """The directory's (name, tensor or QuantizedWeight) stream, by its quantization_config
+    (`quantization`: --quantization, which must match it)."""
+    spec = quantization_from_config(cfg.raw, f"{model_dir}/config.json", quantization)
+    if spec is None:
+        return iter_weights(model_dir)
+    if cfg.num_experts:
+        raise CheckpointError(f"{model_dir}: quantized mixture-of-experts checkpoints are not supported")
+    return iter_quantized_weights(model_dir, spec)
+
+
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
                quantization: str | None = None, weights: Weights | None = None) -> nn.Module:
-    """`quantization`: --quantization, checked against the checkpoint's; `weights`: another
-    source of (name, tensor or QuantizedWeight) than the directory's safetensors."""
+    """`weights`: another source of (name, tensor or QuantizedWeight) than the directory's."""
+    if weights is None:
+        weights = checkpoint_weights(model_dir, cfg, quantization)
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
-    if weights is None:
-        spec = quantization_from_config(cfg.raw, f"{model_dir}/config.json", quantization)
-        if spec is None:
-            weights = iter_weights(model_dir)
-        else:
-            if cfg.num_experts:
-                raise CheckpointError(f"{model_dir}: quantized mixture-of-experts checkpoints are not supported")
-            for module in quantized_linears(model_dir, spec):
-                target = model.weight_target(f"{module}.weight")
-                if target is not None:
-                    swap_linear(model, target[0], model_dir)
-            weights = iter_quantized_weights(model_dir, spec)
+    deferred = {n: m.weight for n, m in linear_weights(model).items()}
+    for name in deferred:
+        set_param(model, name, None)  # kept out of to_empty(): allocated on first use
     model = model.to_empty(device=device).to(dtype)
+    for name, meta in deferred.items():
+        set_param(model, name, nn.Parameter(torch.empty(meta.shape, dtype=dtype, device="meta")))
     if cfg.tie_word_embeddings:  # to_empty() unties shared parameters
         model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = set(params) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
-    quantized = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    quantized: dict[str, QuantizedLinear] = {}
     filled: dict[str, int] = {}  # elements written per parameter
     seen: dict[str, list] = {}  # parameter -> the indexes filled
 
@@ -65,7 +71,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
         if param_name not in params and param_name not in quantized:
             raise CheckpointError(f"{model_dir}: unexpected tensor '{name}' for {cfg.architecture}")
         if is_quantized and param_name not in quantized and not is_embedding(model, param_name):
-            # the first quantized part of a float linear (GGUF): swap it, keeping the rows filled so far
+            # the first quantized part of a linear: swap it, keeping the float rows filled so far
             linear = swap_linear(model, param_name, model_dir)
             for done in seen.pop(param_name, []):
                 linear.set_part(done, params[param_name].data if done is None else params[param_name].data[done])
@@ -85,6 +91,9 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
         if repr(index) in map(repr, seen.get(param_name, [])):
             raise CheckpointError(f"{model_dir}: tensor '{name}' fills '{param_name}' a second time")
         seen.setdefault(param_name, []).append(index)
+        if params[param_name].is_meta:  # a deferred Linear weight: float after all
+            params[param_name] = nn.Parameter(torch.empty_like(params[param_name], device=device))
+            set_param(model, param_name, params[param_name])
         dst = params[param_name].data if index is None else params[param_name].data[index]
         if dst.shape != tensor.shape:
             raise CheckpointError(
@@ -107,6 +116,18 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
     return model
 
 
+def linear_weights(model: nn.Module) -> dict[str, nn.Linear]:
+    """parameter name -> Linear, for every Linear weight not tied to an embedding."""
+    tied = {id(p) for name, p in model.named_parameters() if "embed" in name}
+    return {f"{n}.weight": m for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and id(m.weight) not in tied}
+
+
+def set_param(model: nn.Module, name: str, value: nn.Parameter | None) -> None:
+    module, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(module), attr, value)
+
+
 def is_embedding(model: nn.Module, param_name: str) -> bool:
     return isinstance(model.get_submodule(param_name.rpartition(".")[0]), nn.Embedding)
 
@@ -117,8 +138,6 @@ def swap_linear(model: nn.Module, param_name: str, model_dir) -> QuantizedLinear
     parent_path, _, child = path.rpartition(".")
     parent = model.get_submodule(parent_path)
     linear = getattr(parent, child, None)
-    if isinstance(linear, QuantizedLinear):  # q_proj swapped qkv_proj already
-        return linear
     if attr != "weight" or not isinstance(linear, nn.Linear):
         raise CheckpointError(f"{model_dir}: a quantized tensor for '{param_name}', which is not a linear layer's "
                               "weight (quantized mixture-of-experts checkpoints are not supported)")
