@@ -39,7 +39,8 @@ class QuantSpec:
     zero_plus_one: bool = True  # GPTQ v1 stores zero points minus one (vLLM and transformers add it back)
     block: tuple[int, int] | None = None  # FP8 block-wise: (rows, cols) per scale
     activations: str | None = None  # what the checkpoint asks of activations (we run weight-only)
-    ignore: tuple[str, ...] = ()  # modules the checkpoint keeps in float
+    # Which linears are quantized (modules_to_not_convert, compressed-tensors' ignore) is
+    # read from the tensors themselves (engine/quant/reader.py): the rest load as float.
 
     def describe(self) -> str:
         if self.method in ("gptq", "awq"):
@@ -91,8 +92,7 @@ def _fp8(qc: dict, source: str) -> QuantSpec:
         raise _refuse(source, f"fp8 fmt {fmt!r} (only e4m3 weights)")
     scheme = qc.get("activation_scheme", "dynamic")
     return QuantSpec("fp8", "fp8-block", bits=8, block=(block[0], block[1]),
-                     activations=f"fp8 {scheme}" if scheme else None,
-                     ignore=tuple(qc.get("modules_to_not_convert") or ()))
+                     activations=f"fp8 {scheme}" if scheme else None)
 
 
 def _int4(qc: dict, method: str, source: str) -> QuantSpec:
@@ -108,14 +108,12 @@ def _int4(qc: dict, method: str, source: str) -> QuantSpec:
             raise _refuse(source, f"awq version {version!r} (only the GEMM packing)")
         if not qc.get("zero_point", True):
             raise _refuse(source, "awq with zero_point false")
-        return QuantSpec("awq", "awq", bits=4, group_size=group, symmetric=False,
-                         ignore=tuple(qc.get("modules_to_not_convert") or ()))
+        return QuantSpec("awq", "awq", bits=4, group_size=group, symmetric=False)
     fmt = qc.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise _refuse(source, f"gptq checkpoint_format {fmt!r}")
     return QuantSpec("gptq", "gptq", bits=4, group_size=group, symmetric=bool(qc.get("sym", True)),
-                     desc_act=bool(qc.get("desc_act", False)), zero_plus_one=fmt == "gptq",
-                     ignore=tuple(qc.get("modules_to_not_convert") or ()))
+                     desc_act=bool(qc.get("desc_act", False)), zero_plus_one=fmt == "gptq")
 
 
 def _compressed_tensors(qc: dict, source: str) -> QuantSpec:
@@ -137,12 +135,11 @@ def _compressed_tensors(qc: dict, source: str) -> QuantSpec:
         raise _refuse(source, f"compressed-tensors actorder {w.get('actorder')!r}")
     act = scheme.get("input_activations")
     activations = f"{act.get('type')}{act.get('num_bits')} {act.get('strategy')}" if act else None
-    ignore = tuple(qc.get("ignore") or ())
     if fmt == "float-quantized":
         if kind != "float" or bits != 8 or strategy not in ("tensor", "channel", "block"):
             raise _refuse(source, f"compressed-tensors float-quantized {kind}{bits} {strategy}")
         block = tuple(w.get("block_structure") or ()) or None
-        return QuantSpec("compressed-tensors", fmt, bits=8, block=block, activations=activations, ignore=ignore)
+        return QuantSpec("compressed-tensors", fmt, bits=8, block=block, activations=activations)
     fmt = "naive-quantized" if fmt == "int-quantized" else fmt  # int-quantized: the same int8 tensors (W8A8)
     want_bits = (4, 8) if fmt == "pack-quantized" else (8,)
     if kind != "int" or bits not in want_bits or strategy not in ("channel", "group"):
@@ -150,7 +147,7 @@ def _compressed_tensors(qc: dict, source: str) -> QuantSpec:
                               ", channel or group)")
     group = int(w.get("group_size") or -1) if strategy == "group" else -1
     return QuantSpec("compressed-tensors", fmt, bits=bits, group_size=group, symmetric=bool(w.get("symmetric", True)),
-                     activations=activations, ignore=ignore)
+                     activations=activations)
 
 
 # ---- what the tensors say, checked against the config (header names and dtypes only) ----------
