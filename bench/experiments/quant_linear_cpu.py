@@ -1,11 +1,14 @@
 """Weight-only quantized linears on CPU (kernels/quant_native.py) against float32
 `F.linear`: time per call and effective GB/s of weight bytes (what a call must read: codes,
 scales, offsets; float32 weights for F.linear), at SmolLM2-135M's shapes and 4096 x 4096, for
-decode (M = 1, 8) and prefill (M = 32, 256) row counts; then the gemv / dequantise-then-GEMM
-crossover that sets quant_native.GEMV_MAX_ROWS, and the bytes one SmolLM2 decode step reads.
+decode (M = 1, 8) and prefill (M = 32, 256, and 1,024 for two shapes) row counts; and the
+bytes one SmolLM2 decode step reads.
 
-Each figure is the median over --repeats rounds, the formats interleaved within a round, so
-machine drift (the machine may be shared: the load average is recorded) falls on all alike.
+Each call takes the next of several copies of its weight, together larger than the L3 cache,
+as a model's decode step does (SmolLM2's float32 weights are 538 MB): no figure is a weight
+warm in the caches. Each figure is the median over --repeats rounds, the formats interleaved
+within a round, so machine drift (the machine may be shared: the load average is recorded)
+falls on all alike.
 
     python -m bench.experiments.quant_linear_cpu [--repeats 7] [--threads 1]
 """
@@ -27,7 +30,9 @@ from splitserve.kernels.quant_weight import FP8, QuantizedWeight
 SHAPES = {"smollm2 qkv 576->960": (960, 576), "smollm2 up 576->1536": (1536, 576),
           "smollm2 down 1536->576": (576, 1536), "4096x4096": (4096, 4096)}
 ROWS = (1, 8, 32, 256)
-CROSSOVER_ROWS = (16, 32, 48, 64, 96, 128)
+LARGE_ROWS = {"smollm2 up 576->1536": 1024, "4096x4096": 1024}
+ROTATION_BYTES = 128 << 20  # float32 copies of each weight to cycle through: 4x this machine's L3
+FORMATS = ("float32", "int8", "fp8", "int4 g128", "int4 g32+offsets")
 # SmolLM2-135M: 30 layers of q, k, v, o (9 heads, 3 kv heads, head_dim 64), gate, up, down; tied lm_head
 SMOLLM2_LINEARS = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 SMOLLM2_LAYERS, SMOLLM2_VOCAB, SMOLLM2_HIDDEN = 30, 49152, 576
@@ -59,51 +64,32 @@ def timed(fn, min_seconds: float = 0.02) -> float:
     return elapsed / calls
 
 
-def linear_table(repeats: int) -> list[dict]:
-    rows_out = []
-    for shape, (n, k) in SHAPES.items():
-        weights = {"float32": torch.randn(n, k)}
-        weights.update({fmt: quantized(n, k, fmt) for fmt in ("int8", "fp8", "int4 g128", "int4 g32+offsets")})
-        for m in ROWS:
-            x = torch.randn(m, k)
-            calls = {fmt: (lambda w=w, x=x: F.linear(x, w)) if fmt == "float32" else
-                     (lambda w=w, x=x: quant_native.quantized_linear(x, w)) for fmt, w in weights.items()}
-            seconds: dict[str, list[float]] = {fmt: [] for fmt in calls}
-            for r in range(repeats):
-                order = list(calls)[r % len(calls):] + list(calls)[:r % len(calls)]
-                for fmt in order:
-                    seconds[fmt].append(timed(calls[fmt]))
-            for fmt, w in weights.items():
-                s = statistics.median(seconds[fmt])
-                nbytes = w.numel() * 4 if fmt == "float32" else w.nbytes
-                rows_out.append({"shape": shape, "m": m, "format": fmt, "ms": round(s * 1e3, 4),
-                                 "weight_bytes": nbytes, "gb_per_s": round(nbytes / s / 1e9, 2),
-                                 "vs_float32": round(statistics.median(seconds["float32"]) / s, 2)})
-                print(f"{shape:24} M={m:<4} {fmt:17} {s * 1e3:9.3f} ms {nbytes / s / 1e9:7.2f} GB/s "
-                      f"{rows_out[-1]['vs_float32']:5.2f}x float32", flush=True)
-    return rows_out
+def measure(shape: str, n: int, k: int, rows: list[int], repeats: int) -> list[dict]:
+    copies = max(1, ROTATION_BYTES // (n * k * 4))
+    weights = {fmt: [torch.randn(n, k) if fmt == "float32" else quantized(n, k, fmt) for _ in range(copies)]
+               for fmt in FORMATS}
+    found = []
+    for m in rows:
+        x = torch.randn(m, k)
+        turn = iter(range(1 << 62))
 
+        def call(fmt: str, x=x, turn=turn):
+            w = weights[fmt][next(turn) % copies]
+            return F.linear(x, w) if fmt == "float32" else quant_native.quantized_linear(x, w)
 
-def crossover(repeats: int) -> list[dict]:
-    """The gemv against dequantise-then-GEMM, int4 g128/g64, forced either way."""
-    found, saved = [], quant_native.GEMV_MAX_ROWS
-    try:
-        for shape in ("smollm2 up 576->1536", "4096x4096"):
-            n, k = SHAPES[shape]
-            w = quantized(n, k, "int4 g128")
-            for m in CROSSOVER_ROWS:
-                x = torch.randn(m, k)
-                times: dict[str, list[float]] = {"gemv": [], "tiled": []}
-                for _ in range(repeats):
-                    for path, limit in (("gemv", 10**9), ("tiled", 0)):
-                        quant_native.GEMV_MAX_ROWS = limit
-                        times[path].append(timed(lambda x=x, w=w: quant_native.quantized_linear(x, w)))
-                gemv, tiled = (statistics.median(times[p]) * 1e3 for p in ("gemv", "tiled"))
-                found.append({"shape": shape, "m": m, "gemv_ms": round(gemv, 3), "tiled_ms": round(tiled, 3)})
-                print(f"crossover {shape:24} M={m:<4} gemv {gemv:8.3f} ms, dequantise + GEMM {tiled:8.3f} ms",
-                      flush=True)
-    finally:
-        quant_native.GEMV_MAX_ROWS = saved
+        seconds: dict[str, list[float]] = {fmt: [] for fmt in FORMATS}
+        for r in range(repeats):
+            for fmt in FORMATS[r % len(FORMATS):] + FORMATS[:r % len(FORMATS)]:
+                seconds[fmt].append(timed(lambda fmt=fmt: call(fmt)))
+        float32 = statistics.median(seconds["float32"])
+        for fmt in FORMATS:
+            s = statistics.median(seconds[fmt])
+            w = weights[fmt][0]
+            nbytes = w.numel() * 4 if fmt == "float32" else w.nbytes
+            found.append({"shape": shape, "m": m, "format": fmt, "ms": round(s * 1e3, 4), "weight_bytes": nbytes,
+                          "gb_per_s": round(nbytes / s / 1e9, 2), "vs_float32": round(float32 / s, 2)})
+            print(f"{shape:24} M={m:<5} {fmt:17} {s * 1e3:9.3f} ms {nbytes / s / 1e9:7.2f} GB/s "
+                  f"{float32 / s:5.2f}x float32", flush=True)
     return found
 
 
@@ -138,8 +124,10 @@ def main() -> None:
                            f"--threads {ns.threads}",
                 "machine": "2 shared CPU cores (AVX-512), other engineers' tests running",
                 "cpu_march": cpu_native.MARCH, "threads": ns.threads, "repeats": ns.repeats,
-                "gemv_max_rows": quant_native.GEMV_MAX_ROWS, "load_average_before": before,
-                "linears": linear_table(ns.repeats), "crossover": crossover(ns.repeats),
+                "rotation_bytes": ROTATION_BYTES, "load_average_before": before,
+                "linears": [row for shape, (n, k) in SHAPES.items() for row in measure(shape, n, k, ROWS, ns.repeats)],
+                "large_m": [row for shape, m in LARGE_ROWS.items()
+                            for row in measure(shape, *SHAPES[shape], [m], max(3, ns.repeats // 2))],
                 "smollm2_decode_step_weight_bytes": smollm2_step_bytes(), "load_average_after": load_average()}
     for fmt, nbytes in document["smollm2_decode_step_weight_bytes"].items():
         print(f"SmolLM2-135M decode step reads {nbytes / 1e6:7.1f} MB of weights in {fmt}")

@@ -59,7 +59,6 @@ SIGNATURES = {  # C entry point -> argument types (all return int: 0 or an ERROR
                                 _I, _I64, _I, _I64, _I64, _I64, _F, _F],
     "splitserve_act_and_mul": [_I, _P, _I64, _P, _I, _I, _I],
     "splitserve_quant_gemv": [_P, _I, _I, _P, _I, _P, _P, _I, _P, _P, _I, _I, _I],  # quant_native.py
-    "splitserve_quant_dequantize": [_P, _I, _P, _P, _I, _I, _P, _I, _I],
 }
 
 _lock = threading.Lock()

@@ -3,22 +3,22 @@
 //     w[n, k] = code[n, k] * scale[n, k / group] + offset[n, k / group].
 // Built with the other kernels into one library by cpu_native.py; called by quant_native.py.
 //
-// Two entry points:
-//  - splitserve_quant_gemv, for decode (a few rows of x): each weight row's codes are read
-//    once, dequantised in registers 16 at a time and multiplied into all rows of x. This is
-//    where weight-only quantization pays: a decode step reads 1/8 (4 bits) to 1/4 (8 bits)
-//    of the float32 weight bytes.
-//  - splitserve_quant_dequantize, for prefill (many rows): a tile of weight rows as float32,
-//    which the caller hands to torch's GEMM; the dequantising costs one pass over the tile
-//    against M multiply-adds per weight, so it fades as M grows.
+// One entry point, splitserve_quant_gemv, for every number of rows of x: each weight row's codes
+// are read once per block of x rows, dequantised in registers 16 at a time and multiplied into
+// up to 8 rows of x held against 1 or 2 weight rows (the accumulators fill the registers). For
+// decode (a few rows) this is where weight-only quantization pays: a step reads 1/8 (4 bits) to
+// 1/4 (8 bits) of the float32 weight bytes. For prefill, dequantising tiles into torch's GEMM
+// (MKL) was built and measured slower at every M from 16 to 4,096 on this project's AVX-512
+// machine (bench/results/quant_linear_cpu_tiled_path.json), so it was removed.
 //
-// Both walk K in chunks of 16 codes. Byte codes (bits 5..8, fp8) are 16 consecutive
+// The gemv walks K in chunks of 16 codes. Byte codes (bits 5..8, fp8) are 16 consecutive
 // columns; packed 4-bit codes are 8 bytes whose low nibbles (the even columns) come first and
 // high nibbles (the odd columns) second, and the caller orders x's columns the same way
 // (any order is fine for a dot product). Groups are a multiple of 16 columns, so a chunk never
 // straddles two. FP8 e4m3 codes become float16 bit patterns ((b & 0x7f) << 7, the sign on top),
 // worth 2^-8 of the code, which the hardware converts exactly (subnormals included); the 2^8
 // goes into the scale. Sums are float32.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -47,7 +47,6 @@ struct Vec {
     static Vec set1(float s) { return {_mm512_set1_ps(s)}; }
     static Vec from_bytes(__m128i b) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))}; }
     static Vec from_halves(__m256i h) { return {_mm512_cvtph_ps(h)}; }
-    void store(float* p) const { _mm512_storeu_ps(p, v); }
     float sum() const { return _mm512_reduce_add_ps(v); }
 };
 inline Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
@@ -65,7 +64,6 @@ struct Vec {
     static Vec from_halves(__m256i h) {
         return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
     }
-    void store(float* p) const { _mm256_storeu_ps(p, a); _mm256_storeu_ps(p + 8, b); }
     float sum() const {
         __m256 s = _mm256_add_ps(a, b);
         __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
@@ -135,24 +133,6 @@ void gemv_rows(const float* x, int K, const uint8_t* codes, const float* scales,
     }
 }
 
-// Weight rows [n_first, n_end) as float32, 16 codes at a time in the chunk column order.
-template <int BITS>
-void dequantize(const uint8_t* codes, const float* scales, const float* offsets, int group, int K, float* out,
-                int n_first, int n_end) {
-    const int64_t row_bytes = BITS == 4 ? K / 2 : K;
-    const int groups = K / group, chunks_per_group = group / 16;
-    const float scale_factor = BITS == kFp8 ? 256.f : 1.f;
-    for (int n = n_first; n < n_end; n++) {
-        const uint8_t* row = codes + n * row_bytes;
-        float* o = out + int64_t(n - n_first) * K;
-        for (int g = 0; g < groups; g++) {
-            const Vec s = Vec::set1(scales[int64_t(n) * groups + g] * scale_factor);
-            const Vec z = Vec::set1(offsets ? offsets[int64_t(n) * groups + g] : 0.f);
-            for (int c = g * chunks_per_group; c < (g + 1) * chunks_per_group; c++)
-                fma(codes16<BITS>(row, c), s, z).store(o + 16 * c);
-        }
-    }
-}
 #else
 // Portable: one code at a time (other CPUs; the compiler vectorises what it can).
 // The 256 float values of fp8 e4m3fn codes (the scalar paths).
@@ -199,40 +179,32 @@ void gemv_rows(const float* x, int K, const uint8_t* codes, const float* scales,
         for (int r = 0; r < R; r++) out[int64_t(r) * N + n] = acc[r] + (bias ? bias[n] : 0.f);
     }
 }
-template <int BITS>
-void dequantize(const uint8_t* codes, const float* scales, const float* offsets, int group, int K, float* out,
-                int n_first, int n_end) {
-    const int64_t row_bytes = BITS == 4 ? K / 2 : K;
-    const int groups = K / group;
-    for (int n = n_first; n < n_end; n++) {
-        for (int k = 0; k < K; k++) {
-            const int64_t at = int64_t(n) * groups + k / group;
-            out[int64_t(n - n_first) * K + k] = code_at<BITS>(codes + n * row_bytes, k) * scales[at]
-                                                + (offsets ? offsets[at] : 0.f);
-        }
-    }
-}
 #endif
 
 template <int BITS>
 void gemv(const float* x, int M, int K, const uint8_t* codes, const float* scales, const float* offsets, int group,
           const float* bias, float* out, int N, int n_first, int n_end) {
-    // Weight rows in blocks small enough to stay in L1/L2 while every kMaxRows-row slice of x passes.
+    // Rows of x in blocks of about 256 KB, which stay in L2 while every weight row passes; weight
+    // rows in blocks of 16, which stay in L1 while every kMaxRows-row slice of the x block passes.
     constexpr int kRowBlock = 16;
-    for (int n0 = n_first; n0 < n_end; n0 += kRowBlock) {
-        const int n1 = n0 + kRowBlock < n_end ? n0 + kRowBlock : n_end;
-        for (int m = 0; m < M; m += kMaxRows) {
-            const float* xm = x + int64_t(m) * K;
-            float* om = out + int64_t(m) * N;
-            switch (M - m < kMaxRows ? M - m : kMaxRows) {
-                case 1: gemv_rows<BITS, 1, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
-                case 2: gemv_rows<BITS, 2, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
-                case 3: gemv_rows<BITS, 3, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
-                case 4: gemv_rows<BITS, 4, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
-                case 5: gemv_rows<BITS, 5, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
-                case 6: gemv_rows<BITS, 6, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
-                case 7: gemv_rows<BITS, 7, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
-                default: gemv_rows<BITS, 8, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+    const int x_block = std::max(kMaxRows, (256 * 1024 / (4 * K)) / kMaxRows * kMaxRows);
+    for (int m0 = 0; m0 < M; m0 += x_block) {
+        const int m1 = std::min(M, m0 + x_block);
+        for (int n0 = n_first; n0 < n_end; n0 += kRowBlock) {
+            const int n1 = std::min(n_end, n0 + kRowBlock);
+            for (int m = m0; m < m1; m += kMaxRows) {
+                const float* xm = x + int64_t(m) * K;
+                float* om = out + int64_t(m) * N;
+                switch (std::min(m1 - m, kMaxRows)) {
+                    case 1: gemv_rows<BITS, 1, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                    case 2: gemv_rows<BITS, 2, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                    case 3: gemv_rows<BITS, 3, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                    case 4: gemv_rows<BITS, 4, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                    case 5: gemv_rows<BITS, 5, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                    case 6: gemv_rows<BITS, 6, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                    case 7: gemv_rows<BITS, 7, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                    default: gemv_rows<BITS, 8, kWeightRows>(xm, K, codes, scales, offsets, group, bias, om, N, n0, n1); break;
+                }
             }
         }
     }
@@ -254,19 +226,6 @@ int splitserve_quant_gemv(const float* x, int M, int K, const uint8_t* codes, in
         case 5: case 6: case 7: case 8:
             gemv<8>(x, M, K, codes, scales, offsets, group, bias, out, N, n_first, n_end);
             return 0;
-        default: return 5;
-    }
-}
-
-// Weight rows [n_first, n_end) dequantised into out float32 [n_end - n_first, K], columns in the
-// chunk order (as the gemv's x). Returns 0, or 5 (bits or group unsupported).
-int splitserve_quant_dequantize(const uint8_t* codes, int bits, const float* scales, const float* offsets, int group,
-                                int K, float* out, int n_first, int n_end) {
-    if (group % 16 || K % group) return 5;
-    switch (bits) {
-        case 4: dequantize<4>(codes, scales, offsets, group, K, out, n_first, n_end); return 0;
-        case kFp8: dequantize<kFp8>(codes, scales, offsets, group, K, out, n_first, n_end); return 0;
-        case 5: case 6: case 7: case 8: dequantize<8>(codes, scales, offsets, group, K, out, n_first, n_end); return 0;
         default: return 5;
     }
 }

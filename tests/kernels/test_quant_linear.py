@@ -78,7 +78,7 @@ def x_rows(m: int, k: int, dtype, device="cpu", seed: int = 1) -> torch.Tensor:
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("bits", BITS)
 def test_native_matches_the_reference(bits, group, offsets, dtype):
-    """Every M of ROWS: 1..16 and 65 take the gemv, 300 the dequantised tiles into torch's GEMM."""
+    """Every M of ROWS: 300 rows span two of the kernel's x blocks where K is 384 (168 rows each)."""
     qw = make_weight(93, 384, bits, group, offsets=offsets and bits != FP8)  # 93: off the 2-row and 16-row blocks
     bias = torch.randn(93)
     assert quant_native.supports(x_rows(1, 384, dtype), qw)
