@@ -10,6 +10,7 @@ reference transformers runs)."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -103,7 +104,7 @@ def spec_awq(t, group=128):
     return ((unpack(qweight) - unpack(qzeros)[g]).float() * scales[g]).T.contiguous()
 
 
-def write_fp8_block(w, block=(128, 128)):
+def write_fp8_block(w, block=(128, 128), static=False):
     n, k = w.shape
     bn, bk = block
     rows, cols = -(-n // bn), -(-k // bk)
@@ -114,10 +115,11 @@ def write_fp8_block(w, block=(128, 128)):
             tile = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
             scale[i, j] = tile.abs().amax().clamp(min=1e-6) / 448
             codes[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (tile / scale[i, j]).to(torch.float8_e4m3fn)
-    return {"weight": codes, "weight_scale_inv": scale}
+    # static activation scales (W8A8 recipes): read, not used, as we run weight-only
+    return {"weight": codes, "weight_scale_inv": scale} | ({"input_scale": torch.tensor([0.02])} if static else {})
 
 
-def spec_fp8_block(t, block=(128, 128)):
+def spec_fp8_block(t, block=(128, 128), **_):
     codes, scale = t["weight"], t["weight_scale_inv"]
     n, k = codes.shape
     full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:n, :k]
@@ -216,7 +218,8 @@ def quant_config(layout: str, opts: dict) -> dict:
     if layout == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
     if layout == "fp8-block":
-        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static" if opts.get("static") else "dynamic",
+                "weight_block_size": [128, 128]}
     if layout == "ct-float":
         return ct_scheme("float-quantized", num_bits=8, type="float", strategy=opts.get("strategy", "channel"),
                          symmetric=True)[1]
@@ -248,7 +251,7 @@ def quantize_checkpoint(src: Path, out: Path, layout: str, **opts) -> tuple[Path
         if name.endswith(".weight") and module.rpartition(".")[2] in LINEARS:
             tensors = write(w.float(), **opts)
             quantized.update({f"{module}.{s}": t.contiguous() for s, t in tensors.items()})
-            reference[name] = spec(tensors, **opts) if layout.startswith(("ct-pack", "ct-int8")) else spec(tensors)
+            reference[name] = spec(tensors, **opts) if layout.startswith(("ct-pack", "ct-int8", "fp8")) else spec(tensors)
         else:
             quantized[name] = reference[name] = w
     save_file(quantized, str(qdir / "model.safetensors"), metadata={"format": "pt"})
@@ -268,6 +271,7 @@ CASES = {
     "gptq-channel-sym-act-order": ("gptq", {"group": -1, "act_order": True}),
     "awq-g128": ("awq", {}),
     "fp8-block-128": ("fp8-block", {}),
+    "fp8-block-128-static-activations": ("fp8-block", {"static": True}),
     "ct-float-channel": ("ct-float", {"strategy": "channel"}),
     "ct-float-tensor": ("ct-float", {"strategy": "tensor"}),
     "ct-pack-g128-asym": ("ct-pack", {}),
@@ -279,8 +283,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_reader_dequantizes_bit_equal_to_the_spec(make_ckpt, tmp_path, case):
+def test_reader_dequantizes_bit_equal_to_the_spec(make_ckpt, tmp_path, caplog, case):
     layout, opts = CASES[case]
+    caplog.set_level(logging.INFO, logger="splitserve.engine.quant.reader")
     # 320 rows and 192 columns are not multiples of 128: FP8 blocks are partial there
     shape = dict(hidden_size=192, intermediate_size=320) if layout.startswith(("fp8", "ct-float")) \
         else dict(hidden_size=256, intermediate_size=384)
@@ -298,3 +303,10 @@ def test_reader_dequantizes_bit_equal_to_the_spec(make_ckpt, tmp_path, case):
         else:
             assert torch.equal(value, reference[name]), name
     assert seen == 2 * len(LINEARS)
+    weight_only = [r.getMessage() for r in caplog.records if "weight-only" in r.getMessage()]
+    assert len(weight_only) == 1 and f": {spec.describe()}, 14 quantized linears;" in weight_only[0]
+    asks = {"fp8-block": f"fp8 {'static' if opts.get('static') else 'dynamic'}", "ct-int8": "int8 token"}
+    if layout in asks and (layout != "ct-int8" or opts.get("w8a8")):
+        assert f"the checkpoint's {asks[layout]} activation quantization is not applied" in weight_only[0]
+    else:
+        assert "not applied" not in weight_only[0]
