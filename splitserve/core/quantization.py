@@ -131,8 +131,10 @@ def _compressed_tensors(qc: dict, source: str) -> QuantSpec:
         raise _refuse(source, f"compressed-tensors targets {scheme.get('targets')!r} (only ['Linear'])")
     if w.get("dynamic"):
         raise _refuse(source, "compressed-tensors with dynamic weight quantization")
-    if w.get("actorder") not in (None, False):
-        raise _refuse(source, f"compressed-tensors actorder {w.get('actorder')!r}")
+    # actorder weight/static changes only the calibration; group (older releases) stores weight_g_idx
+    actorder = w.get("actorder") or None
+    if actorder not in (None, "weight", "static", "group") or (actorder == "group" and fmt != "pack-quantized"):
+        raise _refuse(source, f"compressed-tensors {fmt} with actorder {actorder!r}")
     act = scheme.get("input_activations")
     activations = f"{act.get('type')}{act.get('num_bits')} {act.get('strategy')}" if act else None
     if fmt == "float-quantized":
@@ -147,7 +149,7 @@ def _compressed_tensors(qc: dict, source: str) -> QuantSpec:
                               ", channel or group)")
     group = int(w.get("group_size") or -1) if strategy == "group" else -1
     return QuantSpec("compressed-tensors", fmt, bits=bits, group_size=group, symmetric=bool(w.get("symmetric", True)),
-                     activations=activations)
+                     desc_act=actorder == "group", activations=activations)
 
 
 # ---- what the tensors say, checked against the config (header names and dtypes only) ----------

@@ -45,8 +45,8 @@ REFUSED = {
                 "compressed-tensors pack-quantized int2 group (int4/8, channel or group) is not supported"),
     "ct-actorder": ({"quant_method": "compressed-tensors", "format": "pack-quantized",
                      "config_groups": {"g": {"targets": ["Linear"], "weights": {
-                         "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "actorder": "group"}}}},
-                    "compressed-tensors actorder 'group' is not supported"),
+                         "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "actorder": "dynamic"}}}},
+                    "compressed-tensors pack-quantized with actorder 'dynamic' is not supported"),
 }
 
 
@@ -67,6 +67,12 @@ def test_supported_settings_are_read():
     fp8 = quantization_from_config({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
                                                             "activation_scheme": "dynamic"}})
     assert fp8.block == (128, 128) and fp8.activations == "fp8 dynamic"
+    ct = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}
+    for actorder, desc_act in ((None, False), ("weight", False), ("static", False), ("group", True)):
+        ct["config_groups"]["g"]["weights"]["actorder"] = actorder
+        got = quantization_from_config({"quantization_config": ct})
+        assert (got.format, got.bits, got.group_size, got.desc_act) == ("pack-quantized", 4, 128, desc_act)
 
 
 def test_quantization_flag_must_match_the_checkpoint():

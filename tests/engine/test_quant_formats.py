@@ -151,7 +151,9 @@ def spec_ct_float(t):
     return t["weight"].float() * t["weight_scale"].float()
 
 
-def write_ct_pack(w, strategy="group", group=128, sym=False, bits=4):
+def write_ct_pack(w, strategy="group", group=128, sym=False, bits=4, actorder=False):
+    if actorder:  # the library no longer writes actorder 'group': byte by byte, as older releases have it
+        return write_ct_pack_actorder(w, group)
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization.utils import calculate_qparams
 
@@ -165,6 +167,15 @@ def write_ct_pack(w, strategy="group", group=128, sym=False, bits=4):
     return dict(PackedQuantizationCompressor.compress(state, scheme))
 
 
+def write_ct_pack_actorder(w, group):
+    n, k = w.shape
+    g_idx = (torch.arange(k) // group)[torch.randperm(k, generator=torch.Generator().manual_seed(1))]
+    q, s, z = int4_groups(w.T, g_idx, k // group, sym=False)  # unsigned codes and zero points: q + 8, z + 8
+    return {"weight_packed": pack_rows(q.T), "weight_scale": s.T.half().contiguous(),
+            "weight_zero_point": pack_rows(z).T.contiguous(), "weight_shape": torch.tensor([n, k]),
+            "weight_g_idx": g_idx.to(torch.int32)}
+
+
 def spec_ct_pack(t, bits=4, **_):
     packed, scale = t["weight_packed"].long(), t["weight_scale"].float()
     n, k = (int(v) for v in t["weight_shape"])
@@ -176,7 +187,8 @@ def spec_ct_pack(t, bits=4, **_):
     else:
         z = torch.zeros_like(scale, dtype=torch.int64)
     g = k // scale.shape[1]
-    return (q - z.repeat_interleave(g, 1)).float() * scale.repeat_interleave(g, 1)
+    col_group = t["weight_g_idx"].long() if "weight_g_idx" in t else torch.arange(k) // g
+    return (q - z[:, col_group]).float() * scale[:, col_group]
 
 
 def write_ct_int8(w, strategy="channel", sym=True, w8a8=False):
@@ -227,8 +239,11 @@ def quant_config(layout: str, opts: dict) -> dict:
         return ct_int8_scheme(opts.get("strategy", "channel"), opts.get("sym", True), opts.get("w8a8", False))[1]
     strategy = opts.get("strategy", "group")
     extra = {"group_size": opts.get("group", 128)} if strategy == "group" else {}
-    return ct_scheme("pack-quantized", num_bits=opts.get("bits", 4), type="int", strategy=strategy,
-                     symmetric=opts.get("sym", False), **extra)[1]
+    config = ct_scheme("pack-quantized", num_bits=opts.get("bits", 4), type="int", strategy=strategy,
+                       symmetric=opts.get("sym", False), **extra)[1]
+    if opts.get("actorder"):
+        config["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    return config
 
 
 WRITERS = {"gptq": (write_gptq, spec_gptq), "awq": (write_awq, spec_awq), "fp8-block": (write_fp8_block, spec_fp8_block),
@@ -277,6 +292,7 @@ CASES = {
     "ct-pack-g128-asym": ("ct-pack", {}),
     "ct-pack-channel-sym": ("ct-pack", {"strategy": "channel", "sym": True}),
     "ct-pack-8bit-g128-sym": ("ct-pack", {"bits": 8, "sym": True}),
+    "ct-pack-g128-actorder-group": ("ct-pack", {"actorder": True}),
     "ct-naive-int8-channel-asym": ("ct-int8", {"sym": False}),
     "ct-int8-w8a8": ("ct-int8", {"w8a8": True}),
 }
@@ -299,7 +315,8 @@ def test_reader_dequantizes_bit_equal_to_the_spec(make_ckpt, tmp_path, caplog, c
             got = value.dequantize()
             assert got.dtype == torch.float32 and torch.equal(got, reference[name]), name
             # act-order permutes the inputs when there are groups to sort them into
-            assert (value.input_perm is not None) == (opts.get("act_order", False) and opts.get("group") != -1)
+            want_perm = (opts.get("act_order") and opts.get("group") != -1) or opts.get("actorder", False)
+            assert (value.input_perm is not None) == want_perm, name
         else:
             assert torch.equal(value, reference[name]), name
     assert seen == 2 * len(LINEARS)

@@ -41,6 +41,7 @@ MODELS = {
     "ct-pack-g128-asym-llama": ("llama", BIG, "ct-pack", {}),
     "ct-pack-channel-sym-qwen2": ("qwen2", {}, "ct-pack", {"strategy": "channel", "sym": True}),
     "ct-pack-8bit-g128-llama": ("llama", BIG, "ct-pack", {"bits": 8, "sym": True}),
+    "ct-pack-g128-actorder-group-qwen2": ("qwen2", dict(intermediate_size=384), "ct-pack", {"actorder": True}),
     # a W8A8 checkpoint runs weight-only: int8 weights, activations in float
     "ct-int8-w8a8-llama": ("llama", {}, "ct-int8", {"w8a8": True}),
     "ct-naive-int8-asym-qwen3": ("qwen3", {}, "ct-int8", {"sym": False}),

@@ -7,13 +7,14 @@
                    the OUTPUT dim ([N * bits / 32, G]) and offset by 2^(bits-1) too
   naive-quantized  weight int8 [N, K], weight_scale [N, G], optional int8 weight_zero_point
 
-w = (q - zero) * scale. Channel strategy: G = 1."""
+w = (q - zero) * scale. Channel strategy: G = 1. Older W4A16 releases with actorder 'group'
+add weight_g_idx [K], the group of each input column (as GPTQ's g_idx)."""
 
 from __future__ import annotations
 
 import torch
 
-from splitserve.engine.quant.packing import integer_weight, unpack_int32
+from splitserve.engine.quant.packing import group_order, integer_weight, unpack_int32
 from splitserve.kernels.quant_weight import QuantizedWeight
 
 
@@ -24,7 +25,8 @@ def _group(k: int, scale: torch.Tensor, name: str) -> int:
     return k // groups
 
 
-def pack_quantized_weight(packed, scale, shape, zero_point, bits: int, name: str) -> QuantizedWeight:
+def pack_quantized_weight(packed, scale, shape, zero_point, bits: int, name: str, g_idx=None) -> QuantizedWeight:
+    """`g_idx` (actorder 'group'): the group of each input column, as GPTQ's."""
     n, k = (int(v) for v in shape.tolist())
     if bits not in (4, 8) or tuple(packed.shape) != (n, -(-k * bits // 32)) or scale.shape[0] != n:
         raise ValueError(f"{name}: weight_packed {tuple(packed.shape)} and weight_scale {tuple(scale.shape)} do "
@@ -35,7 +37,11 @@ def pack_quantized_weight(packed, scale, shape, zero_point, bits: int, name: str
         zeros = torch.full(tuple(scale.shape), float(offset))
     else:
         zeros = unpack_int32(zero_point, bits, dim=0)[:n].float()
-    return integer_weight(codes, scale, zeros, bits, _group(k, scale, name))
+    group = _group(k, scale, name)
+    perm = group_order(g_idx, k, group, name)
+    if perm is not None:
+        codes = codes[:, perm]
+    return integer_weight(codes, scale, zeros, bits, group, perm)
 
 
 def naive_quantized_weight(weight, scale, zero_point, name: str) -> QuantizedWeight:

@@ -13,9 +13,7 @@ that groups are contiguous, and the sort becomes QuantizedWeight.input_perm."""
 
 from __future__ import annotations
 
-import torch
-
-from splitserve.engine.quant.packing import integer_weight, unpack_int32
+from splitserve.engine.quant.packing import group_order, integer_weight, unpack_int32
 from splitserve.kernels.quant_weight import QuantizedWeight
 
 
@@ -30,11 +28,7 @@ def gptq_weight(qweight, qzeros, scales, g_idx, group_size: int, zero_plus_one: 
                          f"{tuple(scales.shape)} do not fit {k} inputs, {n} outputs, group_size {group_size}")
     codes = unpack_int32(qweight, 4, dim=0).T  # [N, K]
     zeros = unpack_int32(qzeros, 4, dim=1).T.float() + (1 if zero_plus_one else 0)  # [N, G]
-    perm = None
-    natural = torch.arange(k) // group_size
-    if g_idx is not None and not torch.equal(g_idx.long(), natural):
-        perm = torch.argsort(g_idx.long(), stable=True)
-        if not torch.equal(g_idx.long()[perm], natural):
-            raise ValueError(f"{name}: g_idx does not give every group exactly {group_size} columns")
+    perm = group_order(g_idx, k, group_size, name)
+    if perm is not None:
         codes = codes[:, perm]
     return integer_weight(codes, scales.T, zeros, 4, group_size, perm)

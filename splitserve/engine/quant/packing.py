@@ -27,6 +27,18 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
 
 
+def group_order(g_idx: torch.Tensor | None, k: int, group_size: int, name: str) -> torch.Tensor | None:
+    """The input permutation that makes act-order groups contiguous (a stable sort of g_idx,
+    the group of each input column), or None when they already are."""
+    natural = torch.arange(k) // group_size
+    if g_idx is None or torch.equal(g_idx.long(), natural):
+        return None
+    perm = torch.argsort(g_idx.long(), stable=True)
+    if not torch.equal(g_idx.long()[perm], natural):
+        raise ValueError(f"{name}: g_idx does not give every group exactly {group_size} columns")
+    return perm
+
+
 def integer_weight(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int,
                    input_perm: torch.Tensor | None = None) -> QuantizedWeight:
     """w = (code - zero) * scale per group, from unsigned codes [N, K] and per-group scales and

@@ -34,7 +34,8 @@ PARTS = {
     "naive-quantized": ("weight_scale", ("weight", "weight_scale", "weight_zero_point", "input_scale")),
     "gptq": ("qweight", ("qweight", "qzeros", "scales", "g_idx")),
     "awq": ("qweight", ("qweight", "qzeros", "scales")),
-    "pack-quantized": ("weight_packed", ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")),
+    "pack-quantized": ("weight_packed", ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point",
+                                         "weight_g_idx")),
 }
 REQUIRED = {"gptq": {"qweight", "qzeros", "scales"}, "awq": {"qweight", "qzeros", "scales"},
             "pack-quantized": {"weight_packed", "weight_scale", "weight_shape"}}
@@ -96,6 +97,8 @@ def convert(spec: QuantSpec, module: str, t: dict[str, torch.Tensor]) -> Quantiz
     if fmt == "awq":
         return awq_weight(t["qweight"], t["qzeros"], t["scales"], spec.group_size, module)
     if fmt == "pack-quantized":
+        if spec.desc_act and "weight_g_idx" not in t:
+            raise ValueError(f"{module}: actorder 'group' without weight_g_idx")
         return pack_quantized_weight(t["weight_packed"], t["weight_scale"], t["weight_shape"],
-                                     t.get("weight_zero_point"), spec.bits, module)
+                                     t.get("weight_zero_point"), spec.bits, module, t.get("weight_g_idx"))
     return naive_quantized_weight(t["weight"], t["weight_scale"], t.get("weight_zero_point"), module)
