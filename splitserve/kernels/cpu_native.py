@@ -1,5 +1,6 @@
-"""Native CPU kernels: cpu_decode_attention.cpp and cpu_prefill_attention.cpp (here) and
-cpu_fused_ops.cpp (cpu_fused.py), compiled together into one library for this machine on first use.
+"""Native CPU kernels: cpu_decode_attention.cpp and cpu_prefill_attention.cpp (here),
+cpu_fused_ops.cpp (cpu_fused.py) and cpu_quant_linear.cpp (quant_native.py), compiled together
+into one library for this machine on first use.
 
 Why compiled here and not shipped: `-march=native` is where the speed comes from (AVX-512 on
 a server, NEON on Arm), and a binary built for one CPU faults on an older one. The build is

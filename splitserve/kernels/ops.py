@@ -3,7 +3,8 @@
 Backend choice, in order: `set_backend()`, the SPLITSERVE_KERNELS environment
 variable (auto | triton | native | reference), then auto = Triton for CUDA tensors and
 native on CPU. Native is C++ for CPUs: decode and prefill attention (cpu_native.py) and the small
-per-layer ops (cpu_fused.py: RMSNorm, rotary + KV write, activation * up); the other ops,
+per-layer ops (cpu_fused.py: RMSNorm, rotary + KV write, activation * up) and weight-only
+quantized linears (quant_native.py); the other ops,
 and these where native cannot run (no compiler, a dtype it lacks), take the reference.
 Forcing `triton` on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter), which is
 how CI runs the kernels without a GPU.
