@@ -145,4 +145,6 @@ def engine_args(spec: InferenceSpec, role: RoleSpec) -> list[str]:
         args += ["--max-model-len", str(m.max_model_len)]
     if role.kv_cache_memory_gib:
         args += ["--kv-cache-memory", f"{role.kv_cache_memory_gib:g}"]
+    if spec.kv_cache_dtype != "auto":  # prefill and decode workers must agree: one field for both
+        args += ["--kv-cache-dtype", spec.kv_cache_dtype]
     return args

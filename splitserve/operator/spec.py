@@ -19,6 +19,10 @@ from .spec_fields import float_field, int_field, object_field
 from .spec_model import ModelSpec, SecretRef, parse_model, parse_secret_ref
 from .spec_pod import PodSettings, parse_pod_settings
 
+# engine/kv_cache.py's KV_CACHE_DTYPES, repeated: the operator never imports the engine (torch);
+# tests/operator/test_kv_cache_dtype.py keeps the two equal
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
 GROUP = "splitserve.io"
 VERSION = "v1alpha1"
 PLURAL = "inferencedeployments"
@@ -87,6 +91,7 @@ class InferenceSpec:
     decode: RoleSpec
     autoscaling: AutoscalingSpec
     block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_dtype: str = "auto"  # spec.engine.kvCacheDtype: every worker's --kv-cache-dtype
     kv_backend: str = "grpc"
     rdma_device: str = ""
     redis_url: str = ""  # empty and no redis_url_secret: the operator deploys an in-cluster Redis
@@ -204,12 +209,16 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
     block_size = int_field(spec, "blockSize", DEFAULT_BLOCK_SIZE, "spec", problems, minimum=1)
     if block_size & (block_size - 1) or block_size > 256:
         problems.append(f"spec.blockSize must be a power of two <= 256, got {block_size}")
+    kv_cache_dtype = str(object_field(spec, "engine", problems).get("kvCacheDtype", "auto"))
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        problems.append(f"spec.engine.kvCacheDtype must be auto, fp8 or fp8_e4m3, got {kv_cache_dtype!r}")
     if problems:
         raise SpecError(problems)
     return InferenceSpec(
         name=name, namespace=namespace, image=image,
         image_pull_policy=str(image_d.get("pullPolicy", "IfNotPresent")), model=model, router=router,
         prefill=prefill, decode=decode, autoscaling=autoscaling, block_size=block_size,
+        kv_cache_dtype=kv_cache_dtype,
         kv_backend=kv_backend, rdma_device=rdma_device, redis_url=redis_url, redis_url_secret=redis_url_secret,
         redis_image=str(redis.get("image", "redis:7.4-alpine")),
         service_monitor=bool(monitoring.get("serviceMonitor", False)),
