@@ -154,24 +154,67 @@ def _compressed_tensors(qc: dict, source: str) -> QuantSpec:
 
 # ---- what the tensors say, checked against the config (header names and dtypes only) ----------
 
-QUANT_SUFFIXES = (".qweight", ".qzeros", ".g_idx", ".weight_packed", ".weight_scale_inv", ".weight_scale",
-                  ".weight_zero_point", ".weight_shape", ".input_scale")
+# per format: (the suffix that marks a quantized linear, the suffixes it may have, those it must
+# have, and the safetensors dtype its marked tensor's codes come in)
+PARTS = {
+    "fp8-block": ("weight_scale_inv", ("weight", "weight_scale_inv", "input_scale"), ("weight", "weight_scale_inv")),
+    "float-quantized": ("weight_scale", ("weight", "weight_scale", "input_scale"), ("weight", "weight_scale")),
+    "naive-quantized": ("weight_scale", ("weight", "weight_scale", "weight_zero_point", "input_scale"),
+                        ("weight", "weight_scale")),
+    "gptq": ("qweight", ("qweight", "qzeros", "scales", "g_idx"), ("qweight", "qzeros", "scales")),
+    "awq": ("qweight", ("qweight", "qzeros", "scales"), ("qweight", "qzeros", "scales")),
+    "pack-quantized": ("weight_packed", ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point",
+                                         "weight_g_idx"), ("weight_packed", "weight_scale", "weight_shape")),
+}
+CODES = {"fp8-block": ("weight", "F8_E4M3"), "float-quantized": ("weight", "F8_E4M3"),
+         "naive-quantized": ("weight", "I8"), "gptq": ("qweight", "I32"), "awq": ("qweight", "I32"),
+         "pack-quantized": ("weight_packed", "I32")}
+
+
+def quantized_linears(spec: QuantSpec, headers: dict[str, dict], source: str) -> dict[str, set[str]]:
+    """module -> the suffixes of its tensors, for each quantized linear of a checkpoint whose
+    tensor headers are `headers`; CheckpointError (one line) for a linear missing a tensor,
+    or codes of another dtype than the format's."""
+    marker, allowed, required = PARTS[spec.format]
+    modules = {n.rsplit(".", 1)[0] for n in headers if n.endswith("." + marker)}
+    plan = {m: {s for s in allowed if f"{m}.{s}" in headers} for m in sorted(modules)}
+    codes, dtype = CODES[spec.format]
+    for module, have in plan.items():
+        missing = set(required) - have
+        if missing:
+            raise CheckpointError(f"{source}: quantized linear {module!r} lacks {sorted(missing)} ({spec.describe()})")
+        got = headers[f"{module}.{codes}"].get("dtype")
+        if got != dtype:
+            raise CheckpointError(f"{source}: {module}.{codes} is {got}; {spec.describe()} stores {dtype} there"
+                                  f"{' (e5m2 FP8 weights are not supported)' if got == 'F8_E5M2' else ''}")
+    return plan
+
+
+QUANT_SUFFIXES = tuple(sorted({f".{s}" for _, allowed, _ in PARTS.values() for s in allowed} - {".weight"}))
 
 
 def tensors_problem(spec: QuantSpec | None, headers: dict[str, dict], source: str) -> str | None:
     """One line when the tensors and the config disagree: quantized tensors in a float
-    checkpoint, or a quantization_config whose tensors are not there."""
+    checkpoint, a quantization_config whose tensors are not there, a quantized linear
+    missing a tensor or with codes of another dtype."""
     quantized = [n for n, info in headers.items()
                  if n.endswith(QUANT_SUFFIXES) or info.get("dtype") in ("F8_E4M3", "F8_E5M2")]
     if spec is None:
         if quantized:
-            return (f"{source}: holds quantized tensors (e.g. {quantized[0]!r}) but config.json has no "
+            return (f"{source}: holds quantized tensors (e.g. {sorted(quantized)[0]!r}) but config.json has no "
                     "quantization_config: an incomplete checkpoint (copy config.json from the quantized release)")
         return None
-    marker = {"fp8-block": ".weight_scale_inv", "gptq": ".qweight", "awq": ".qweight",
-              "float-quantized": ".weight_scale", "pack-quantized": ".weight_packed",
-              "naive-quantized": ".weight_scale"}[spec.format]
-    if not any(n.endswith(marker) for n in headers):
-        return (f"{source}: config.json says {spec.describe()}, but no tensor ends in {marker!r}: the weights "
+    marker = PARTS[spec.format][0]
+    if not any(n.endswith("." + marker) for n in headers):
+        return (f"{source}: config.json says {spec.describe()}, but no tensor ends in '.{marker}': the weights "
                 "are not in that format (a float checkpoint with a stray quantization_config?)")
+    try:
+        plan = quantized_linears(spec, headers, source)
+    except CheckpointError as exc:
+        return str(exc)
+    for name in sorted(quantized):
+        module = name.rsplit(".", 1)[0]
+        if module not in plan:
+            return (f"{source}: {name} ({headers[name].get('dtype')}) belongs to no quantized linear: there is no "
+                    f"{module}.{marker} ({spec.describe()})")
     return None

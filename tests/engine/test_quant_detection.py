@@ -12,10 +12,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from splitserve.core.model_config import CheckpointError
 from splitserve.core.model_dir import checkpoint_problem
 from splitserve.core.quantization import QuantSpec, quantization_from_config
+from splitserve.engine import LLM
 from tests.engine.test_quant_formats import quantize_checkpoint
 
 SUPPORTED = ("(supported: fp8 (block-wise), gptq and awq (4-bit), compressed-tensors (float-quantized, "
@@ -114,6 +116,38 @@ def test_tensors_and_config_must_agree(make_ckpt, tmp_path):
     assert checkpoint_problem(str(rdir)) == (
         f"{rdir}: config.json says gptq 4-bit, group 128, sym, act-order, but no tensor ends in '.qweight': the "
         "weights are not in that format (a float checkpoint with a stray quantization_config?)")
+
+
+def test_a_quantized_linear_missing_a_tensor_or_of_another_dtype_is_one_line(make_ckpt, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    qdir, _ = quantize_checkpoint(make_ckpt("llama", hidden_size=192, intermediate_size=320), tmp_path, "fp8-block")
+    path = qdir / "model.safetensors"
+    tensors = load_file(str(path))
+    scale = tensors.pop("model.layers.1.mlp.up_proj.weight_scale_inv")
+    save_file({"w": tensors["model.layers.1.mlp.up_proj.weight"]}, str(qdir.parent / "w.st"))
+    save_file(tensors, str(path))
+    assert checkpoint_problem(str(qdir)) == (
+        f"{qdir}: model.layers.1.mlp.up_proj.weight (F8_E4M3) belongs to no quantized linear: there is no "
+        "model.layers.1.mlp.up_proj.weight_scale_inv (fp8 block-wise 128x128)")
+    # the engine alone (no serve check first) refuses it too, instead of casting codes to float
+    with pytest.raises(CheckpointError, match="'model.layers.1.mlp.up_proj.weight' is torch.float8_e4m3fn, "
+                                              "quantized codes that no quantization_config describes"):
+        LLM(str(qdir), num_kv_blocks=16)
+    tensors["model.layers.1.mlp.up_proj.weight_scale_inv"] = scale
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(path))
+    assert checkpoint_problem(str(qdir)) == (
+        f"{qdir}: quantized linear 'model.layers.1.mlp.up_proj' lacks ['weight'] (fp8 block-wise 128x128)")
+    with pytest.raises(CheckpointError, match="quantized linear 'model.layers.1.mlp.up_proj' lacks \\['weight'\\]"):
+        LLM(str(qdir), num_kv_blocks=16)
+    tensors = load_file(str(path)) | {"model.layers.1.mlp.up_proj.weight": load_file(str(qdir.parent / "w.st"))["w"]}
+    tensors["model.layers.0.self_attn.o_proj.weight"] = tensors["model.layers.0.self_attn.o_proj.weight"].to(
+        torch.float8_e5m2)
+    save_file(tensors, str(path))
+    assert checkpoint_problem(str(qdir)) == (
+        f"{qdir}: model.layers.0.self_attn.o_proj.weight is F8_E5M2; fp8 block-wise 128x128 stores F8_E4M3 there "
+        "(e5m2 FP8 weights are not supported)")
 
 
 def test_a_quantized_mixture_of_experts_is_refused(make_ckpt, tmp_path):

@@ -68,6 +68,9 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
             continue
         param_name, index = target
         is_quantized = isinstance(tensor, QuantizedWeight)
+        if not is_quantized and (not tensor.is_floating_point() or tensor.element_size() == 1):
+            raise CheckpointError(f"{model_dir}: tensor '{name}' is {tensor.dtype}, quantized codes that no "
+                                  "quantization_config describes (or that lack their scales)")
         if param_name not in params and param_name not in quantized:
             raise CheckpointError(f"{model_dir}: unexpected tensor '{name}' for {cfg.architecture}")
         if is_quantized and param_name not in quantized and not is_embedding(model, param_name):

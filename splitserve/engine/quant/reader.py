@@ -18,6 +18,7 @@ import torch
 from splitserve.core.checkpoint_check import safetensors_header
 from splitserve.core.model_config import CheckpointError
 from splitserve.core.quantization import QuantSpec
+from splitserve.core.quantization import quantized_linears as core_quantized_linears
 from splitserve.engine.checkpoint import iter_weights, weight_files
 from splitserve.engine.quant.awq import awq_weight
 from splitserve.engine.quant.compressed import naive_quantized_weight, pack_quantized_weight
@@ -27,37 +28,15 @@ from splitserve.kernels.quant_weight import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
-# per format: (the suffix that marks a quantized linear, the suffixes it may have)
-PARTS = {
-    "fp8-block": ("weight_scale_inv", ("weight", "weight_scale_inv", "input_scale")),
-    "float-quantized": ("weight_scale", ("weight", "weight_scale", "input_scale")),
-    "naive-quantized": ("weight_scale", ("weight", "weight_scale", "weight_zero_point", "input_scale")),
-    "gptq": ("qweight", ("qweight", "qzeros", "scales", "g_idx")),
-    "awq": ("qweight", ("qweight", "qzeros", "scales")),
-    "pack-quantized": ("weight_packed", ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point",
-                                         "weight_g_idx")),
-}
-REQUIRED = {"gptq": {"qweight", "qzeros", "scales"}, "awq": {"qweight", "qzeros", "scales"},
-            "pack-quantized": {"weight_packed", "weight_scale", "weight_shape"}}
-
-
 def quantized_linears(model_dir: str | Path, spec: QuantSpec) -> dict[str, set[str]]:
     """module name -> the suffixes of its tensors in the checkpoint, for each quantized linear."""
-    marker, allowed = PARTS[spec.format]
-    names: set[str] = set()
+    headers: dict[str, dict] = {}
     for path in weight_files(model_dir):
         header, problem = safetensors_header(path)
         if problem:
             raise CheckpointError(problem)
-        names.update(header)
-    modules = {n.rsplit(".", 1)[0] for n in names if n.endswith("." + marker)}
-    plan = {m: {s for s in allowed if f"{m}.{s}" in names} for m in modules}
-    for module, have in plan.items():
-        missing = REQUIRED.get(spec.format, {allowed[0], allowed[1]}) - have
-        if missing:
-            raise CheckpointError(f"{model_dir}: quantized linear {module!r} lacks {sorted(missing)} "
-                                  f"({spec.describe()})")
-    return plan
+        headers.update(header)
+    return core_quantized_linears(spec, headers, str(model_dir))
 
 
 def iter_quantized_weights(model_dir: str | Path, spec: QuantSpec) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
