@@ -34,10 +34,7 @@ def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | 
     rows = x.reshape(-1, qw.in_features)
     if qw.input_perm is not None:
         rows = rows.index_select(1, qw.input_perm)  # once per call: the codes' column order
-    rows = rows.float()
-    if qw.bits == 4:  # each 16 columns as the kernels read packed nibbles: the 8 even, then the 8 odd
-        rows = rows.reshape(rows.shape[0], -1, 8, 2).transpose(2, 3).reshape(rows.shape[0], -1)
-    rows = rows.contiguous()
+    rows = rows.float().contiguous()
     if bias is not None:
         bias = bias.float().contiguous()
     m, k, n = rows.shape[0], qw.in_features, qw.out_features
