@@ -4,7 +4,8 @@ engine/quant/, converts the tensors it describes).
 
 Supported (weight-only on every device: activations stay in the model dtype):
   fp8                 block-wise FP8 (`weight_block_size`, float8_e4m3fn `weight` and
-                      `weight_scale_inv`, as Qwen3-FP8 and DeepSeek ship)
+                      `weight_scale_inv`, as Qwen3-FP8 and DeepSeek ship), or per-tensor
+                      `weight_scale` (AutoFP8 / vLLM-serialized, e.g. Llama-3 FP8 releases)
   gptq                4-bit, any group size or -1, sym or asym, with or without act-order
   awq                 4-bit GEMM packing with zero points
   compressed-tensors  float-quantized (FP8, per-tensor / per-channel / block scales),
@@ -24,7 +25,7 @@ from splitserve.core.model_config import CheckpointError
 METHODS = ("fp8", "gptq", "awq", "compressed-tensors")
 QUANTIZATION_CHOICES = METHODS + ("gguf",)  # --quantization; gguf: a .gguf model (core/gguf_model.py)
 CT_FORMATS = ("float-quantized", "pack-quantized", "naive-quantized", "int-quantized")
-SUPPORTED_LINE = ("supported: fp8 (block-wise), gptq and awq (4-bit), compressed-tensors "
+SUPPORTED_LINE = ("supported: fp8 (block-wise or per-tensor), gptq and awq (4-bit), compressed-tensors "
                   f"({', '.join(CT_FORMATS)})")
 
 
@@ -48,6 +49,8 @@ class QuantSpec:
                     f"{'sym' if self.symmetric else 'asym'}{', act-order' if self.desc_act else ''}")
         if self.format == "fp8-block":
             return f"fp8 block-wise {self.block[0]}x{self.block[1]}"
+        if self.method == "fp8":
+            return "fp8 per-tensor scales"
         if self.format == "float-quantized":
             return f"compressed-tensors float-quantized (fp8{', blocks' if self.block else ''})"
         return f"compressed-tensors {self.format} int{self.bits}, group {self.group_size}"
@@ -84,15 +87,20 @@ def quantization_from_config(raw: dict, source: str = "config.json", override: s
 
 
 def _fp8(qc: dict, source: str) -> QuantSpec:
+    """Block-wise with `weight_block_size` (weight_scale_inv); without it, AutoFP8's layout as
+    vLLM serializes it: one `weight_scale` per tensor (or per row)."""
     block = qc.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+    if block is not None and not (isinstance(block, list) and len(block) == 2
+                                  and all(isinstance(b, int) and b > 0 for b in block)):
         raise _refuse(source, f"fp8 with weight_block_size {block!r} (need [rows, cols], e.g. [128, 128])")
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise _refuse(source, f"fp8 fmt {fmt!r} (only e4m3 weights)")
     scheme = qc.get("activation_scheme", "dynamic")
-    return QuantSpec("fp8", "fp8-block", bits=8, block=(block[0], block[1]),
-                     activations=f"fp8 {scheme}" if scheme else None)
+    activations = f"fp8 {scheme}" if scheme else None
+    if block is None:
+        return QuantSpec("fp8", "float-quantized", bits=8, activations=activations)
+    return QuantSpec("fp8", "fp8-block", bits=8, block=(block[0], block[1]), activations=activations)
 
 
 def _int4(qc: dict, method: str, source: str) -> QuantSpec:

@@ -20,7 +20,7 @@ from splitserve.core.quantization import QuantSpec, quantization_from_config
 from splitserve.engine import LLM
 from tests.engine.test_quant_formats import quantize_checkpoint
 
-SUPPORTED = ("(supported: fp8 (block-wise), gptq and awq (4-bit), compressed-tensors (float-quantized, "
+SUPPORTED = ("(supported: fp8 (block-wise or per-tensor), gptq and awq (4-bit), compressed-tensors (float-quantized, "
              "pack-quantized, naive-quantized, int-quantized))")
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": True}
 
@@ -36,8 +36,10 @@ REFUSED = {
                  "awq version 'gemv' (only the GEMM packing) is not supported"),
     "awq-no-zero-point": ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False},
                           "awq with zero_point false is not supported"),
-    "fp8-per-tensor": ({"quant_method": "fp8", "activation_scheme": "static"},
-                       "fp8 with weight_block_size None (need [rows, cols], e.g. [128, 128]) is not supported"),
+    "fp8-odd-blocks": ({"quant_method": "fp8", "weight_block_size": [128]},
+                       "fp8 with weight_block_size [128] (need [rows, cols], e.g. [128, 128]) is not supported"),
+    "fp8-e5m2": ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]},
+                 "fp8 fmt 'e5m2' (only e4m3 weights) is not supported"),
     "ct-nvfp4": ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
                   "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float"}}}},
                  "compressed-tensors format 'nvfp4-pack-quantized' is not supported"),

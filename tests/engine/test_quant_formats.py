@@ -147,6 +147,13 @@ def write_ct_float(w, strategy="channel"):
     return dict(FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme))
 
 
+def write_fp8_tensor(w):
+    """AutoFP8 / vLLM-serialized FP8: one scale per tensor, and a static input scale."""
+    scale = (w.abs().amax() / 448).clamp(min=1e-6)
+    return {"weight": (w / scale).to(torch.float8_e4m3fn), "weight_scale": scale.reshape(()),
+            "input_scale": torch.tensor(0.02)}
+
+
 def spec_ct_float(t):
     return t["weight"].float() * t["weight_scale"].float()
 
@@ -229,6 +236,8 @@ def quant_config(layout: str, opts: dict) -> dict:
                 "desc_act": opts.get("act_order", False), "checkpoint_format": "gptq"}
     if layout == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+    if layout == "fp8-tensor":  # AutoFP8's layout: no weight_block_size
+        return {"quant_method": "fp8", "activation_scheme": "static"}
     if layout == "fp8-block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static" if opts.get("static") else "dynamic",
                 "weight_block_size": [128, 128]}
@@ -248,7 +257,7 @@ def quant_config(layout: str, opts: dict) -> dict:
 
 WRITERS = {"gptq": (write_gptq, spec_gptq), "awq": (write_awq, spec_awq), "fp8-block": (write_fp8_block, spec_fp8_block),
            "ct-float": (write_ct_float, spec_ct_float), "ct-pack": (write_ct_pack, spec_ct_pack),
-           "ct-int8": (write_ct_int8, spec_ct_int8)}
+           "ct-int8": (write_ct_int8, spec_ct_int8), "fp8-tensor": (write_fp8_tensor, spec_ct_float)}
 
 
 def quantize_checkpoint(src: Path, out: Path, layout: str, **opts) -> tuple[Path, Path]:
@@ -287,6 +296,7 @@ CASES = {
     "awq-g128": ("awq", {}),
     "fp8-block-128": ("fp8-block", {}),
     "fp8-block-128-static-activations": ("fp8-block", {"static": True}),
+    "fp8-per-tensor-autofp8": ("fp8-tensor", {}),
     "ct-float-channel": ("ct-float", {"strategy": "channel"}),
     "ct-float-tensor": ("ct-float", {"strategy": "tensor"}),
     "ct-pack-g128-asym": ("ct-pack", {}),
@@ -322,7 +332,8 @@ def test_reader_dequantizes_bit_equal_to_the_spec(make_ckpt, tmp_path, caplog, c
     assert seen == 2 * len(LINEARS)
     weight_only = [r.getMessage() for r in caplog.records if "weight-only" in r.getMessage()]
     assert len(weight_only) == 1 and f": {spec.describe()}, 14 quantized linears;" in weight_only[0]
-    asks = {"fp8-block": f"fp8 {'static' if opts.get('static') else 'dynamic'}", "ct-int8": "int8 token"}
+    asks = {"fp8-block": f"fp8 {'static' if opts.get('static') else 'dynamic'}", "ct-int8": "int8 token",
+            "fp8-tensor": "fp8 static"}
     if layout in asks and (layout != "ct-int8" or opts.get("w8a8")):
         assert f"the checkpoint's {asks[layout]} activation quantization is not applied" in weight_only[0]
     else:

@@ -34,6 +34,7 @@ MODELS = {
     "gptq-channel-qwen3": ("qwen3", dict(intermediate_size=384), "gptq", {"group": -1}),
     "awq-g128-llama": ("llama", BIG, "awq", {}),
     "fp8-block-llama": ("llama", ODD, "fp8-block", {}),
+    "fp8-per-tensor-llama": ("llama", {}, "fp8-tensor", {}),
     "fp8-block-qwen2": ("qwen2", dict(hidden_size=192, num_attention_heads=6, num_key_value_heads=2,
                                       intermediate_size=320), "fp8-block", {}),
     "ct-float-channel-qwen3": ("qwen3", {}, "ct-float", {"strategy": "channel"}),
