@@ -6,12 +6,15 @@ on the wire (the grpc sender's own byte counter for the same prompt), tokens per
     python -m bench.experiments.fp8_kv [MODEL_DIR]   # default ~/.cache/splitserve/smollm2-135m-instruct
 
 (bench/experiments/smollm2_checkpoint.py writes that checkpoint.) Results go to
-bench/results/fp8_kv.json. No timings: the numbers do not depend on the machine's load.
+bench/results/fp8_kv.json. Everything but the last part is exact: the one timing, native
+CPU decode attention over a float32 / bfloat16 / fp8 cache, depends on the machine's load
+(recorded).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -83,6 +86,34 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
             "common_prefix_per_prompt": prefixes, "mean_common_prefix": sum(prefixes) / len(prefixes)}
 
 
+def decode_attention_ms(repeats: int = 15) -> dict:
+    """Native CPU decode attention, one thread: 16 sequences x 2,048 tokens, SmolLM2's heads
+    (9 query / 3 KV of 64), over a float32, bfloat16 and fp8 cache; median ms of `repeats`."""
+    import time
+
+    import torch
+
+    from splitserve.kernels import cpu_native
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    seqs, ctx, block = 16, 2048, 16
+    tables = torch.randperm(seqs * ctx // block, generator=gen).view(seqs, -1).to(torch.int32)
+    lens = torch.full((seqs,), ctx, dtype=torch.int32)
+    out = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
+        cache = torch.randn(seqs * ctx // block, 2, block, 3, 64, generator=gen).to(dtype)
+        q = torch.randn(seqs, 9, 64, generator=gen).to(torch.bfloat16 if name == "bfloat16" else torch.float32)
+        times = []
+        for i in range(repeats + 3):
+            start = time.perf_counter()
+            cpu_native.paged_decode_attention(q, cache[:, 0], cache[:, 1], tables, lens, 0.125)
+            if i >= 3:
+                times.append(time.perf_counter() - start)
+        out[name] = round(sorted(times)[len(times) // 2] * 1e3, 3)
+    return out
+
+
 def main(model: str) -> dict:
     tok = Tokenizer(model)
     prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
@@ -110,6 +141,8 @@ def main(model: str) -> dict:
         "kv_transfer": [bytes_sent(model, dtype, kv, prompts[-1])
                         for dtype, kv in (("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "fp8"))],
     }
+    result["decode_attention_ms_one_thread"] = decode_attention_ms()
+    result["load_average_after"] = os.getloadavg()[0]
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     return result
 
@@ -120,3 +153,4 @@ if __name__ == "__main__":
     print(json.dumps({k: v for k, v in out["greedy"].items() if k != "first_divergence_texts"}, indent=2))
     for row in out["kv_transfer"]:
         print(row)
+    print("decode attention ms:", out["decode_attention_ms_one_thread"])
