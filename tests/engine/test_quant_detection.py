@@ -177,3 +177,20 @@ def test_serve_exits_2_with_one_line(make_ckpt, tmp_path, case):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and expected in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_the_flag_reaches_the_engine_and_is_checked_there(make_ckpt, tmp_path):
+    import argparse
+
+    from splitserve.engine.args import add_engine_args, engine_config_from_args
+
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    args = ap.parse_args(["--quantization", "awq"])
+    assert engine_config_from_args(args, "m", "m").quantization == "awq"
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--quantization", "bitsandbytes"])  # argparse lists the choices
+    qdir, _ = quantize_checkpoint(make_ckpt("llama", hidden_size=256, intermediate_size=384), tmp_path, "gptq")
+    with pytest.raises(CheckpointError, match="--quantization awq given, but the checkpoint is quantized with gptq"):
+        LLM(str(qdir), num_kv_blocks=16, quantization="awq")
+    assert LLM(str(qdir), num_kv_blocks=16, quantization="gptq").engine.config.quantization == "gptq"
