@@ -90,22 +90,15 @@ def prepare_gguf(gguf: Path) -> Path:
 
 def gguf_header_problem(gguf: Path) -> str | None:
     """Why `gguf` cannot be read (missing, not GGUF, truncated), or None; reads the header
-    and the tensor table only (memory-mapped)."""
-    if not gguf.is_file():
-        return f"{gguf}: GGUF file not found (the derived directory points at it; was it moved?)"
-    try:
-        with gguf.open("rb") as f:
-            magic = f.read(4)
-    except OSError as exc:
-        return f"{gguf}: cannot be read ({exc.strerror or exc})"
-    if magic != b"GGUF":
-        return f"{gguf}: not a GGUF file (it does not start with the GGUF magic bytes)"
-    try:
-        from gguf import GGUFReader
+    and the tensor table only (core/gguf_file.py)."""
+    from splitserve.core.gguf_file import read_gguf_header
 
-        GGUFReader(str(gguf))
-    except Exception as exc:  # the reader raises ValueError, IndexError, struct errors on a cut file
-        return f"{gguf}: not a readable GGUF file, truncated or garbled ({type(exc).__name__}: {exc})"
+    if not gguf.is_file():
+        return f"{gguf}: GGUF file not found"
+    try:
+        read_gguf_header(gguf)
+    except CheckpointError as exc:
+        return str(exc)
     return None
 
 
@@ -137,15 +130,13 @@ def gguf_checkpoint_problem(model: str, quantization: str | None = None) -> str 
 def gguf_tensors_problem(gguf: Path, vocab_size: int, hidden_size: int) -> str | None:
     """A tensor type this build cannot convert, or an embedding whose shape is not the
     config's, or None."""
-    from gguf import GGUFReader
+    from splitserve.core.gguf_file import read_gguf_header
 
-    for t in GGUFReader(str(gguf)).tensors:
-        kind = t.tensor_type.name
-        if kind not in FLOAT_TYPES + QUANT_TYPES:
-            return (f"{gguf}: tensor {t.name} is {kind}, which is not supported (supported: "
+    for t in read_gguf_header(gguf).tensors:
+        if t.type_name not in FLOAT_TYPES + QUANT_TYPES:
+            return (f"{gguf}: tensor {t.name} is {t.type_name}, which is not supported (supported: "
                     f"{', '.join(FLOAT_TYPES + QUANT_TYPES)})")
-        shape = [int(n) for n in reversed(t.shape)]  # GGUF lists dimensions innermost first
-        if t.name == "token_embd.weight" and shape != [vocab_size, hidden_size]:
-            return (f"{gguf}: token_embd.weight is {shape}, but its metadata says vocab_size {vocab_size} and "
-                    f"hidden_size {hidden_size}")
+        if t.name == "token_embd.weight" and list(t.shape) != [vocab_size, hidden_size]:
+            return (f"{gguf}: token_embd.weight is {list(t.shape)}, but its metadata says vocab_size {vocab_size} "
+                    f"and hidden_size {hidden_size}")
     return None

@@ -19,24 +19,22 @@ import sys
 import tempfile
 from pathlib import Path
 
+from splitserve.core.gguf_file import read_gguf_header
 from splitserve.core.gguf_model import SOURCE_FILE
 from splitserve.core.model_config import CheckpointError
 
-SUPPORTED = ("llama", "gemma3", "qwen2", "qwen3")  # GGUF architectures the weight reader maps
+SUPPORTED = ("llama", "gemma3")  # GGUF architectures whose tensors engine/gguf_weights.py maps (tested)
 
 
 def derive(gguf: Path, target: Path) -> Path:
     import transformers
-    from gguf import GGUFReader
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    reader = GGUFReader(str(gguf))
-    arch = reader.fields["general.architecture"].contents()
-    if arch not in SUPPORTED:
-        raise CheckpointError(f"{gguf}: GGUF architecture {arch!r} is not supported (supported: "
+    header = read_gguf_header(gguf)
+    if header.architecture not in SUPPORTED:
+        raise CheckpointError(f"{gguf}: GGUF architecture {header.architecture!r} is not supported (supported: "
                               f"{', '.join(SUPPORTED)})")
-    template = reader.fields.get("tokenizer.chat_template")
-    del reader
+    template = header.metadata.get("tokenizer.chat_template")
 
     config = transformers.AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
@@ -53,7 +51,7 @@ def derive(gguf: Path, target: Path) -> Path:
             (tmp / "chat_template.jinja").unlink(missing_ok=True)
             cfg_path = tmp / "tokenizer_config.json"
             cfg = json.loads(cfg_path.read_text())
-            cfg["chat_template"] = template.contents()
+            cfg["chat_template"] = template
             cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
         source = {"gguf": str(gguf), "size": gguf.stat().st_size}
         (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2))

@@ -1,5 +1,6 @@
 """A GGUF file's tensors as (Hugging Face name, tensor | QuantizedWeight), read memory-mapped
-with the `gguf` package, the way engine/checkpoint.py reads safetensors.
+(the tensor table by core/gguf_file.py, dequantisation of float types and the embedding by
+the `gguf` package), the way engine/checkpoint.py reads safetensors.
 
 What llama.cpp's converter did is undone here, as transformers' GGUF loader undoes it
 (transformers/modeling_gguf_pytorch_utils.py, the reference the tests compare against):
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from splitserve.core.gguf_file import read_gguf_header
 from splitserve.core.gguf_model import FLOAT_TYPES, QUANT_TYPES
 from splitserve.core.model_config import CheckpointError
 from splitserve.kernels.quant_weight import QuantizedWeight
@@ -145,36 +147,33 @@ def permute_rows(w: torch.Tensor | QuantizedWeight, perm: torch.Tensor):
 
 
 def iter_gguf_weights(path: str | Path, quantized: bool = True) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """(HF name, float32 tensor | QuantizedWeight) for every tensor of a GGUF file;
-    quantized=False dequantises QuantizedWeights to float32 tensors (what transformers
-    loads, and the way to serve a GGUF on a loader without quantized linears)."""
-    from gguf import GGUFReader, dequantize
+    """(HF name, float32 tensor | QuantizedWeight) for every tensor of a GGUF file, read
+    from a memory map; quantized=False dequantises QuantizedWeights to float32 tensors
+    (what transformers loads)."""
+    from gguf import GGMLQuantizationType, dequantize
 
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:  # ValueError, IndexError, struct errors on a cut or garbled file
-        raise CheckpointError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
-    arch = reader.fields["general.architecture"].contents()
-    heads = {n: reader.fields[f"{arch}.attention.{n}"].contents() for n in ("head_count", "head_count_kv")
-             if f"{arch}.attention.{n}" in reader.fields}
-    for t in reader.tensors:
-        kind, name = t.tensor_type.name, hf_name(t.name, arch)
+    header = read_gguf_header(path)  # core/gguf_file.py: why not gguf.GGUFReader
+    arch, meta = header.architecture, header.metadata
+    heads = meta.get(f"{arch}.attention.head_count")
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    for t in header.tensors:
+        kind, name = t.type_name, hf_name(t.name, arch)
         if name is None:
             raise CheckpointError(f"{path}: tensor {t.name} ({arch}) has no counterpart in this build's models")
         if kind not in FLOAT_TYPES + QUANT_TYPES:
             raise CheckpointError(f"{path}: tensor {t.name} is {kind}, which is not supported (supported: "
                                   f"{', '.join(FLOAT_TYPES + QUANT_TYPES)})")
-        shape = [int(n) for n in reversed(t.shape)]
-        if kind in FLOAT_TYPES or t.name == "token_embd.weight" or len(shape) != 2:
-            w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # a copy: not the mmap
-            w = w.reshape(shape)
+        raw = data[t.offset:t.offset + t.nbytes].reshape(t.shape[:-1] + (-1,))
+        if kind in FLOAT_TYPES or t.name == "token_embd.weight" or len(t.shape) != 2:
+            floats = dequantize(raw, GGMLQuantizationType[kind])  # F32 comes back as a view of the map: copy
+            w = torch.from_numpy(np.array(floats, dtype=np.float32)).reshape(t.shape)
         else:
-            w = quantized_weight(kind, t.data, shape[0], shape[1])
+            w = quantized_weight(kind, raw, *t.shape)
         if arch == "gemma3" and t.name.endswith("norm.weight"):
             w = w - 1
-        if arch == "llama" and t.name.endswith((".attn_q.weight", ".attn_k.weight")) and heads:
-            n = heads["head_count"] if ".attn_q." in t.name else heads.get("head_count_kv", heads["head_count"])
-            w = permute_rows(w, llama_row_permutation(shape[0], n))
+        if arch == "llama" and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
+            w = permute_rows(w, llama_row_permutation(t.shape[0], heads if ".attn_q." in t.name else kv_heads))
         if isinstance(w, QuantizedWeight) and not quantized:
             w = w.dequantize()
         yield name, w
