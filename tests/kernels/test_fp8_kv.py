@@ -213,3 +213,24 @@ def test_fp8_blocks_pack_and_unpack_byte_for_byte(device, impl):
     kernels.unpack_blocks(packed, dst, torch.tensor([0, 5, 2], device=device))
     assert torch.equal(dst[[0, 5, 2]].view(torch.uint8), src[[4, 1, 3]].view(torch.uint8))
     assert not dst[[1, 3, 4]].view(torch.uint8).any()
+
+
+def test_the_engine_over_fp8_kv_gives_the_same_tokens_with_triton(make_ckpt, device):
+    """Every op forced through Triton (interpreter here) against the torch reference, both
+    over an fp8 pool: a chunked prefill (24-token step budget) mixed with decode steps."""
+    from splitserve.engine import LLM, SamplingParams
+
+    path = str(make_ckpt("llama"))
+    prompts = [list(range(11, 51)), list(range(300, 309))]
+    tokens = {}
+    for backend in ("reference", "triton"):
+        ops.set_backend(backend)
+        try:
+            llm = LLM(path, num_kv_blocks=32, max_num_batched_tokens=24, device=str(device), cuda_graphs=False,
+                      kv_cache_dtype="fp8")
+            assert llm.engine.runner.kv_pool.data.dtype == FP8
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            tokens[backend] = [o.token_ids for o in outs]
+        finally:
+            ops.set_backend(None)
+    assert tokens["triton"] == tokens["reference"]
