@@ -35,6 +35,12 @@ OWN_BUDGETS = {
                                          "started in the background at collection, waited for here)"),
     "tests/e2e/test_model_families_serve.py": (400.0, "one `serve` per model family (7 checkpoints): a serve "
                                                       "holds one model, so nothing can be shared"),
+    "tests/e2e/test_real_models.py": (330.0, "two real models, one serve each (a serve holds one model); on a "
+                                              "cold cache transformers' reference (12 prompts x 64 tokens) and "
+                                              "both GGUFs' derived directories: 300 s once, 90 s after"),
+    "tests/engine/test_gguf_model.py": (200.0, "transformers reads Gemma 3's GGUF (262k-token vocabulary) for "
+                                               "config, tokenizer and tensors, the references compared against; "
+                                               "deriving both directories on a cold cache adds ~50 s"),
     "tests/security/test_fuzz_http.py": (400.0, "schemathesis and hypothesis against a whole stack; the "
                                                 "example counts are what the fuzzing is worth"),
 }
