@@ -1,7 +1,7 @@
 """Model URIs (an InferenceDeployment's `spec.model.source.uri`) and the download
 the operator's init container runs before a pod's main container starts:
 
-    splitserve fetch-model hf://ORG/NAME[@REVISION] DEST [--no-weights]
+    splitserve fetch-model hf://ORG/NAME[@REVISION] DEST [--no-weights | --file NAME.gguf]
 
 `huggingface_hub.snapshot_download` does the work (resumable, parallel, checks
 sizes and hashes, reads HF_TOKEN and HTTPS_PROXY from the environment); a repeated
@@ -22,8 +22,9 @@ HF_URI = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Z
                     r"(@(?P<revision>[A-Za-z0-9][-A-Za-z0-9_./]*))?$")
 URI_RULE = ("source.uri must be hf://ORG/NAME[@REVISION] when source.type is uri (s3:// is not supported: "
             "copy the model to a PVC with a Job of your own and use source.type pvc)")
-# The engine loads *.safetensors only: other weight formats a repository may also carry
-# (PyTorch .bin, the original consolidated checkpoints, GGUF, ...) are never downloaded.
+# The engine loads *.safetensors, or one named .gguf (--file): other weight formats a
+# repository may also carry (PyTorch .bin, the original consolidated checkpoints, GGUF
+# files not asked for, ...) are never downloaded.
 UNUSED_WEIGHTS = ["*.bin", "*.pt", "*.pth", "*.gguf", "*.h5", "*.msgpack", "*.onnx", "*.ot", "*.tflite",
                   "original/*"]
 WEIGHTS = ["*.safetensors"]
@@ -43,12 +44,15 @@ def parse_model_uri(uri: str) -> ModelUri:
     return ModelUri(m["repo"], m["revision"])
 
 
-def fetch_model(uri: str, dest: str, weights: bool = True) -> str:
+def fetch_model(uri: str, dest: str, weights: bool = True, file: str | None = None) -> str:
     """Download the repository snapshot into `dest` (config, tokenizer and, with
-    `weights`, the safetensors); returns `dest`."""
+    `weights`, the safetensors), or only `file` of it (a .gguf: config, tokenizer and
+    weights in one file, of the several quantizations a GGUF repository holds); returns `dest`."""
     from huggingface_hub import snapshot_download
 
     model = parse_model_uri(uri)
+    if file:
+        return snapshot_download(model.repo_id, revision=model.revision, local_dir=dest, allow_patterns=[file])
     ignore = UNUSED_WEIGHTS + ([] if weights else WEIGHTS)
     return snapshot_download(model.repo_id, revision=model.revision, local_dir=dest, ignore_patterns=ignore)
 
@@ -61,6 +65,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("dest", help="directory the snapshot is written to")
     ap.add_argument("--no-weights", action="store_true",
                     help="config and tokenizer only (the router and the Ray head never load weights)")
+    ap.add_argument("--file", help="only this file of the repository (a .gguf; the operator passes it when "
+                                   "spec.model.path ends in .gguf)")
     args = ap.parse_args(argv)
     try:
         parse_model_uri(args.uri)
@@ -69,7 +75,7 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     try:
-        path = fetch_model(args.uri, args.dest, weights=not args.no_weights)
+        path = fetch_model(args.uri, args.dest, weights=not args.no_weights, file=args.file)
     except Exception as exc:  # noqa: BLE001 - one line the pod's events and logs can show
         print(f"splitserve fetch-model: downloading {args.uri} failed: {type(exc).__name__}: {exc} "
               "(a gated or private repository needs a token: spec.model.source.tokenSecretRef)", file=sys.stderr)

@@ -10,6 +10,7 @@ which holds no GPU; everything else applies to it too.
 
 from __future__ import annotations
 
+import posixpath
 from copy import deepcopy
 
 from . import render_common as c
@@ -33,8 +34,12 @@ def with_pod_settings(container: dict, pod: PodSettings) -> dict:
 
 def fetch_model_container(spec: InferenceSpec, pod: PodSettings, weights: bool) -> dict:
     """`splitserve fetch-model` into /models/<path> (the model volume, writable only
-    here). `weights=False` for pods that only read config and tokenizer."""
+    here). `weights=False` for pods that only read config and tokenizer. A path ending in
+    .gguf names one file of the repository: only it is downloaded, into its directory."""
     m = spec.model
+    dest, extra = c.model_dir(spec), ([] if weights else ["--no-weights"])
+    if m.path.endswith(".gguf"):  # one file of the repository; it holds the tokenizer too, so every pod needs it
+        dest, extra = posixpath.dirname(dest), ["--file", posixpath.basename(m.path)]
     env = [{"name": "HOME", "value": "/tmp"}]
     if m.token_secret:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": m.token_secret.name,
