@@ -47,7 +47,7 @@ def fetch_model_container(spec: InferenceSpec, pod: PodSettings, weights: bool) 
     container = {
         "name": "fetch-model", "image": spec.image, "imagePullPolicy": spec.image_pull_policy,
         "command": ["splitserve"],
-        "args": ["fetch-model", m.uri, c.model_dir(spec), *([] if weights else ["--no-weights"])],
+        "args": ["fetch-model", m.uri, dest, *extra],
         "env": env, "resources": FETCH_RESOURCES, "securityContext": c.container_security_context(),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, {"name": "model", "mountPath": c.MODEL_MOUNT}],
     }
