@@ -39,6 +39,8 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
             print(problem, file=sys.stderr)
             raise SystemExit(2)
         gguf = find_gguf(model)
+        if getattr(args, "quantization", None) == "gguf":  # checked above; the file says how each tensor is stored
+            args.quantization = None  # (the engine's check reads config.json, which has no quantization_config)
         return str(prepare_gguf(gguf)), args.served_model_name or gguf.stem
     elif not os.path.isfile(os.path.join(model, "config.json")):
         raise SystemExit(f"{model}/config.json not found: --model must be a Hugging Face checkpoint directory "

@@ -110,6 +110,8 @@ def test_model_accepts_the_file_or_its_directory_and_names_it_after_the_file(tmp
     assert gguf_source(model) == gguf and (derived(gguf) / SOURCE_FILE).is_file()
     assert resolve_model(argparse.Namespace(model=str(gguf.parent), served_model_name="s")) == (model, "s")
     assert checkpoint_problem(str(gguf)) is None
+    insisted = argparse.Namespace(model=str(gguf), served_model_name=None, quantization="gguf")
+    assert resolve_model(insisted) == (model, served) and insisted.quantization is None  # the engine sees no flag
 
 
 def test_a_derived_directory_is_per_file_version(tmp_path):
