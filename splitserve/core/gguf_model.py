@@ -113,7 +113,7 @@ def gguf_checkpoint_problem(model: str, quantization: str | None = None) -> str 
     from splitserve.core.model_config import ModelConfig
 
     try:
-        gguf = find_gguf(model)
+        gguf = find_gguf(model) or gguf_source(model)
         if quantization not in (None, "gguf"):
             return f"{gguf}: --quantization {quantization} given, but the model is a GGUF file (drop the flag)"
         problem = gguf_header_problem(gguf)

@@ -62,9 +62,9 @@ def checkpoint_problem(model_dir: str, quantization: str | None = None) -> str |
     from splitserve.core.model_config import CheckpointError, ModelConfig
     from splitserve.core.quantization import quantization_from_config
 
-    if model_is_gguf(model_dir):
-        from splitserve.core.gguf_model import gguf_checkpoint_problem
+    from splitserve.core.gguf_model import gguf_checkpoint_problem, gguf_source
 
+    if model_is_gguf(model_dir) or gguf_source(model_dir) is not None:  # a .gguf, or its derived directory
         return gguf_checkpoint_problem(model_dir, quantization)
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         return f"{model_dir}/config.json not found: --model must be a Hugging Face checkpoint directory"

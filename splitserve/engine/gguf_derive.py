@@ -27,14 +27,14 @@ SUPPORTED = ("llama", "gemma3")  # GGUF architectures whose tensors engine/gguf_
 
 
 def derive(gguf: Path, target: Path) -> Path:
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     header = read_gguf_header(gguf)
     if header.architecture not in SUPPORTED:
         raise CheckpointError(f"{gguf}: GGUF architecture {header.architecture!r} is not supported (supported: "
                               f"{', '.join(SUPPORTED)})")
     template = header.metadata.get("tokenizer.chat_template")
+
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = transformers.AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]

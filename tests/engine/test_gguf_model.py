@@ -8,8 +8,10 @@ import argparse
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGUFWriter
 
 from splitserve.core.gguf_model import SOURCE_FILE, derived_dir, gguf_source
 from splitserve.core.model_config import ModelConfig
@@ -110,6 +112,7 @@ def test_model_accepts_the_file_or_its_directory_and_names_it_after_the_file(tmp
     assert gguf_source(model) == gguf and (derived(gguf) / SOURCE_FILE).is_file()
     assert resolve_model(argparse.Namespace(model=str(gguf.parent), served_model_name="s")) == (model, "s")
     assert checkpoint_problem(str(gguf)) is None
+    assert checkpoint_problem(model) is None  # the derived directory itself (what the workers are given)
     insisted = argparse.Namespace(model=str(gguf), served_model_name=None, quantization="gguf")
     assert resolve_model(insisted) == (model, served) and insisted.quantization is None  # the engine sees no flag
 
@@ -143,3 +146,23 @@ def test_broken_files_are_one_line(tmp_path):
         resolve_model(argparse.Namespace(model=str(fake), served_model_name=None))
     assert checkpoint_problem(str(smollm2_gguf()), "gptq") == (
         f"{smollm2_gguf()}: --quantization gptq given, but the model is a GGUF file (drop the flag)")
+    phi = tmp_path / "phi.gguf"
+    writer = GGUFWriter(str(phi), "phi3")
+    writer.add_tensor("output_norm.weight", np.ones(8, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert checkpoint_problem(str(phi)) == f"{phi}: GGUF architecture 'phi3' is not supported (supported: llama, gemma3)"
+
+
+def test_a_second_derivation_into_the_same_directory_leaves_the_first(tmp_path):
+    from splitserve.engine.gguf_derive import derive
+
+    target = tmp_path / "derived"
+    derive(smollm2_gguf(), target)
+    first = {p.name: p.read_bytes() for p in target.iterdir()}
+    derive(smollm2_gguf(), target)  # a concurrent worker finishing second: its rename fails, its copy is dropped
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == first and [p.name for p in tmp_path.iterdir()] == [
+        "derived"]
+    assert set(first) == {"config.json", "tokenizer.json", "tokenizer_config.json", SOURCE_FILE}
