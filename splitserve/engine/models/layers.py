@@ -59,7 +59,7 @@ class Attention(nn.Module):
         self.softcap = cfg.attn_softcap
         self.rope_kind = cfg.layer_types[layer]  # which rope table this layer reads
         # per-tensor scales of an fp8 KV cache (engine/kv_cache.py): 1.0 unless the checkpoint
-        # ships self_attn.k_scale / v_scale (the loader sets them)
+        # ships self_attn.k_scale / v_scale (engine/kv_scales.py; the model runner sets them)
         self.k_scale = self.v_scale = 1.0
         # q, k and v as one matmul; the loader fills the three row ranges.
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
