@@ -64,6 +64,8 @@ class KVCachePool:
                  scratch_blocks: int = 0):
         if num_blocks < 1:
             raise ValueError(f"KV pool needs at least one block, got num_blocks={num_blocks}")
+        if spec.dtype == FP8:
+            check_fp8_device(torch.device(device))
         self.spec = spec
         self.num_blocks = num_blocks
         self.num_scratch_blocks = scratch_blocks
@@ -101,6 +103,15 @@ class KVCachePool:
     def block_offset(self, block_id: int) -> int:
         """Byte offset of a block from the start of the pool (for one-sided writes)."""
         return block_id * self.spec.block_nbytes
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """The Triton kernels read and write e4m3 with the GPU's own conversions (Ada, Hopper and
+    later: compute capability 8.9+); older GPUs have none, so refuse at start, not mid-step."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"--kv-cache-dtype fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper), "
+                         f"{torch.cuda.get_device_name(device)} is {major}.{minor}: use --kv-cache-dtype auto")
 
 
 def num_blocks_for_memory(spec: KVCacheSpec, memory_bytes: int) -> int:
