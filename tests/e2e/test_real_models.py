@@ -1,6 +1,7 @@
 """Two real trained models served from the GGUF files their PyPI packages ship (issue 31;
-tests/helpers/real_models.py): `splitserve serve --model <file>.gguf`, one colocated serve
-per model for the module. Greedy, 64 tokens, 6 prompts each, token for token against
+tests/helpers/real_models.py): `splitserve serve --model <file>.gguf`, one serve per model
+for the module (SmolLM2 with a prefill and a decode worker, its chat prompts disaggregated;
+Gemma 3 colocated). Greedy, 64 tokens, 6 prompts each, token for token against
 transformers loading the same file (at least 5 of 6): SmolLM2-135M-Instruct through
 /v1/chat/completions with the chat template its GGUF carries, Gemma 3 270M base through
 /v1/completions. On SmolLM2: the capital of France is Paris; streaming, structured output
@@ -26,6 +27,7 @@ from tests.helpers.real_models import derived, gemma3_gguf, smollm2_gguf
 from tests.helpers.run_cache import cached_json
 
 MAX_TOKENS = 64
+DISAGG_MIN = 16  # uncached prompt tokens from which the router sends a prompt to the prefill worker
 CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
                 "Explain what a CPU does in two sentences.", "List three fruits that are red.",
                 "How do I reverse a list in Python?", "Translate 'good morning' into Spanish and French."]
@@ -36,22 +38,22 @@ WEATHER = {"type": "object", "additionalProperties": False, "required": ["city",
            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}}}
 
 
-def serve(gguf):
-    proc = SplitserveProcess("serve", ["--model", str(gguf), "--prefill-workers", "0", "--decode-workers", "1"],
-                             timeout=300)
+def serve(gguf, layout: list[str]):
+    proc = SplitserveProcess("serve", ["--model", str(gguf), *layout], timeout=300)
     yield proc
     proc.stop()
     assert proc.proc.returncode == 0, proc.log()[-3000:]
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    yield from serve(smollm2_gguf())
+def smollm2():  # disaggregated: every chat prompt of the token-exact test is prefilled remotely
+    yield from serve(smollm2_gguf(), ["--prefill-workers", "1", "--decode-workers", "1",
+                                      "--disagg-min-uncached-tokens", str(DISAGG_MIN)])
 
 
 @pytest.fixture(scope="module")
-def gemma3():
-    yield from serve(gemma3_gguf())
+def gemma3():  # colocated
+    yield from serve(gemma3_gguf(), ["--prefill-workers", "0", "--decode-workers", "1"])
 
 
 @cache
@@ -94,9 +96,12 @@ def token_texts(tok: Tokenizer, ids: list[int]) -> list[str]:
     return [tok.decode([i], skip_special_tokens=False) for i in ids]
 
 
-def post(proc, path: str, body: dict) -> dict:
+def post(proc, path: str, body: dict, workers: dict | None = None) -> dict:
+    """The response's JSON; `workers` gets who served it (X-Splitserve-Workers: decode, prefill)."""
     r = requests.post(proc.base_url + path, json={"model": proc_model(proc), **body}, timeout=300)
     assert r.status_code == 200, r.text
+    if workers is not None:
+        workers.update(part.split("=", 1) for part in r.headers["x-splitserve-workers"].split("; "))
     return r.json()
 
 
@@ -120,9 +125,11 @@ def test_smollm2_chat_is_token_exact_against_transformers(smollm2):
     want = [token_texts(tok, ids) for ids in reference(gguf, prompts)]
     served = []
     for text, ids in zip(CHAT_PROMPTS, prompts, strict=True):
+        who = {}
         out = post(smollm2, "/v1/chat/completions", {"messages": ask(text), "temperature": 0, "max_tokens": MAX_TOKENS,
-                                                     "ignore_eos": True, "logprobs": True})
+                                                     "ignore_eos": True, "logprobs": True}, who)
         assert out["usage"]["prompt_tokens"] == len(ids)  # the GGUF's template, tokenized as transformers does
+        assert who["prefill"].startswith("prefill-"), who  # KV computed by the prefill worker, moved to decode
         served.append([e["token"] for e in out["choices"][0]["logprobs"]["content"]])
     assert all(len(s) == MAX_TOKENS for s in served)
     print(f"SmolLM2 chat: {agreement(served, want)} of 6 prompts token-exact")
