@@ -34,6 +34,7 @@ from splitserve.core.cpus import (
     threads_per_worker,
 )
 from splitserve.core.model_dir import checkpoint_problem, demo_dir
+from splitserve.core.tracing import tracing_config, tracing_config_from_args
 from splitserve.decode_worker.prefill_timeout import add_prefill_timeout_arg
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.logs import configure_logging, keep_output_lines_whole
@@ -172,7 +173,8 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
     common = dict(bus_url=worker_bus, kv_backend=args.kv_backend, admin_port=0, security=security,
                   engine_stall_timeout_s=args.engine_stall_timeout,
                   engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
-                  engine_process=ENGINE_LOOPS[args.engine_loop])
+                  engine_process=ENGINE_LOOPS[args.engine_loop],
+                  tracing=tracing_config_from_args(args, "splitserve serve"))
     for i in range(args.decode_workers):
         cfg = DecodeWorkerConfig(pinned_engine(engine, pinned), worker_id=f"decode-{i}",
                                  prefill_timeout_s=args.prefill_timeout, **common)
@@ -280,6 +282,11 @@ def main(argv: list[str] | None = None) -> int:
         None if (demo_dir() / "config.json").is_file() else cache_dir_problem(demo_dir()))
     if problem:
         print(f"splitserve serve: {problem}", file=sys.stderr)
+        return 2
+    try:
+        tracing_config(args.otlp_traces_endpoint)
+    except ValueError as exc:
+        print(f"splitserve serve: {exc}", file=sys.stderr)
         return 2
     if args.redis_url and not args.redis_url.startswith(("redis://", "rediss://", "unix://")):
         print(f"splitserve serve: --redis-url {args.redis_url!r} must start with redis://", file=sys.stderr)

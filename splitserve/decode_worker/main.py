@@ -14,6 +14,7 @@ import torch
 
 from splitserve.core.cpus import available_cpus, threads_per_worker
 from splitserve.core.ports import ADMIN_PORT, DECODE_GRPC_PORT, DRAIN_PORT
+from splitserve.core.tracing import add_tracing_args, tracing_config_from_args
 from splitserve.decode_worker.prefill_timeout import add_prefill_timeout_arg
 from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     add_prefill_timeout_arg(ap)
     add_worker_health_args(ap)
     add_security_args(ap)
+    add_tracing_args(ap)
     args = ap.parse_args(argv)
     configure_logging()
     torch.set_num_threads(args.torch_threads or threads_per_worker(available_cpus()))
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                                 prefill_timeout_s=args.prefill_timeout,
                                 security=security_from_args(args), engine_stall_timeout_s=args.engine_stall_timeout,
                                  engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
-                                engine_process=ENGINE_LOOPS[args.engine_loop])
+                                engine_process=ENGINE_LOOPS[args.engine_loop],
+                                tracing=tracing_config_from_args(args, "splitserve decode-worker"))
     worker = DecodeWorker(config)
     return run_worker_process(
         worker, lambda: f"splitserve decode-worker: {worker.worker_id} serving gRPC on {worker.address}, KV receiver "

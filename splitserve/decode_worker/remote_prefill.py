@@ -15,6 +15,7 @@ import logging
 
 import grpc
 
+from splitserve.core import tracing
 from splitserve.engine.async_engine import EngineDeadError
 from splitserve.engine.llm_engine import RequestOutput
 from splitserve.proto.convert import logprob_from_proto, pb, sampling_to_proto
@@ -49,17 +50,22 @@ class RemotePrefill:
                                      timeout=self.config.prefill_timeout_s) if dest else None
         if lease is not None:
             self._leased.add(rid)  # its blocks are freed by _release_reservation, never by _abort
+        span = tracing.start("remote_prefill", self.trace_spans.get(rid), "client", {
+            "splitserve.prefill_worker": request.prefill_worker_id, "splitserve.kv.backend": self.config.kv_backend,
+            "splitserve.kv.blocks": len(dest), "splitserve.kv.skip_blocks": skip})
         try:
             reply = await PrefillWorkerStub(self._prefill_channel(request.prefill_address)).Prefill(
                 pb.PrefillRequest(
                     request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
                     kv_receiver_address=self.kv_address, kv_backend=self.config.kv_backend, skip_blocks=skip,
                     dest_block_ids=dest, timeout_s=self.config.prefill_timeout_s,
-                ), timeout=self.config.prefill_timeout_s, metadata=self.config.security.metadata)
+                ), timeout=self.config.prefill_timeout_s, metadata=tracing.inject(self.config.security.metadata, span))
             if lease is not None:
                 outcome = await asyncio.wrap_future(lease)
                 if not outcome.ok:
                     raise RuntimeError(f"KV transfer {outcome.reason}: {outcome.detail}")
+            span.set_attributes({"splitserve.kv.bytes": reply.kv_bytes, "splitserve.kv.seconds": reply.kv_seconds,
+                                 "splitserve.prefill_cached_tokens": reply.num_cached_tokens})
             lp = logprob_from_proto(reply.first_logprob) if reply.has_logprob else None
             first = await self.engine.complete_remote_prefill(rid, reply.first_token_id, lp)
             self._leased.discard(rid)  # the blocks belong to the running request now
@@ -76,12 +82,16 @@ class RemotePrefill:
                     request.prefill_worker_id, request.prefill_address, "refused" if refused else "failed", why,
                     self.worker_id)
             self.metrics.local_prefill_fallbacks.labels(worker=self.worker_id, reason=_reason(exc)).inc()
+            tracing.fail(span, exc)
             # Shielded: a client that leaves now must not skip the wait for the lease.
             await asyncio.shield(self._release_reservation(rid, lease, released, "remote prefill failed"))
             return None, why, 0
-        except BaseException:  # cancelled (client gone): free in the background, then go
+        except BaseException as exc:  # cancelled (client gone): free in the background, then go
+            tracing.fail(span, exc)
             loop.create_task(self._release_reservation(rid, lease, released, "the request was cancelled"))
             raise
+        finally:
+            span.end()
 
     async def _release_reservation(self, rid: str, lease, released: asyncio.Event, why: str) -> None:
         """Free a remote prefill's reserved blocks, once the receiver says no write can still

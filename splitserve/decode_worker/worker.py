@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from splitserve.core import tracing
 from splitserve.core.sampling_params import InvalidSamplingParams
 from splitserve.decode_worker.prefill_timeout import DEFAULT_PREFILL_TIMEOUT_S
 from splitserve.decode_worker.remote_prefill import RemotePrefill
@@ -157,6 +158,14 @@ class DecodeWorker(RemotePrefill, WorkerBase, DecodeWorkerServicer):
         fallback = ""
         prefill_cached = 0
         prefill_worker = self.worker_id
+        span = decode_span = tracing.start("decode_worker.generate", tracing.extract_grpc(context),
+                                           "server", {**tracing.request_attributes(self.config.engine.model_id,
+                                                                                   params, len(prompt)),
+                                                      "gen_ai.response.id": rid, "splitserve.worker": self.worker_id,
+                                                      "splitserve.resumed_tokens": len(resume)})
+        if tracing.enabled():
+            self.trace_spans[rid] = span
+        produced = 0
         try:
             first: RequestOutput | None = None
             if request.prefill_address and resume and params.seed is not None and not params.greedy:
@@ -197,6 +206,9 @@ class DecodeWorker(RemotePrefill, WorkerBase, DecodeWorkerServicer):
                     continue
                 chunk, held = held, pb.GenerateChunk()
                 chunk.finish_reason = out.finish_reason or ""
+                produced += len(chunk.token_ids)
+                if header and tracing.enabled():  # decode: from the first token to the finish
+                    decode_span = tracing.start("decode", span, attributes={"splitserve.worker": self.worker_id})
                 if header:
                     chunk.num_prompt_tokens = len(request.prompt_token_ids)
                     chunk.num_cached_tokens = out.num_cached_tokens
@@ -206,6 +218,10 @@ class DecodeWorker(RemotePrefill, WorkerBase, DecodeWorkerServicer):
                 yield chunk
                 if out.finished:
                     finished = True
+                    span.set_attributes({"gen_ai.usage.output_tokens": produced,
+                                         "gen_ai.response.finish_reasons": [out.finish_reason or ""],
+                                         "splitserve.prefill_worker": prefill_worker,
+                                         "splitserve.prefill_fallback": fallback})
                     return
         except InvalidPromptError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {exc}")
@@ -213,6 +229,11 @@ class DecodeWorker(RemotePrefill, WorkerBase, DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: decode worker {self.worker_id}: {exc}")
         finally:
             self.streams.pop(rid, None)
+            self.trace_spans.pop(rid, None)
+            for s in {decode_span, span}:
+                if not finished:
+                    tracing.fail(s, RuntimeError("the stream ended early (router gone, migration, abort, failure)"))
+                s.end()
             if not finished:  # the router went away (client disconnect, migration, abort)
                 # Shielded: a second cancellation of this handler must not skip the abort.
                 await asyncio.shield(asyncio.ensure_future(self._abort(rid)))

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 
 import xxhash
 
+from splitserve.core import tracing
 from splitserve.engine.kv_cache import KVCachePool
 from splitserve.kvtransfer import frames
 from splitserve.kvtransfer.frames import pb
@@ -50,7 +51,8 @@ class GrpcSender(KVSender):
                  deadline: float) -> pb.PushAck:
         stream = self._frames(header, regions)
         timeout = self._remaining(deadline, header.request_id, address)
-        return frames.push_stub(self._channel(address))(stream, timeout=timeout, metadata=self.config.security.metadata)
+        metadata = tracing.inject(self.config.security.metadata)  # the kv_transfer span (prefill_worker/worker.py)
+        return frames.push_stub(self._channel(address))(stream, timeout=timeout, metadata=metadata)
 
     def _frames(self, header: TransferHeader, regions: Sequence[memoryview]) -> Iterator[bytes]:
         """The encoded messages of one attempt: the header, then the data chunks."""

@@ -27,6 +27,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import grpc
 import xxhash
 
+from splitserve.core import tracing
 from splitserve.engine.kv_cache import KVCachePool
 from splitserve.kvtransfer import frames
 from splitserve.kvtransfer.frames import LEASE_GRANTED, LEASE_METADATA_KEY, pb
@@ -124,7 +125,7 @@ class MooncakeSender(KVSender):
         # the stream must not end while our write may still land, see the module doc.
         call = frames.push_stub(self._channel(address)).future(iter(outbox.get, None),
                                                                timeout=left + self.config.timeout_s,
-                                                               metadata=self.config.security.metadata)
+                                                               metadata=tracing.inject(self.config.security.metadata))
         attempt = _Attempt()
         reports = _Reports(regions, outbox)
         writer = self._writers.submit(self._write, call, outbox, attempt, endpoint, info.mooncake_session, writes,

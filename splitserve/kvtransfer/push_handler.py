@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import grpc
 
+from splitserve.core import tracing
 from splitserve.engine.kv_cache import KVCachePool
 from splitserve.kvtransfer import frames
 from splitserve.kvtransfer import outcome as R
@@ -62,7 +63,11 @@ class PushHandler:
         except PeerBusy as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         try:
-            return self._serve(self.guard.watch(slot, stream), context)
+            with tracing.span("kv_receive", tracing.extract_grpc(context), "server") as span:
+                ack = self._serve(self.guard.watch(slot, stream), context)
+                span.set_attributes({"splitserve.kv.status": pb.PushStatus.Name(ack.status),
+                                     "splitserve.kv.bytes": ack.bytes_received, "gen_ai.response.id": ack.request_id or None})
+                return ack
         finally:
             self.guard.leave(slot)
 

@@ -17,6 +17,7 @@ import torch
 
 from splitserve.core.cpus import available_cpus, threads_per_worker
 from splitserve.core.ports import PREFILL_ADMIN_PORT
+from splitserve.core.tracing import add_tracing_args, tracing_config_from_args
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.logs import configure_logging
 from splitserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cluster", default="local")
     add_worker_health_args(ap)
     add_security_args(ap)
+    add_tracing_args(ap)
     return ap
 
 
@@ -51,7 +53,8 @@ def main(argv: list[str] | None = None, worker_class: type[PrefillWorker] = Pref
                                  bus_url=args.redis_url, cluster=args.cluster, admin_port=args.metrics_port,
                                  security=security_from_args(args), engine_stall_timeout_s=args.engine_stall_timeout,
                                  engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
-                                 engine_process=ENGINE_LOOPS[args.engine_loop])
+                                 engine_process=ENGINE_LOOPS[args.engine_loop],
+                                tracing=tracing_config_from_args(args, "splitserve prefill-worker"))
     worker = worker_class(config)
     return run_worker_process(worker, lambda: f"splitserve prefill-worker: {worker.worker_id} serving gRPC on "
                                               f"{worker.address}, metrics {worker.admin_url}")

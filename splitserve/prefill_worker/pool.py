@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, generate_latest
 
 from splitserve.core.ports import PREFILL_ADMIN_PORT
+from splitserve.core.tracing import add_tracing_args, tracing_config_from_args
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.logs import configure_logging, keep_output_lines_whole
 from splitserve.metrics import Metrics
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS", "auto"))
     ap.add_argument("--gpus-per-worker", type=float, default=0.0)
     add_security_args(ap)
+    add_tracing_args(ap)
     args = ap.parse_args(argv)
     configure_logging()
     if args.replicas < 0:
@@ -99,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                                   advertise_host=None, bus_url=args.redis_url, cluster=args.cluster,
                                   admin_port=args.worker_metrics_port, kv_protocol=args.kv_protocol,
                                   rdma_device=args.rdma_device, security=security,
+                                  tracing=tracing_config_from_args(args, "splitserve prefill-pool"),
                                   engine_process=None)  # the CPU default: its own process (engine_process.py)
         # Ray reserves one CPU per actor (num_cpus=1): one torch thread unless --torch-threads says more
         placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)} if node_id else {}

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 
+from splitserve.core import tracing
 from splitserve.core.sampling_params import InvalidSamplingParams
 from splitserve.engine.async_engine import EngineDeadError
 from splitserve.engine.llm_engine import InvalidPromptError, RequestOutput
@@ -149,6 +150,11 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
         fut: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
         self.waiters[rid] = fut
         self.throughput.started(tokens)
+        span = tracing.start("prefill_worker.prefill", tracing.extract_grpc(context), "server",
+                             {**tracing.request_attributes(self.config.engine.model_id, sampling, tokens),
+                              "gen_ai.response.id": rid, "splitserve.worker": self.worker_id})
+        if tracing.enabled():
+            self.trace_spans[rid] = span
         try:
             try:
                 await self.engine.add_request(rid, list(request.prompt_token_ids), params, hold_kv=True)
@@ -167,17 +173,29 @@ class PrefillWorker(WorkerBase, PrefillWorkerServicer):
                                     f"{len(src)} prompt blocks after skipping {request.skip_blocks}")
             result = None
             if src:
-                result = await asyncio.to_thread(
-                    self._sender(request.kv_backend).push, rid, request.kv_receiver_address,
-                    self.engine.kv_pool, src, list(request.dest_block_ids), hashes,
-                    timeout=request.timeout_s or None)
+                # current: the push thread (to_thread copies the context) sends it in the transfer's metadata
+                with tracing.current_span("kv_transfer", span, "client", {
+                        "splitserve.kv.backend": request.kv_backend, "splitserve.kv.blocks": len(src),
+                        "splitserve.kv.receiver": request.kv_receiver_address}) as kv_span:
+                    result = await asyncio.to_thread(
+                        self._sender(request.kv_backend).push, rid, request.kv_receiver_address,
+                        self.engine.kv_pool, src, list(request.dest_block_ids), hashes,
+                        timeout=request.timeout_s or None)
+                    kv_span.set_attributes({"splitserve.kv.bytes": result.nbytes, "splitserve.kv.attempts":
+                                            result.attempts, "splitserve.kv.retries": result.attempts - 1})
         except KVTransferError as exc:
             log.warning("prefill worker %s: %s", self.worker_id, exc)
+            tracing.fail(span, exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: prefill worker {self.worker_id}: {exc}")
+        except BaseException as exc:
+            tracing.fail(span, exc)
+            raise
         finally:
             self.waiters.pop(rid, None)
+            self.trace_spans.pop(rid, None)
+            span.end()
             # Shielded: a second cancellation of this handler must not leave the blocks held.
             # `fut` holds a result only if the prefill finished: a handler cancelled at
             # `await fut` (the decode side's deadline) cancels `fut` as well, so "done" alone

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from splitserve.cluster.bus import ClusterBus
+from splitserve.core import tracing
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE, block_hashes, hash_seed
 from splitserve.core.logprobs import TokenLogprobs
 from splitserve.core.sampling_params import SamplingParams
@@ -138,6 +139,9 @@ class Dispatcher:
             self.sync.record_routed(w, hashes)
         self.metrics.router_decision_seconds.observe(time.perf_counter() - start)
         self.metrics.router_requests.labels(worker=decision.decode_worker, path=decision.path).inc()
+        if tracing.enabled():  # a child of the request's span (current in its handler)
+            tracing.record("route", None, time.time_ns() - int((time.perf_counter() - start) * 1e9), time.time_ns(),
+                           route_attributes(decision))
         return decision, hashes
 
     def _stub(self, worker: str) -> DecodeWorkerStub | None:
@@ -168,12 +172,19 @@ class Dispatcher:
         produced: list[int] = []
         failed: set[str] = set()
         attempt = 0
+        parent = tracing.current()  # the request's span: this generator is not a place to make spans current
         while True:
             call, finished = None, False
             if params.resumed(len(produced)) is None:
                 # the worker died between its last token and the finish: nothing is left to generate
                 yield StreamEvent([], [], "length")
                 return
+            span = tracing.start("router.generate", parent, "client", {
+                **tracing.request_attributes(self.config.model_id, params, len(prompt)),
+                "gen_ai.response.id": request_id, "splitserve.attempt": attempt,
+                "splitserve.route.decode_worker": decision.decode_worker,
+                "splitserve.route.prefill_worker": decision.prefill_worker or ""})
+            first_token = tracing.start("first_token", span) if not produced else None
             try:
                 req = pb.GenerateRequest(request_id=f"{request_id}/{attempt}" if attempt else request_id,
                                          prompt_token_ids=prompt, sampling=sampling_to_proto(params),
@@ -185,14 +196,20 @@ class Dispatcher:
                 stub = self._stub(decision.decode_worker)
                 if stub is None:
                     raise _Gone(decision.decode_worker)
-                call = stub.Generate(req, metadata=self.config.security.metadata)
+                call = stub.Generate(req, metadata=tracing.inject(self.config.security.metadata, span))
                 self._calls.setdefault(decision.decode_worker, set()).add(call)
                 async for chunk in call:
                     produced.extend(chunk.token_ids)
+                    if first_token is not None:
+                        first_token.end()
+                        first_token = None
                     # A finished call is not cancelled below: the worker is sending its closing
                     # status now, and a reset racing that has grpc log an error on the worker for a
                     # stream that ended well (and costs a cancel per request here).
                     finished = bool(chunk.finish_reason)
+                    if finished:
+                        span.set_attributes({"gen_ai.usage.output_tokens": len(produced),
+                                             "gen_ai.response.finish_reasons": [chunk.finish_reason]})
                     yield StreamEvent(list(chunk.token_ids), [logprob_from_proto(lp) for lp in chunk.logprobs],
                                       chunk.finish_reason or None, chunk.num_cached_tokens, chunk.worker_id,
                                       chunk.prefill_worker_id, chunk.prefill_cached_tokens)
@@ -215,6 +232,11 @@ class Dispatcher:
                         call.cancel()
                     self._evicted.discard(call)
                     self._calls.get(decision.decode_worker, set()).discard(call)
+                for s in (first_token, span):
+                    if s is not None:
+                        if not finished:
+                            tracing.fail(s, RuntimeError("the stream ended early"))
+                        s.end()
             failed.add(decision.decode_worker)
             if attempt >= self.config.max_migrations:
                 raise WorkerFailure(f"request {request_id}: decode worker(s) {sorted(failed)} failed "
@@ -224,10 +246,24 @@ class Dispatcher:
                         decision.decode_worker, len(produced), reason)
             self.metrics.request_migrations.labels(reason="worker_failure").inc()
             try:
-                decision, _ = self.decide(prompt + produced, exclude=failed)
+                with tracing.span("migration", parent, attributes={
+                        "splitserve.migration.from": decision.decode_worker, "splitserve.migration.reason": reason,
+                        "splitserve.migration.tokens_so_far": len(produced)}) as moved:
+                    decision, _ = self.decide(prompt + produced, exclude=failed)
+                    moved.set_attribute("splitserve.migration.to", decision.decode_worker)
             except NoHealthyWorker as exc:
                 raise WorkerFailure(f"request {request_id}: decode worker {sorted(failed)} failed ({reason}) "
                                     f"and no other can take it over: {exc}") from None
+
+
+def route_attributes(decision: RouteDecision) -> dict:
+    return {"splitserve.route.decode_worker": decision.decode_worker,
+            "splitserve.route.prefill_worker": decision.prefill_worker or "",
+            "splitserve.route.path": decision.path, "splitserve.route.reason": decision.reason,
+            "splitserve.route.prefill_reason": decision.prefill_reason,
+            "splitserve.route.prompt_blocks": decision.prompt_blocks,
+            "splitserve.route.prefix_hit_blocks": decision.decode_cached_blocks,
+            "splitserve.route.prefill_prefix_hit_blocks": decision.prefill_cached_blocks}
 
 
 class _Gone(Exception):

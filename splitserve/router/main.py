@@ -14,9 +14,11 @@ import socket
 from aiohttp import web
 
 from splitserve.cluster.bus import ClusterBus
+from splitserve.core import tracing
 from splitserve.core.banner import serving_banner
 from splitserve.core.cli_types import positive_int
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
+from splitserve.core.tracing import add_tracing_args, tracing_config_from_args
 from splitserve.logs import configure_logging
 from splitserve.metrics import Metrics
 from splitserve.router.admission import AdmissionConfig
@@ -75,6 +77,7 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
                    help="seconds a connection may stay open without a complete request: idle keep-alive or "
                         "headers still arriving; then it is closed (default: %(default)s)")
     add_security_args(ap)
+    add_tracing_args(ap)
 
 
 def api_key_from_args(args: argparse.Namespace) -> str | None:
@@ -96,6 +99,7 @@ async def start_router(args: argparse.Namespace, model: str, served: str, bus: C
                        expected_workers: dict[str, int] | None = None,
                        sock: socket.socket | None = None) -> tuple[web.AppRunner, Dispatcher]:
     """The router on `sock` if given (bound early by the caller), else on --host/--port."""
+    tracing.configure(tracing_config_from_args(args, "splitserve router"), "splitserve-router")
     try:
         admission = AdmissionConfig(args.max_queued_requests, args.request_timeout, args.no_worker_wait)
         limits = HTTPLimits(args.max_request_body_mb, args.body_read_timeout, args.http_idle_timeout)

@@ -20,6 +20,7 @@ import ctypes.util
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
+from splitserve.core import tracing
 from splitserve.core.chat_content import ContentMarkerError
 from splitserve.core.tokenizer import ChatTemplateError, Tokenizer
 from splitserve.router import errors
@@ -69,9 +70,14 @@ class PromptTokenizer:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
-        if len(text) <= INLINE_CHARS:
-            return self._checked(*self.tokenizer.encode_bounded(text, self.max_model_len, add_special_tokens), param)
-        return await self.offload(self._encode_long, text, add_special_tokens, param)
+        with tracing.span("tokenize", attributes={"splitserve.prompt_chars": len(text)}) as span:
+            if len(text) <= INLINE_CHARS:
+                ids = self._checked(*self.tokenizer.encode_bounded(text, self.max_model_len, add_special_tokens),
+                                    param)
+            else:
+                ids = await self.offload(self._encode_long, text, add_special_tokens, param)
+            span.set_attribute("gen_ai.usage.input_tokens", len(ids))
+            return ids
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                           add_special_tokens: bool = False, tools: list[dict] | None = None,
@@ -79,9 +85,12 @@ class PromptTokenizer:
         """`tools` and `template_kwargs` (chat_template_kwargs) go to the template as in transformers."""
         size = sum(len(m.get("content") or "") for m in messages) + sum(len(str(t)) for t in tools or ())
         args = (messages, add_generation_prompt, add_special_tokens, tools, template_kwargs)
-        if size <= INLINE_CHARS:
-            return self._render_and_encode(*args)
-        return await self.offload(self._render_and_encode, *args)
+        with tracing.span("tokenize", attributes={"splitserve.prompt_chars": size, "splitserve.chat_template": True}
+                          ) as span:
+            ids = self._render_and_encode(*args) if size <= INLINE_CHARS else await self.offload(
+                self._render_and_encode, *args)
+            span.set_attribute("gen_ai.usage.input_tokens", len(ids))
+            return ids
 
     # ---- in the pool (or inline for small inputs) -----------------------------------------
     def _render_and_encode(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool,

@@ -39,6 +39,7 @@ from splitserve.router.openapi import openapi_document
 from splitserve.router.policy import NoHealthyWorker
 from splitserve.router.prompts import PromptTokenizer
 from splitserve.router.request_fields import IGNORED_HEADER, header_value
+from splitserve.router.request_tracing import trace_requests
 from splitserve.router.sse import stream_choices
 from splitserve.router.structured_fields import check_structured
 
@@ -74,7 +75,8 @@ class RouterServer:
                                                     auth=bool(config.api_key))).encode()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=self.config.limits.max_body_bytes)
+        app = web.Application(middlewares=[trace_requests, self._errors, self._auth],
+                              client_max_size=self.config.limits.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)

@@ -7,6 +7,7 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 
+from splitserve.core.tracing import TracingConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.security.links import NO_SECURITY, LinkSecurity
 
@@ -37,6 +38,7 @@ class WorkerConfig:
     # the default (on the CPU: yes; on CUDA: a thread). The CLIs and `serve` leave it None;
     # tests that reach into the engine object pin it to False.
     engine_process: bool | None = False
+    tracing: TracingConfig | None = None  # OTLP export of this worker's spans (core/tracing.py); None: off
 
     role = ""  # set by each subclass
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import time
 
 import grpc
 
 from splitserve.cluster.messages import LoadReport, WorkerInfo
 from splitserve.cluster.presence import WorkerPresence
 from splitserve.cluster.remote_bus import open_bus
+from splitserve.core import tracing
 from splitserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineStalledError
 from splitserve.engine.engine_process import EngineProcess, use_engine_process
 from splitserve.engine.heap import freeze_startup_heap
@@ -55,6 +57,8 @@ class WorkerBase(abc.ABC):
         self._watchdog: asyncio.Task | None = None
         self.server: grpc.aio.Server | None = None  # this role's gRPC service
         self.metrics.engine_alive.labels(role=self.role, worker=self.worker_id).set(0)
+        tracing.configure(config.tracing, f"splitserve-{self.role}")
+        self.trace_spans: dict[str, object] = {}  # request id -> its server span (tracing on only)
 
     # ---- start / stop ---------------------------------------------------------------------
     async def _start_admin(self, app) -> None:
@@ -215,7 +219,19 @@ class WorkerBase(abc.ABC):
                 labels = {"role": self.role, "worker": self.worker_id}
                 self.metrics.request_queue_time.labels(**labels).observe(out.queue_s)
                 self.metrics.request_prefill_time.labels(**labels).observe(out.prefill_s)
+                if out.request_id in self.trace_spans:
+                    self._trace_first_token(out)
         self._dispatch(outputs)
+
+    def _trace_first_token(self, out: RequestOutput) -> None:
+        """Queue and prefill spans from the engine's own timings (the engine, maybe in its own
+        process, exports nothing): its first token arrived now, after prefill_s of prefill that
+        followed queue_s of waiting. Off by the pipe's latency, well under a step."""
+        parent, end = self.trace_spans[out.request_id], time.time_ns()
+        prefill_start = end - int(out.prefill_s * 1e9)
+        attrs = {"splitserve.worker": self.worker_id, "splitserve.cached_tokens": out.num_cached_tokens}
+        tracing.record("queue", parent, prefill_start - int(out.queue_s * 1e9), prefill_start, attrs)
+        tracing.record("prefill", parent, prefill_start, end, attrs)
 
     @abc.abstractmethod
     def _dispatch(self, outputs: list[RequestOutput]) -> None:

@@ -1,0 +1,288 @@
+"""Distributed tracing with OpenTelemetry, off unless asked for (docs/architecture.md, "Tracing").
+
+On with `--otlp-traces-endpoint` (vLLM's flag) or the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT /
+OTEL_EXPORTER_OTLP_ENDPOINT; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL (or _PROTOCOL) picks `grpc`
+(default) or `http/protobuf`, OTEL_TRACES_SAMPLER / _ARG the sampler. The process that reads
+the flags resolves them into a TracingConfig, which travels with a worker's config (a Ray actor
+need not share the environment of `serve`).
+
+Off, nothing of OpenTelemetry is imported and every call here is a check of one global: a
+no-op span, metadata passed through unchanged. On, spans go through a BatchSpanProcessor: a
+request only appends to a queue; export happens on the SDK's thread, and an exporter that is
+down costs a log line, never the request. The W3C `traceparent` travels in gRPC metadata.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+log = logging.getLogger(__name__)
+
+PROTOCOLS = ("grpc", "http/protobuf")
+SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
+            "parentbased_traceidratio")
+TRACE_HEADERS = ("traceparent", "tracestate")
+FLUSH_AT_EXIT_MS = 2000  # a collector that is down must not hold the process at exit longer
+
+
+@dataclass(frozen=True)
+class TracingConfig:
+    endpoint: str
+    protocol: str = "grpc"
+    sampler: str = "parentbased_always_on"
+    sampler_arg: float = 1.0
+
+
+def tracing_config(endpoint: str | None, env: Mapping[str, str] = os.environ) -> TracingConfig | None:
+    """The tracing settings from the flag and the OTEL_* variables; None: tracing off.
+    Raises ValueError with one line naming the setting at fault."""
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    endpoint = endpoint or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if not endpoint:
+        return None
+    url = urlparse(endpoint)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise ValueError(f"OTLP traces endpoint {endpoint!r} must be a URL like http://collector:4317")
+    protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+                or "grpc").strip()
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL {protocol!r} is not one of {PROTOCOLS}")
+    sampler = (env.get("OTEL_TRACES_SAMPLER") or "parentbased_always_on").strip().lower()
+    if sampler not in SAMPLERS:
+        raise ValueError(f"OTEL_TRACES_SAMPLER {sampler!r} is not one of {SAMPLERS}")
+    raw = env.get("OTEL_TRACES_SAMPLER_ARG") or "1.0"
+    try:
+        ratio = float(raw)
+    except ValueError:
+        ratio = -1.0
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"OTEL_TRACES_SAMPLER_ARG {raw!r} must be a number in [0, 1]")
+    if protocol == "http/protobuf" and url.path in ("", "/"):
+        endpoint = endpoint.rstrip("/") + "/v1/traces"  # the OTLP/HTTP path, as the SDK adds to the variable
+    return TracingConfig(endpoint, protocol, sampler, ratio)
+
+
+def add_tracing_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--otlp-traces-endpoint", metavar="URL",
+                    help="export OpenTelemetry traces over OTLP to this collector, e.g. http://collector:4317 "
+                         "(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL grpc or http/protobuf; OTEL_TRACES_SAMPLER[_ARG] "
+                         "sample; the client's W3C traceparent is honoured). Default: off, or "
+                         "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+
+
+def tracing_config_from_args(args: argparse.Namespace, prog: str) -> TracingConfig | None:
+    try:
+        return tracing_config(getattr(args, "otlp_traces_endpoint", None))
+    except ValueError as exc:
+        raise SystemExit(f"{prog}: {exc}") from None
+
+
+# ---- the process's tracer -------------------------------------------------------------------
+_tracer = None  # an opentelemetry Tracer once configure() ran with a config; None: off
+_NO_SPAN = None  # set below
+
+
+def enabled() -> bool:
+    return _tracer is not None
+
+
+def configure(config: TracingConfig | None, service_name: str) -> None:
+    """Start exporting this process's spans (once; later calls change nothing)."""
+    global _tracer
+    if config is None or _tracer is not None:
+        return
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}),
+                              sampler=_sampler(config), shutdown_on_exit=False)
+    provider.add_span_processor(BatchSpanProcessor(_exporter(config)))
+    atexit.register(provider.force_flush, FLUSH_AT_EXIT_MS)
+    _quiet_exporter_logs()
+    _tracer = provider.get_tracer("splitserve")
+    log.info("tracing: %s spans to %s over OTLP/%s (sampler %s %g)", service_name, config.endpoint,
+             config.protocol, config.sampler, config.sampler_arg)
+
+
+def _sampler(config: TracingConfig):
+    from opentelemetry.sdk.trace import sampling as s
+
+    base = {"always_on": s.ALWAYS_ON, "always_off": s.ALWAYS_OFF,
+            "traceidratio": s.TraceIdRatioBased(config.sampler_arg)}[config.sampler.removeprefix("parentbased_")]
+    return s.ParentBased(base) if config.sampler.startswith("parentbased_") else base
+
+
+def _exporter(config: TracingConfig):
+    if config.protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(endpoint=config.endpoint, insecure=config.endpoint.startswith("http://"))
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(endpoint=config.endpoint)
+
+
+def _quiet_exporter_logs() -> None:
+    """An unreachable collector: the exporter's one-line warnings stay, their tracebacks go
+    (runbook: "Traces are missing")."""
+    class _NoTraceback(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if record.exc_info:
+                record.msg = f"{record.getMessage()}: {record.exc_info[1]!r}"
+                record.args, record.exc_info, record.exc_text = None, None, None
+            return True
+
+    for name in ("opentelemetry.exporter", "opentelemetry.sdk"):
+        logging.getLogger(name).addFilter(_NoTraceback())
+
+
+# ---- spans -----------------------------------------------------------------------------
+class _NoSpan:
+    """What span() gives with tracing off (or an unsampled parent's children cost the SDK's)."""
+
+    def set_attribute(self, key, value) -> None:
+        pass
+
+    def set_attributes(self, attributes) -> None:
+        pass
+
+    def add_event(self, name, attributes=None, timestamp=None) -> None:
+        pass
+
+    def end(self, end_time=None) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+_NO_SPAN = _NoSpan()
+
+
+def _context(parent):
+    """An OpenTelemetry Context from a span, a context or None (the current one)."""
+    if parent is None or parent is _NO_SPAN:
+        return None
+    from opentelemetry import trace
+    from opentelemetry.context import Context
+
+    return parent if isinstance(parent, Context) else trace.set_span_in_context(parent)
+
+
+def start(name: str, parent=None, kind: str = "internal", attributes: Mapping | None = None,
+          start_ns: int | None = None):
+    """A started span (end it with .end()), child of `parent` (a span, a context from
+    extract(), or None: the current span). Not made current: safe in async generators."""
+    if _tracer is None:
+        return _NO_SPAN
+    from opentelemetry.trace import SpanKind
+
+    return _tracer.start_span(name, context=_context(parent), kind=SpanKind[kind.upper()],
+                              attributes=_clean(attributes), start_time=start_ns)
+
+
+@contextlib.contextmanager
+def span(name: str, parent=None, kind: str = "internal", attributes: Mapping | None = None):
+    """start() as a context manager, ended on exit; an exception marks it failed."""
+    if _tracer is None:
+        yield _NO_SPAN
+        return
+    s = start(name, parent, kind, attributes)
+    try:
+        yield s
+    except BaseException as exc:
+        fail(s, exc)
+        raise
+    finally:
+        s.end()
+
+
+def fail(s, exc: BaseException) -> None:
+    """Mark a span failed (a cancelled call too: the client left, or it migrated)."""
+    if s is _NO_SPAN:
+        return
+    from opentelemetry.trace import Status, StatusCode
+
+    s.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"[:200]))
+
+
+@contextlib.contextmanager
+def current_span(name: str, parent=None, kind: str = "internal", attributes: Mapping | None = None):
+    """span(), made the current span for the body (a coroutine, never an async generator)."""
+    if _tracer is None:
+        yield _NO_SPAN
+        return
+    from opentelemetry import trace
+
+    s = start(name, parent, kind, attributes)
+    with trace.use_span(s, end_on_exit=True, record_exception=False, set_status_on_exception=True):
+        yield s
+
+
+def current():
+    """The current context (its span the parent of what follows), for a later start(); None: off."""
+    if _tracer is None:
+        return None
+    from opentelemetry import context
+
+    return context.get_current()
+
+
+def record(name: str, parent, start_ns: int, end_ns: int, attributes: Mapping | None = None) -> None:
+    """A span that already happened: timings measured elsewhere (the engine, a thread)."""
+    if _tracer is None:
+        return
+    start(name, parent, attributes=attributes, start_ns=start_ns).end(end_time=end_ns)
+
+
+def _clean(attributes: Mapping | None) -> dict | None:
+    return None if attributes is None else {k: v for k, v in attributes.items() if v is not None}
+
+
+# ---- propagation (W3C trace context) ----------------------------------------------------------
+def extract(headers: Mapping[str, str] | Iterable[tuple[str, str]] | None):
+    """The remote parent carried by HTTP headers or gRPC metadata, or None."""
+    if _tracer is None or headers is None:
+        return None
+    carrier = {k.lower(): v for k, v in (headers.items() if isinstance(headers, Mapping) else headers)
+               if k.lower() in TRACE_HEADERS}
+    if "traceparent" not in carrier:
+        return None
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    return TraceContextTextMapPropagator().extract(carrier)
+
+
+def extract_grpc(context):
+    """The remote parent in a gRPC call's metadata (a servicer's `context`), or None."""
+    return None if _tracer is None else extract(context.invocation_metadata())
+
+
+def inject(metadata: tuple = (), parent=None) -> tuple:
+    """gRPC metadata plus the trace context of `parent` (or the current span)."""
+    if _tracer is None:
+        return metadata
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    carrier: dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(carrier, context=_context(parent))
+    return tuple(metadata or ()) + tuple(carrier.items())
+
+
+def request_attributes(model: str, params, input_tokens: int) -> dict:
+    """A request's attributes, named after the OpenTelemetry GenAI semantic conventions."""
+    return {"gen_ai.request.model": model, "gen_ai.request.max_tokens": params.max_tokens,
+            "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
+            "gen_ai.request.seed": params.seed, "gen_ai.usage.input_tokens": input_tokens}

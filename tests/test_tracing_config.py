@@ -1,0 +1,57 @@
+"""core/tracing.py without a collector: which settings turn tracing on, and how; bad ones are
+one clear line; off, a process imports nothing of OpenTelemetry."""
+
+import subprocess
+import sys
+
+import pytest
+
+from splitserve.core.tracing import TracingConfig, tracing_config
+
+
+def test_off_unless_an_endpoint_is_given():
+    assert tracing_config(None, {}) is None
+    assert tracing_config("http://c:4317", {"OTEL_SDK_DISABLED": "true"}) is None
+
+
+def test_the_flag_and_the_standard_variables():
+    assert tracing_config("http://c:4317", {}) == TracingConfig("http://c:4317", "grpc", "parentbased_always_on", 1.0)
+    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "https://t:4318", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:1",
+           "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+           "OTEL_TRACES_SAMPLER_ARG": "0.25"}
+    # the OTLP/HTTP path is added as the SDK adds it to the variable; the flag wins over the variables
+    assert tracing_config(None, env) == TracingConfig("https://t:4318/v1/traces", "http/protobuf",
+                                                      "parentbased_traceidratio", 0.25)
+    assert tracing_config("http://flag:4318/custom", env).endpoint == "http://flag:4318/custom"
+    assert tracing_config(None, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:1"}).endpoint == "http://x:1"
+
+
+@pytest.mark.parametrize("endpoint, env, message", [
+    ("collector:4317", {}, "must be a URL like http://collector:4317"),
+    ("http://c:4317", {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"}, "'http/json' is not one of"),
+    ("http://c:4317", {"OTEL_TRACES_SAMPLER": "sometimes"}, "OTEL_TRACES_SAMPLER 'sometimes'"),
+    ("http://c:4317", {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"}, "in [0, 1]"),
+    ("http://c:4317", {"OTEL_TRACES_SAMPLER_ARG": "half"}, "'half' must be a number"),
+])
+def test_bad_settings_are_one_line(endpoint, env, message):
+    with pytest.raises(ValueError, match="^.*$") as err:
+        tracing_config(endpoint, env)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_off_imports_nothing_of_opentelemetry():
+    code = ("import sys, splitserve.router.main, splitserve.decode_worker.worker, splitserve.prefill_worker.worker, "
+            "splitserve.core.tracing as t\n"
+            "t.configure(None, 'x'); s = t.start('a'); s.end(); t.record('b', None, 0, 1)\n"
+            "assert t.inject(('k', 'v')) == ('k', 'v') and t.extract({'traceparent': 'x'}) is None\n"
+            "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_serve_refuses_a_bad_endpoint_in_one_line(make_ckpt):
+    out = subprocess.run([sys.executable, "-m", "splitserve.cli", "serve", "--model", str(make_ckpt("llama")),
+                          "--otlp-traces-endpoint", "collector:4317"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == ("splitserve serve: OTLP traces endpoint 'collector:4317' must be a URL like "
+                                  "http://collector:4317")
