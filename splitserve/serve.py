@@ -34,7 +34,7 @@ from splitserve.core.cpus import (
     threads_per_worker,
 )
 from splitserve.core.model_dir import checkpoint_problem, demo_dir
-from splitserve.core.tracing import tracing_config, tracing_config_from_args
+from splitserve.core.tracing_config import tracing_config, tracing_config_from_args
 from splitserve.decode_worker.prefill_timeout import add_prefill_timeout_arg
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.logs import configure_logging, keep_output_lines_whole

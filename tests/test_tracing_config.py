@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from splitserve.core.tracing import TracingConfig, tracing_config
+from splitserve.core.tracing_config import TracingConfig, tracing_config
 
 
 def test_off_unless_an_endpoint_is_given():
@@ -55,3 +55,37 @@ def test_serve_refuses_a_bad_endpoint_in_one_line(make_ckpt):
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip() == ("splitserve serve: OTLP traces endpoint 'collector:4317' must be a URL like "
                                   "http://collector:4317")
+
+
+HTTP_EXPORT = r"""
+import http.server, os, threading, time
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest as Req
+from splitserve.core import tracing
+from splitserve.core.tracing_config import tracing_config
+got = []
+class H(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        req = Req.FromString(self.rfile.read(int(self.headers["Content-Length"])))
+        got.extend((self.path, s.name, s.trace_id.hex(), s.parent_span_id.hex())
+                   for r in req.resource_spans for ss in r.scope_spans for s in ss.spans)
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+    def log_message(self, *a): pass
+srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+threading.Thread(target=srv.serve_forever, daemon=True).start()
+os.environ.update(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf", OTEL_BSP_SCHEDULE_DELAY="50")
+tracing.configure(tracing_config(f"http://127.0.0.1:{srv.server_port}"), "probe")
+parent = tracing.extract({"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"})
+with tracing.span("outer", parent) as outer:
+    md = tracing.inject((("authorization", "x"),), outer)
+deadline = time.monotonic() + 30
+while not got and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(got, md[0], md[1][0], md[1][1][:35])
+"""
+
+
+def test_http_protobuf_export_keeps_the_callers_trace():
+    out = subprocess.run([sys.executable, "-c", HTTP_EXPORT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == (f"[('/v1/traces', 'outer', '{'ab' * 16}', '{'cd' * 8}')] ('authorization', 'x') "
+                                  f"traceparent 00-{'ab' * 16}")

@@ -1,93 +1,32 @@
-"""Distributed tracing with OpenTelemetry, off unless asked for (docs/architecture.md, "Tracing").
-
-On with `--otlp-traces-endpoint` (vLLM's flag) or the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT /
-OTEL_EXPORTER_OTLP_ENDPOINT; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL (or _PROTOCOL) picks `grpc`
-(default) or `http/protobuf`, OTEL_TRACES_SAMPLER / _ARG the sampler. The process that reads
-the flags resolves them into a TracingConfig, which travels with a worker's config (a Ray actor
-need not share the environment of `serve`).
+"""Distributed tracing with OpenTelemetry, off unless asked for (docs/architecture.md, "Tracing";
+the settings: core/tracing_config.py).
 
 Off, nothing of OpenTelemetry is imported and every call here is a check of one global: a
 no-op span, metadata passed through unchanged. On, spans go through a BatchSpanProcessor: a
 request only appends to a queue; export happens on the SDK's thread, and an exporter that is
 down costs a log line, never the request. The W3C `traceparent` travels in gRPC metadata.
+Spans are started with explicit parents and not made current, except where a coroutine or a
+thread must pass its span on implicitly (current_span): contexts attached in an async
+generator can be detached in another context.
 """
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import contextlib
 import logging
-import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from urllib.parse import urlparse
+
+from splitserve.core.tracing_config import TracingConfig
 
 log = logging.getLogger(__name__)
 
-PROTOCOLS = ("grpc", "http/protobuf")
-SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
-            "parentbased_traceidratio")
 TRACE_HEADERS = ("traceparent", "tracestate")
 FLUSH_AT_EXIT_MS = 2000  # a collector that is down must not hold the process at exit longer
 
 
-@dataclass(frozen=True)
-class TracingConfig:
-    endpoint: str
-    protocol: str = "grpc"
-    sampler: str = "parentbased_always_on"
-    sampler_arg: float = 1.0
-
-
-def tracing_config(endpoint: str | None, env: Mapping[str, str] = os.environ) -> TracingConfig | None:
-    """The tracing settings from the flag and the OTEL_* variables; None: tracing off.
-    Raises ValueError with one line naming the setting at fault."""
-    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return None
-    endpoint = endpoint or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    if not endpoint:
-        return None
-    url = urlparse(endpoint)
-    if url.scheme not in ("http", "https") or not url.hostname:
-        raise ValueError(f"OTLP traces endpoint {endpoint!r} must be a URL like http://collector:4317")
-    protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-                or "grpc").strip()
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL {protocol!r} is not one of {PROTOCOLS}")
-    sampler = (env.get("OTEL_TRACES_SAMPLER") or "parentbased_always_on").strip().lower()
-    if sampler not in SAMPLERS:
-        raise ValueError(f"OTEL_TRACES_SAMPLER {sampler!r} is not one of {SAMPLERS}")
-    raw = env.get("OTEL_TRACES_SAMPLER_ARG") or "1.0"
-    try:
-        ratio = float(raw)
-    except ValueError:
-        ratio = -1.0
-    if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"OTEL_TRACES_SAMPLER_ARG {raw!r} must be a number in [0, 1]")
-    if protocol == "http/protobuf" and url.path in ("", "/"):
-        endpoint = endpoint.rstrip("/") + "/v1/traces"  # the OTLP/HTTP path, as the SDK adds to the variable
-    return TracingConfig(endpoint, protocol, sampler, ratio)
-
-
-def add_tracing_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--otlp-traces-endpoint", metavar="URL",
-                    help="export OpenTelemetry traces over OTLP to this collector, e.g. http://collector:4317 "
-                         "(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL grpc or http/protobuf; OTEL_TRACES_SAMPLER[_ARG] "
-                         "sample; the client's W3C traceparent is honoured). Default: off, or "
-                         "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-
-
-def tracing_config_from_args(args: argparse.Namespace, prog: str) -> TracingConfig | None:
-    try:
-        return tracing_config(getattr(args, "otlp_traces_endpoint", None))
-    except ValueError as exc:
-        raise SystemExit(f"{prog}: {exc}") from None
-
-
 # ---- the process's tracer -------------------------------------------------------------------
 _tracer = None  # an opentelemetry Tracer once configure() ran with a config; None: off
-_NO_SPAN = None  # set below
 
 
 def enabled() -> bool:
@@ -131,23 +70,27 @@ def _exporter(config: TracingConfig):
     return OTLPSpanExporter(endpoint=config.endpoint)
 
 
-def _quiet_exporter_logs() -> None:
-    """An unreachable collector: the exporter's one-line warnings stay, their tracebacks go
-    (runbook: "Traces are missing")."""
-    class _NoTraceback(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            if record.exc_info:
-                record.msg = f"{record.getMessage()}: {record.exc_info[1]!r}"
-                record.args, record.exc_info, record.exc_text = None, None, None
-            return True
+class _NoTraceback(logging.Filter):
+    """An unreachable collector: the exporter's warning stays one line, its traceback goes
+    (docs/runbook.md, "Traces are missing")."""
 
-    for name in ("opentelemetry.exporter", "opentelemetry.sdk"):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info:
+            record.msg = f"{record.getMessage()}: {record.exc_info[1]!r}"
+            record.args, record.exc_info, record.exc_text = None, None, None
+        return True
+
+
+def _quiet_exporter_logs() -> None:
+    for name in ("opentelemetry.sdk._shared_internal", "opentelemetry.sdk.trace.export",
+                 "opentelemetry.exporter.otlp.proto.grpc.exporter",
+                 "opentelemetry.exporter.otlp.proto.http.trace_exporter"):
         logging.getLogger(name).addFilter(_NoTraceback())
 
 
 # ---- spans -----------------------------------------------------------------------------
 class _NoSpan:
-    """What span() gives with tracing off (or an unsampled parent's children cost the SDK's)."""
+    """What start() and span() give with tracing off."""
 
     def set_attribute(self, key, value) -> None:
         pass
@@ -155,16 +98,7 @@ class _NoSpan:
     def set_attributes(self, attributes) -> None:
         pass
 
-    def add_event(self, name, attributes=None, timestamp=None) -> None:
-        pass
-
     def end(self, end_time=None) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
         pass
 
 

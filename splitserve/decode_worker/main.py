@@ -14,7 +14,7 @@ import torch
 
 from splitserve.core.cpus import available_cpus, threads_per_worker
 from splitserve.core.ports import ADMIN_PORT, DECODE_GRPC_PORT, DRAIN_PORT
-from splitserve.core.tracing import add_tracing_args, tracing_config_from_args
+from splitserve.core.tracing_config import add_tracing_args, tracing_config_from_args
 from splitserve.decode_worker.prefill_timeout import add_prefill_timeout_arg
 from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model

@@ -17,7 +17,7 @@ import torch
 
 from splitserve.core.cpus import available_cpus, threads_per_worker
 from splitserve.core.ports import PREFILL_ADMIN_PORT
-from splitserve.core.tracing import add_tracing_args, tracing_config_from_args
+from splitserve.core.tracing_config import add_tracing_args, tracing_config_from_args
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.logs import configure_logging
 from splitserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig

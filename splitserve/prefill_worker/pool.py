@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, generate_latest
 
 from splitserve.core.ports import PREFILL_ADMIN_PORT
-from splitserve.core.tracing import add_tracing_args, tracing_config_from_args
+from splitserve.core.tracing_config import add_tracing_args, tracing_config_from_args
 from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
 from splitserve.logs import configure_logging, keep_output_lines_whole
 from splitserve.metrics import Metrics

@@ -18,7 +18,7 @@ from splitserve.core import tracing
 from splitserve.core.banner import serving_banner
 from splitserve.core.cli_types import positive_int
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
-from splitserve.core.tracing import add_tracing_args, tracing_config_from_args
+from splitserve.core.tracing_config import add_tracing_args, tracing_config_from_args
 from splitserve.logs import configure_logging
 from splitserve.metrics import Metrics
 from splitserve.router.admission import AdmissionConfig

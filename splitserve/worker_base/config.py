@@ -7,7 +7,7 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 
-from splitserve.core.tracing import TracingConfig
+from splitserve.core.tracing_config import TracingConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.security.links import NO_SECURITY, LinkSecurity
 
