@@ -31,6 +31,7 @@ class EngineConfig:
     seed: int = 0  # seed of the generator used by unseeded sampled requests
     cuda_graphs: bool | None = None  # decode steps replayed from CUDA graphs; None: on for CUDA, off on CPU
     warm_up: bool | None = None  # throwaway requests at start-up compile the kernels (engine/warmup.py); None: CUDA
+    tensor_parallel_size: int = 1  # ranks (processes) the model is sharded over (engine/parallel/)
     cpu_affinity: tuple[int, ...] = ()  # CPUs the engine process pins itself to (`serve`'s plan, core/cpus.py); (): none
     extra: dict = field(default_factory=dict)
 
@@ -42,13 +43,18 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.cuda_graphs and self.tensor_parallel_size > 1:
+            raise ValueError("cuda_graphs=True is not supported with tensor_parallel_size > 1 yet (decode runs eagerly)")
         if self.cuda_graphs and torch.device(self.device).type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got device={self.device!r}")
 
     @property
     def use_cuda_graphs(self) -> bool:
         if self.cuda_graphs is None:
-            return torch.device(self.device).type == "cuda"
+            return torch.device(self.device).type == "cuda" and self.tensor_parallel_size == 1
         return self.cuda_graphs
 
     @property

@@ -38,6 +38,16 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's other ranks (tensor_parallel_size > 1); nothing at tp=1."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[GenerationOutput]:

@@ -26,6 +26,8 @@ from splitserve.engine.disaggregation import Disaggregation
 from splitserve.engine.grammar import GrammarCompiler, GrammarError, advance
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.parallel.group import TensorParallelGroup
+from splitserve.engine.parallel.sharding import check_shardable
 from splitserve.engine.sampler import sample
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sequence import Sequence
@@ -43,7 +45,15 @@ class LLMEngine(Disaggregation):
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer(config.model, self.model_config.eos_token_ids)
         self.max_model_len = min(config.max_model_len or math.inf, self.model_config.max_model_len)
-        self.runner = ModelRunner(self.model_config, config, int(self.max_model_len))
+        check_shardable(self.model_config, config.tensor_parallel_size, config.model)
+        self.tp_group: TensorParallelGroup | None = None
+        if config.tensor_parallel_size > 1:  # ranks 1..N-1 load their slices alongside this one
+            self.tp_group = TensorParallelGroup(config)
+            self.tp_group.start(int(self.max_model_len))
+            self.runner = self.tp_group.load(
+                lambda: ModelRunner(self.model_config, self.tp_group.cfg, int(self.max_model_len)))
+        else:
+            self.runner = ModelRunner(self.model_config, config, int(self.max_model_len))
         self.model_id = config.model_id or Path(config.model).resolve().name
         blocks = BlockManager(self.runner.kv_pool.num_blocks, config.block_size, hash_seed(self.model_id),
                               config.enable_prefix_caching)
@@ -263,7 +273,15 @@ class LLMEngine(Disaggregation):
     @property
     def kv_pool(self):
         """The KV cache tensors (a prefill worker's sender reads its held blocks from them)."""
+        if self.tp_group is not None:
+            raise RuntimeError("KV transfer is not supported with tensor_parallel_size > 1 yet: "
+                               "rank 0 holds only its KV heads")
         return self.runner.kv_pool
+
+    def close(self) -> None:
+        """End the other tensor-parallel ranks (nothing to do at tp=1)."""
+        if self.tp_group is not None:
+            self.tp_group.close()
 
     def params_for_choice(self, params: SamplingParams, index: int) -> SamplingParams:
         """Choice `index` of an n>1 request: its own sub-request, seed offset by the index."""

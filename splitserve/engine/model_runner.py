@@ -14,8 +14,11 @@ from splitserve.engine.kv_scales import read_kv_scales
 from splitserve.engine.models.layers import AttentionMetadata
 from splitserve.engine.models.loader import load_model
 from splitserve.engine.models.rope import RopeTable, rope_table
+from splitserve.engine.parallel.sharding import kv_heads
+from splitserve.engine.parallel.state import broadcast_object, tp
 from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.engine.sequence import Sequence
+from splitserve.engine.step_inputs import StepInputs, step_inputs
 
 
 class ModelRunner:
@@ -32,7 +35,8 @@ class ModelRunner:
         local = full if model_cfg.local_rope is None else rope_table(
             model_cfg.local_rope, model_cfg.head_dim, max_model_len, cfg.torch_dtype, self.device)
         self.ropes: dict[str, RopeTable] = {FULL: full, SLIDING: local}
-        spec = KVCacheSpec(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
+        # this rank's KV heads only (all of them at tp=1)
+        spec = KVCacheSpec(model_cfg.num_layers, kv_heads(model_cfg, tp())[1], model_cfg.head_dim,
                            cfg.block_size, cfg.kv_torch_dtype)
         num_blocks = cfg.num_kv_blocks or num_blocks_for_memory(spec, cfg.kv_cache_memory_bytes)
         # one scratch block: where the padding rows of a fixed-shape decode batch write
@@ -52,9 +56,11 @@ class ModelRunner:
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(s.block_table) for s in seqs)
-        return self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32)
+    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor | None:
+        if not tables:
+            return None
+        width = max(len(t) for t in tables)
+        return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
@@ -62,36 +68,25 @@ class ModelRunner:
         token this step (those get a new token), and those sequences in order."""
         if self.decode_graphs is not None and self.decode_graphs.fits(batch):
             return self.decode_graphs.run(batch)
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_rows: list[int] = []
-        sampled: list[Sequence] = []
-        for seq, n in batch.entries:
-            start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if start + n == seq.num_tokens:
-                logits_rows.append(len(input_ids) - 1)
-                sampled.append(seq)
+        step, sampled = step_inputs(batch, self.block_size)
+        if tp().size > 1:  # the other ranks run the same step on their slices (parallel/worker.py)
+            broadcast_object(step)
+        return self.execute(step), sampled
 
-        prefill_seqs = [s for s, _ in batch.prefills]
+    @torch.inference_mode()
+    def execute(self, step: StepInputs) -> torch.Tensor:
+        """The forward pass of one step; logits of its `logits_rows` tokens."""
+        prefill = bool(step.prefill_lens)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            num_prefill_tokens=sum(n for _, n in batch.prefills),
-            prefill_block_tables=self._block_tables(prefill_seqs) if prefill_seqs else None,
-            prefill_cu_seqlens_q=self._tensor(_cumsum([n for _, n in batch.prefills]), torch.int32)
-            if prefill_seqs else None,
-            prefill_seq_lens=self._tensor([s.num_computed_tokens + n for s, n in batch.prefills], torch.int32)
-            if prefill_seqs else None,
-            decode_block_tables=self._block_tables(batch.decodes) if batch.decodes else None,
-            decode_seq_lens=self._tensor([s.num_computed_tokens + 1 for s in batch.decodes], torch.int32)
-            if batch.decodes else None,
+            slot_mapping=self._tensor(step.slots),
+            num_prefill_tokens=sum(step.prefill_lens),
+            prefill_block_tables=self._block_tables(step.prefill_block_tables),
+            prefill_cu_seqlens_q=self._tensor(_cumsum(step.prefill_lens), torch.int32) if prefill else None,
+            prefill_seq_lens=self._tensor(step.prefill_seq_lens, torch.int32) if prefill else None,
+            decode_block_tables=self._block_tables(step.decode_block_tables),
+            decode_seq_lens=self._tensor(step.decode_seq_lens, torch.int32) if step.decode_seq_lens else None,
         )
-        pos = self._tensor(positions)
+        pos = self._tensor(step.positions)
         ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for kind, table in self.ropes.items():
             same = next((k for k, t in self.ropes.items() if t is table and k in ropes), None)
@@ -99,12 +94,11 @@ class ModelRunner:
                 ropes[kind] = ropes[same]
                 continue
             rows = pos
-            if table.long_after is not None:  # longrope: long-factor rows for sequences past the switch
-                offsets = [table.long_offset if seq.long_rope else 0 for seq, n in batch.entries for _ in range(n)]
-                rows = pos + self._tensor(offsets)
+            if table.long_after is not None and step.long_rope is not None:
+                # longrope: long-factor rows for sequences past the switch
+                rows = pos + self._tensor([table.long_offset if long else 0 for long in step.long_rope])
             ropes[kind] = (table.cos[rows], table.sin[rows])
-        logits = self.model(self._tensor(input_ids), ropes, self.kv_pool, meta, self._tensor(logits_rows))
-        return logits, sampled
+        return self.model(self._tensor(step.input_ids), ropes, self.kv_pool, meta, self._tensor(step.logits_rows))
 
 
 def _cumsum(values: list[int]) -> list[int]:

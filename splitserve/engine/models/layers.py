@@ -10,6 +10,9 @@ import torch
 from torch import nn
 
 from splitserve.core.model_config import ModelConfig
+from splitserve.engine.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from splitserve.engine.parallel.sharding import kv_heads, q_heads
+from splitserve.engine.parallel.state import tp
 from splitserve.kernels import ops
 
 
@@ -51,9 +54,11 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # this rank's heads (all of them at tp=1; parallel/sharding.py)
+        self.num_heads, self.num_kv_heads = q_heads(cfg, tp())[1], kv_heads(cfg, tp())[1]
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.attn_scale or cfg.head_dim**-0.5
         self.window = cfg.layer_window(layer)
         self.softcap = cfg.attn_softcap
@@ -62,8 +67,8 @@ class Attention(nn.Module):
         # ships self_attn.k_scale / v_scale (engine/kv_scales.py; the model runner sets them)
         self.k_scale = self.v_scale = 1.0
         # q, k and v as one matmul; the loader fills the three row ranges.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma_norms)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma_norms)
@@ -96,10 +101,10 @@ class GatedMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.intermediate = intermediate_size or cfg.intermediate_size
+        self.intermediate = (intermediate_size or cfg.intermediate_size) // tp().size  # this rank's slice
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * self.intermediate, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(self.intermediate, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.act_and_mul(self.gate_up_proj(x), gelu=self.gelu))

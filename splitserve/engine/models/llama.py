@@ -15,6 +15,8 @@ from torch import nn
 
 from splitserve.core.model_config import ModelConfig
 from splitserve.engine.models.layers import Attention, AttentionMetadata, GatedMLP, RMSNorm
+from splitserve.engine.parallel.linear import ParallelLMHead, VocabParallelEmbedding
+from splitserve.engine.parallel.state import tp
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # separate projections in the checkpoint -> (our fused parameter, which part of it)
@@ -54,10 +56,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -93,9 +95,10 @@ class LlamaForCausalLM(nn.Module):
         return f"layers.{layer}.{rest}", None
 
     def part_rows(self, fused: str) -> list[tuple[int, int]]:
-        cfg = self.cfg
+        """Row ranges of the parts of a fused projection, in this rank's slice of it."""
+        attention = self.layers[0].self_attn
         if fused.endswith("qkv_proj"):
-            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            q, kv = attention.q_size, attention.kv_size
             return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
-        i = cfg.intermediate_size
+        i = self.cfg.intermediate_size // tp().size
         return [(0, i), (i, 2 * i)]

@@ -24,6 +24,9 @@ from splitserve.core.quantization import quantization_from_config
 from splitserve.engine.checkpoint import iter_weights
 from splitserve.engine.models.quant_linear import QuantizedLinear, move_weight
 from splitserve.engine.models.registry import model_class
+from splitserve.engine.parallel.linear import quantized_replacement
+from splitserve.engine.parallel.sharding import checkpoint_shard, narrow
+from splitserve.engine.parallel.state import tp
 from splitserve.engine.quant import iter_quantized_weights
 from splitserve.kernels.quant_weight import QuantizedWeight
 
@@ -67,6 +70,9 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
         if target is None:
             continue
         param_name, index = target
+        shard = checkpoint_shard(name, cfg, tp())  # tensor parallelism: this rank keeps its slice
+        if shard is not None:
+            tensor = narrow(tensor, shard, f"{model_dir}: {name}")
         is_quantized = isinstance(tensor, QuantizedWeight)
         if not is_quantized and (not tensor.is_floating_point() or tensor.element_size() == 1):
             raise CheckpointError(f"{model_dir}: tensor '{name}' is {tensor.dtype}, quantized codes that no "
@@ -144,7 +150,7 @@ def swap_linear(model: nn.Module, param_name: str, model_dir) -> QuantizedLinear
     if attr != "weight" or not isinstance(linear, nn.Linear):
         raise CheckpointError(f"{model_dir}: a quantized tensor for '{param_name}', which is not a linear layer's "
                               "weight (quantized mixture-of-experts checkpoints are not supported)")
-    quantized = QuantizedLinear.replacing(linear)
+    quantized = quantized_replacement(linear)  # keeps a sharded layer's all-reduce or gather
     setattr(parent, child, quantized)
     return quantized
 

@@ -24,6 +24,7 @@ from torch import nn
 from splitserve.core.model_config import ModelConfig
 from splitserve.engine.models.layers import GatedMLP
 from splitserve.engine.models.llama import DecoderLayer, LlamaForCausalLM
+from splitserve.engine.parallel.state import all_reduce, tp
 from splitserve.kernels import ops
 from splitserve.kernels.moe_reference import select_experts
 
@@ -41,7 +42,7 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        experts, inter = cfg.num_experts, cfg.moe_intermediate_size
+        experts, inter = cfg.num_experts, cfg.moe_intermediate_size // tp().size  # this rank's slice
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
         # transformers' Qwen3-MoE rounds the routing weights to the activation dtype before
@@ -55,7 +56,7 @@ class SparseMoeBlock(nn.Module):
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
         if self.round_weights:
             weights = weights.to(x.dtype)
-        return ops.fused_moe(x, self.w13, self.w2, weights, ids)
+        return all_reduce(ops.fused_moe(x, self.w13, self.w2, weights, ids))  # partial sums at tp > 1
 
 
 def expert_weight_target(rest: str, intermediate: int) -> tuple[str, tuple | None] | None:
@@ -86,7 +87,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     def weight_target(self, name: str) -> tuple[str, slice | tuple | None] | None:
         m = _LAYER.match(name)
         if m and int(m.group(1)) in self.cfg.moe_layers:
-            target = expert_weight_target(m.group(2), self.cfg.moe_intermediate_size)
+            target = expert_weight_target(m.group(2), self.cfg.moe_intermediate_size // tp().size)
             if target is not None:
                 return f"layers.{m.group(1)}.{target[0]}", target[1]
         return super().weight_target(name)

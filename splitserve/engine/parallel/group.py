@@ -1,0 +1,105 @@
+"""Rank 0's side of a tensor-parallel engine: starts ranks 1..N-1 as processes (spawned,
+so each has its own torch and its own slice), joins the group with them, and ends them.
+
+The scheduler, block manager, prefix cache and sampler stay in rank 0 (the engine's own
+process); ModelRunner.run broadcasts each step's inputs before running it.
+Gloo on the CPU: the collectives go over loopback TCP; NCCL on CUDA."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from splitserve.core.model_config import CheckpointError
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.parallel.state import (
+    NO_TIMEOUT,
+    broadcast_object,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    tp,
+)
+from splitserve.engine.parallel.worker import cpu_threads, loaded, rank_config, run_rank
+
+JOIN_TIMEOUT_S = 300.0  # a rank that never joins (slow start, wedged): an error, not a hang
+
+
+class TensorParallelGroup:
+    def __init__(self, cfg: EngineConfig):
+        if tp().size > 1:
+            raise RuntimeError("this process already runs a tensor-parallel engine (one per process)")
+        self.size = cfg.tensor_parallel_size
+        self.cfg = rank_config(cfg, 0)
+        # rank 0 hosts the rendezvous store on a free port (port 0: the OS picks)
+        self.store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, timeout=NO_TIMEOUT,
+                                   wait_for_workers=False)
+        self.procs: list[mp.Process] = []
+        self.threads = torch.get_num_threads()
+        self.running = False
+
+    def start(self, max_model_len: int) -> None:
+        """Start ranks 1..N-1 and join the group as rank 0 (before rank 0 loads its slice)."""
+        ctx = mp.get_context("spawn")
+        for rank in range(1, self.size):
+            proc = ctx.Process(target=run_rank, name=f"splitserve-tp-rank{rank}", daemon=True,
+                               args=(rank, self.size, self.store.port, self.cfg, max_model_len))
+            proc.start()
+            self.procs.append(proc)
+        if torch.device(self.cfg.device).type == "cpu":
+            torch.set_num_threads(cpu_threads(self.size))
+        self.wait_for_ranks()
+        init_tensor_parallel(0, self.size, self.store, self.cfg.device)
+        self.running = True
+
+    def wait_for_ranks(self) -> None:
+        """Until every rank has reached the store; one line if one died or never came."""
+        keys = [f"joined{rank}" for rank in range(1, self.size)]
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while True:
+            try:
+                self.store.wait(keys, timedelta(seconds=1))
+                return
+            except (RuntimeError, dist.DistStoreError):
+                dead = [p for p in self.procs if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.close()
+                    why = f"exited with code {dead[0].exitcode}" if dead else f"did not start in {JOIN_TIMEOUT_S:.0f} s"
+                    raise RuntimeError(f"tensor parallelism: rank process {why}") from None
+
+    def load(self, make_runner):
+        """Rank 0's runner, once every rank has loaded its slice; else the first rank's error
+        (rank 0's own exception as it is), the other ranks ended."""
+        try:
+            runner = make_runner()
+        except Exception as exc:
+            loaded(f"rank 0: {exc}")  # the other ranks learn it and return
+            self.running = False
+            self.close()
+            raise
+        first = loaded(None)
+        if first is not None:
+            self.running = False
+            self.close()
+            raise CheckpointError(first)
+        return runner
+
+    def close(self) -> None:
+        """Stop the other ranks (a None step) and leave the group. Idempotent."""
+        if self.running:
+            self.running = False
+            try:
+                broadcast_object(None)
+            except RuntimeError:  # a rank died: the others are ended below
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+        self.procs = []
+        destroy_tensor_parallel()
+        torch.set_num_threads(self.threads)

@@ -1,0 +1,156 @@
+"""What each rank holds: pure functions from the model's shape and (rank, size) to head
+ranges, local sizes and the slice of each checkpoint tensor this rank loads.
+
+- q heads split evenly; KV heads split evenly, or replicated when there are fewer KV heads
+  than ranks (rank r keeps KV head r * kv // size, the one its q heads read).
+- column-parallel (output rows): q/k/v, gate/up, each expert's gate/up, the LM head and
+  the vocabulary rows of the embedding; row-parallel (input columns): o_proj, down_proj,
+  each expert's down. One all-reduce after attention, one after the MLP.
+- MoE: every rank holds a 1/size slice of every expert's intermediate dimension (tensor-
+  parallel experts), not whole experts (expert-parallel): the router's choices then need no
+  token exchange between ranks, the load is even whatever the routing, and the MLP's one
+  all-reduce is the same as a dense layer's. Expert parallelism pays off at expert counts
+  and batch sizes far above what one worker sees.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.core.model_config import CheckpointError, ModelConfig
+from splitserve.engine.parallel.state import TPState
+from splitserve.kernels.quant_weight import QuantizedWeight
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's part of a checkpoint tensor: `length` entries from `start` along `dim`,
+    then zero rows up to `padded` (the vocabulary's last rank)."""
+
+    dim: int
+    start: int
+    length: int
+    padded: int | None = None
+
+
+def vocab_rows(vocab_size: int, t: TPState) -> tuple[int, int, int]:
+    """(first row, rows held, rows padded to): ceil(vocab / size) rows per rank, so any
+    vocabulary splits; the last rank's padding rows are zero and their logits are dropped."""
+    per = -(-vocab_size // t.size)
+    start = min(vocab_size, t.rank * per)
+    return start, min(vocab_size, start + per) - start, per
+
+
+def even_split(total: int, t: TPState) -> tuple[int, int]:
+    per = total // t.size
+    return t.rank * per, per
+
+
+def q_heads(cfg: ModelConfig, t: TPState) -> tuple[int, int]:
+    """(first head, number of heads) of this rank's query heads."""
+    return even_split(cfg.num_heads, t)
+
+
+def kv_heads(cfg: ModelConfig, t: TPState) -> tuple[int, int]:
+    """(first KV head, number): an even split, or the one KV head this rank's q heads read."""
+    if cfg.num_kv_heads >= t.size:
+        return even_split(cfg.num_kv_heads, t)
+    return t.rank * cfg.num_kv_heads // t.size, 1
+
+
+def check_shardable(cfg: ModelConfig, size: int, source: str) -> None:
+    """One line saying why this model cannot run on `size` ranks, or nothing."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    if size == 1:
+        return
+    why = None
+    dense_layers = cfg.num_layers > len(cfg.moe_layers)
+    if cfg.family == "phi3":
+        why = "its checkpoint stores q/k/v and gate/up fused in one tensor, which the loader does not split per rank"
+    elif cfg.num_heads % size:
+        why = f"num_attention_heads ({cfg.num_heads}) is not divisible by it"
+    elif cfg.num_kv_heads % size and size % cfg.num_kv_heads:
+        why = f"num_key_value_heads ({cfg.num_kv_heads}) neither divides it nor is divisible by it"
+    elif dense_layers and cfg.intermediate_size % size:
+        why = f"intermediate_size ({cfg.intermediate_size}) is not divisible by it"
+    elif cfg.num_experts and cfg.moe_intermediate_size % size:
+        why = f"moe_intermediate_size ({cfg.moe_intermediate_size}) is not divisible by it"
+    if why:
+        raise CheckpointError(f"{source}: {cfg.architecture} cannot run with tensor_parallel_size={size}: {why}")
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_PREFIX = r"(?:mlp|block_sparse_moe)"
+_EXPERT_ROWS = re.compile(rf"^{_PREFIX}\.experts\.\d+\.(?:w1|w3|gate_proj|up_proj)$")
+_EXPERT_COLS = re.compile(rf"^{_PREFIX}\.experts\.\d+\.(?:w2|down_proj)$")
+_STACKED = re.compile(rf"^model\.layers\.\d+\.{_PREFIX}\.experts\.(?:gate_up_proj|down_proj)$")
+
+
+def checkpoint_shard(name: str, cfg: ModelConfig, t: TPState) -> Shard | None:
+    """The part of checkpoint tensor `name` this rank loads; None: all of it (replicated,
+    or a row-parallel bias, which rank 0 alone adds)."""
+    if t.size == 1:
+        return None
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return Shard(0, *vocab_rows(cfg.vocab_size, t))
+    if _STACKED.match(name):
+        raise CheckpointError(f"tensor '{name}': stacked expert tensors cannot be split per rank yet "
+                              "(save the checkpoint with one tensor per expert)")
+    m = _LAYER.match(name)
+    if not m:
+        return None
+    module, kind = m.group(2), m.group(3)
+    d = cfg.head_dim
+    if module == "self_attn.q_proj":
+        first, n = q_heads(cfg, t)
+        return Shard(0, first * d, n * d)
+    if module in ("self_attn.k_proj", "self_attn.v_proj"):
+        first, n = kv_heads(cfg, t)
+        return Shard(0, first * d, n * d)
+    if module == "self_attn.o_proj":
+        return Shard(1, *map(lambda v: v * d, q_heads(cfg, t))) if kind == "weight" else None
+    if module in ("mlp.gate_proj", "mlp.up_proj"):
+        return Shard(0, *even_split(cfg.intermediate_size, t))
+    if module == "mlp.down_proj":
+        return Shard(1, *even_split(cfg.intermediate_size, t)) if kind == "weight" else None
+    if _EXPERT_ROWS.match(module):
+        return Shard(0, *even_split(cfg.moe_intermediate_size, t))
+    if _EXPERT_COLS.match(module):
+        return Shard(1, *even_split(cfg.moe_intermediate_size, t))
+    return None  # norms, the router: replicated
+
+
+def narrow(tensor: torch.Tensor | QuantizedWeight, shard: Shard, name: str):
+    """This rank's part of a checkpoint tensor. A quantized weight splits exactly by output
+    rows; by input columns only at its group boundaries and without an act-order permutation
+    (a group's scale must stay whole on one rank)."""
+    pad = 0 if shard.padded is None else shard.padded - shard.length
+    if isinstance(tensor, torch.Tensor):
+        part = tensor.narrow(shard.dim, shard.start, shard.length)
+        return torch.cat([part, part.new_zeros(pad, *part.shape[1:])]) if pad else part
+    q, start, n = tensor, shard.start, shard.length
+    if pad:  # zero codes, scales and offsets: zero rows
+        q = QuantizedWeight(*(None if t is None else torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+                              for t in (q.codes, q.scales, q.offsets)), q.bits, q.group_size, q.in_features,
+                            q.out_features + pad, q.input_perm)
+        n += pad
+    off = q.offsets
+    # clones: a view would keep the whole checkpoint tensor alive in this rank
+    if shard.dim == 0:
+        return QuantizedWeight(q.codes[start:start + n].clone(), q.scales[start:start + n].clone(),
+                               None if off is None else off[start:start + n].clone(), q.bits, q.group_size,
+                               q.in_features, n, q.input_perm)
+    g = q.group_size
+    if q.input_perm is not None or start % g or n % g:
+        raise CheckpointError(f"{name}: its input columns {start}:{start + n} do not fall on the "
+                              f"quantization groups ({g} columns{', act-order' if q.input_perm is not None else ''}),"
+                              " so it cannot be split across ranks")
+    per_code = 2 if q.bits == 4 else 1
+    groups = slice(start // g, (start + n) // g)
+    return QuantizedWeight(q.codes[:, start // per_code:(start + n) // per_code].clone(),
+                           q.scales[:, groups].clone(), None if off is None else off[:, groups].clone(),
+                           q.bits, g, n, q.out_features, None)

@@ -1,0 +1,67 @@
+"""This process's place in the tensor-parallel group: its rank, the group's size, and the
+two collectives the sharded layers need (all-reduce, all-gather).
+
+One group per engine, so module state (as in nano-vllm and vLLM): the layers read it when
+they are built and when they run, and a single-process engine (tp=1) never touches
+torch.distributed. Gloo on the CPU, NCCL on CUDA."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPState:
+    rank: int = 0
+    size: int = 1
+
+
+_state = TPState()
+NO_TIMEOUT = timedelta(days=365)
+
+
+def tp() -> TPState:
+    return _state
+
+
+def init_tensor_parallel(rank: int, size: int, store: dist.Store, device: str) -> None:
+    """Join the group over `store` (every rank calls this). No collective times out: a worker
+    rank waits for the next step as long as rank 0 is idle; a dead peer fails the collective."""
+    global _state
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=NO_TIMEOUT)
+    _state = TPState(rank, size)
+
+
+def destroy_tensor_parallel() -> None:
+    global _state
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _state = TPState()
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks of each rank's partial `x` (in place); x itself at tp=1."""
+    if _state.size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The ranks' `x` concatenated along `dim`, in rank order."""
+    if _state.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_state.size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=dim)
+
+
+def broadcast_object(obj=None):
+    """Rank 0's `obj` on every rank (the per-step description)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,62 @@
+"""Ranks 1..N-1 of a tensor-parallel engine: each a process that loads its slice of the
+model and its slice of the KV pool, then runs every step rank 0 broadcasts, until rank 0
+broadcasts None. Rank 0 schedules and samples; these ranks only compute (their copy of
+the gathered logits is dropped)."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.parallel.state import (
+    NO_TIMEOUT,
+    broadcast_object,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+)
+
+
+def rank_config(cfg: EngineConfig, rank: int) -> EngineConfig:
+    """One device per rank on CUDA (cuda:rank); the CPU is shared, its cores split evenly."""
+    if torch.device(cfg.device).type == "cuda":
+        return replace(cfg, device=f"cuda:{rank}")
+    return cfg
+
+
+def cpu_threads(size: int) -> int:
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+def loaded(error: str | None) -> str | None:
+    """Every rank says whether it loaded; the first rank's error, if any (all ranks call it)."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), None)
+
+
+def run_rank(rank: int, size: int, port: int, cfg: EngineConfig, max_model_len: int) -> None:
+    from splitserve.core.model_config import ModelConfig
+    from splitserve.engine.model_runner import ModelRunner
+
+    cfg = rank_config(cfg, rank)
+    if torch.device(cfg.device).type == "cuda":
+        torch.cuda.set_device(cfg.device)
+    else:
+        torch.set_num_threads(cpu_threads(size))
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=NO_TIMEOUT)
+    store.set(f"joined{rank}", "1")  # rank 0 waits for these, watching that this process lives
+    init_tensor_parallel(rank, size, store, cfg.device)
+    try:
+        runner, error = ModelRunner(ModelConfig.from_dir(cfg.model), cfg, max_model_len), None
+    except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
+        runner, error = None, f"rank {rank}: {exc}" if str(exc) else f"rank {rank}: {traceback.format_exc(limit=1)}"
+    if loaded(error) is not None:
+        return
+    while (step := broadcast_object()) is not None:
+        runner.execute(step)
+    destroy_tensor_parallel()

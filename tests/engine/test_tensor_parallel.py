@@ -1,0 +1,109 @@
+"""Tensor parallelism (issue 32) on the CPU: `LLM(..., tensor_parallel_size=2)` runs two
+rank processes over gloo and gives the same greedy tokens as one process, for dense
+models whose KV heads are split (llama: 2 KV heads) or replicated (qwen2: 1 KV head < 2
+ranks, tied embeddings, q/k/v bias), and for MoE models (tensor-parallel expert slices),
+including a prefix-cache hit. Families and shapes that cannot be split are refused in one
+line, before any rank process starts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from splitserve.core.model_config import CheckpointError, ModelConfig
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.parallel.sharding import Shard, check_shardable, kv_heads, narrow, q_heads
+from splitserve.engine.parallel.state import TPState, tp
+from splitserve.kernels.quant_weight import QuantizedWeight
+
+NEW_TOKENS = 12
+LENGTHS = (5, 23, 40)
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(5, vocab) for _ in range(n)] for n in LENGTHS]
+
+
+def generate(path, tp_size: int) -> tuple[list[list[int]], list[int], int]:
+    """Greedy tokens of the prompts, then of a prompt sharing 32 tokens with the longest
+    one (a prefix-cache hit), and that hit's cached token count."""
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLM(str(path), num_kv_blocks=64, max_num_batched_tokens=32, tensor_parallel_size=tp_size) as llm:
+        cfg, runner = llm.engine.model_config, llm.engine.runner
+        # rank 0 holds its slice only: half the q heads, its KV heads, half the vocabulary rows
+        assert runner.model.layers[0].self_attn.num_heads == cfg.num_heads // tp_size
+        assert runner.kv_pool.spec.num_kv_heads == max(1, cfg.num_kv_heads // tp_size)
+        assert runner.model.embed_tokens.num_embeddings == -(-cfg.vocab_size // tp_size)
+        ps = prompts(cfg.vocab_size)
+        outs = [o.token_ids for o in llm.generate(ps, params)]
+        again = ps[2][:32] + [7, 8, 9]
+        hit = llm.generate([again], params)[0]
+        assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+    assert tp().size == 1  # the group is gone
+    return outs, hit.token_ids, hit.num_cached_tokens
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe", "mixtral"])
+def test_tp2_greedy_tokens_equal_tp1(make_ckpt, family):
+    path = make_ckpt(family)
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.num_kv_heads < cfg.num_heads  # GQA in every case; qwen2 and mixtral: 1 KV head < 2 ranks
+    one = generate(path, 1)
+    two = generate(path, 2)
+    assert two[2] >= 32, two[2]  # the prefix cache hit at TP=2
+    assert two == one
+
+
+def test_kv_heads_split_or_replicated():
+    cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                                 "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 8,
+                                 "num_key_value_heads": 2})
+    assert [kv_heads(cfg, TPState(r, 2)) for r in range(2)] == [(0, 1), (1, 1)]
+    # 4 ranks over 2 KV heads: ranks 0-1 keep head 0, ranks 2-3 head 1 (their q heads 0-3, 4-7 read them)
+    assert [kv_heads(cfg, TPState(r, 4)) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert [q_heads(cfg, TPState(r, 4)) for r in range(4)] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+
+
+@pytest.mark.parametrize("fields,size,why", [
+    ({"architectures": ["Phi3ForCausalLM"]}, 2, "its checkpoint stores q/k/v and gate/up fused in one tensor"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 6}, 4, r"num_attention_heads \(6\) is not divisible by it"),
+    ({"num_attention_heads": 12, "num_key_value_heads": 3}, 2,
+     r"num_key_value_heads \(3\) neither divides it nor is divisible by it"),
+    ({"intermediate_size": 66}, 4, r"intermediate_size \(66\) is not divisible by it"),
+])
+def test_unshardable_models_are_refused_in_one_line(fields, size, why):
+    raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 48, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, **fields}
+    cfg = ModelConfig.from_dict(raw)
+    with pytest.raises(CheckpointError, match=rf"^m: \w+ cannot run with tensor_parallel_size={size}: {why}"):
+        check_shardable(cfg, size, "m")
+
+
+def test_a_refused_family_starts_no_rank(make_ckpt):
+    with pytest.raises(CheckpointError, match=r"Phi3ForCausalLM cannot run with tensor_parallel_size=2: its "
+                                              r"checkpoint stores q/k/v and gate/up fused"):
+        LLM(str(make_ckpt("phi3")), num_kv_blocks=8, tensor_parallel_size=2)
+    assert tp().size == 1
+
+
+def quantized(out_features: int, in_features: int, group: int, bits: int) -> QuantizedWeight:
+    g = torch.Generator().manual_seed(0)
+    cols = in_features // 2 if bits == 4 else in_features
+    codes = torch.randint(0, 256, (out_features, cols), generator=g, dtype=torch.uint8)
+    scales = torch.rand(out_features, in_features // group, generator=g)
+    offsets = torch.rand(out_features, in_features // group, generator=g)
+    return QuantizedWeight(codes, scales, offsets, bits, group, in_features, out_features)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantized_weight_splits_exactly_by_rows_and_by_whole_groups(bits):
+    w = quantized(8, 64, 16, bits)
+    full = w.dequantize()
+    assert torch.equal(narrow(w, Shard(0, 4, 4), "t").dequantize(), full[4:8])
+    assert torch.equal(narrow(w, Shard(1, 32, 32), "t").dequantize(), full[:, 32:64])
+    with pytest.raises(CheckpointError, match=r"^t: its input columns 8:40 do not fall on the quantization "
+                                              r"groups \(16 columns\), so it cannot be split across ranks$"):
+        narrow(w, Shard(1, 8, 32), "t")
