@@ -59,10 +59,9 @@ def checkpoint_problem(model_dir: str, quantization: str | None = None) -> str |
     truncated or garbled weights, no tokenizer), or None. No torch, and no tensor is
     loaded: core/checkpoint_check.py reads the safetensors headers only."""
     from splitserve.core.checkpoint_check import checkpoint_files_problem
+    from splitserve.core.gguf_model import gguf_checkpoint_problem, gguf_source
     from splitserve.core.model_config import CheckpointError, ModelConfig
     from splitserve.core.quantization import quantization_from_config
-
-    from splitserve.core.gguf_model import gguf_checkpoint_problem, gguf_source
 
     if model_is_gguf(model_dir) or gguf_source(model_dir) is not None:  # a .gguf, or its derived directory
         return gguf_checkpoint_problem(model_dir, quantization)
