@@ -146,10 +146,9 @@ def permute_rows(w: torch.Tensor | QuantizedWeight, perm: torch.Tensor):
                            w.bits, w.group_size, w.in_features, w.out_features)
 
 
-def iter_gguf_weights(path: str | Path, quantized: bool = True) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(HF name, float32 tensor | QuantizedWeight) for every tensor of a GGUF file, read
-    from a memory map; quantized=False dequantises QuantizedWeights to float32 tensors
-    (what transformers loads)."""
+    from a memory map."""
     from gguf import GGMLQuantizationType, dequantize
 
     header = read_gguf_header(path)  # core/gguf_file.py: why not gguf.GGUFReader
@@ -174,6 +173,4 @@ def iter_gguf_weights(path: str | Path, quantized: bool = True) -> Iterator[tupl
             w = w - 1
         if arch == "llama" and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
             w = permute_rows(w, llama_row_permutation(t.shape[0], heads if ".attn_q." in t.name else kv_heads))
-        if isinstance(w, QuantizedWeight) and not quantized:
-            w = w.dequantize()
         yield name, w

@@ -103,11 +103,12 @@ def test_an_unsupported_tensor_type_is_one_line_naming_it(tmp_path):
         list(iter_gguf_weights(path))
 
 
-def test_quantized_false_yields_the_dequantized_floats(tmp_path):
+def test_a_file_yields_hf_names_and_quantized_weights(tmp_path):
     data = blocks_for("Q8_0", 4, 64, np.random.default_rng(3))
     path = tmp_path / "q8.gguf"
-    write_gguf(path, {"blk.0.ffn_up.weight": (data, GGMLQuantizationType.Q8_0)})
-    (name, qw), = iter_gguf_weights(path)
-    (_, floats), = iter_gguf_weights(path, quantized=False)
-    assert name == "model.layers.0.mlp.up_proj.weight" and qw.bits == 8
-    assert floats.dtype == torch.float32 and same_values(floats, qw.dequantize())
+    write_gguf(path, {"blk.0.ffn_up.weight": (data, GGMLQuantizationType.Q8_0),
+                      "blk.0.attn_norm.weight": (np.full(64, 0.5, np.float32), None)})
+    (up_name, up), (norm_name, norm) = iter_gguf_weights(path)
+    assert (up_name, norm_name) == ("model.layers.0.mlp.up_proj.weight", "model.layers.0.input_layernorm.weight")
+    assert up.bits == 8 and same_values(up.dequantize(), torch.from_numpy(dequantize(data, GGMLQuantizationType.Q8_0)))
+    assert norm.dtype == torch.float32 and torch.equal(norm, torch.full((64,), 0.5))  # llama: stored as is
