@@ -15,7 +15,7 @@ import torch
 from splitserve.core.model_config import CheckpointError, ModelConfig
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.parallel.sharding import Shard, check_shardable, kv_heads, narrow, q_heads
-from splitserve.engine.parallel.state import TPState, tp
+from splitserve.engine.parallel.state import RankLost, TPState, tp
 from splitserve.kernels.quant_weight import QuantizedWeight
 
 NEW_TOKENS = 12
@@ -46,7 +46,7 @@ def generate(path, tp_size: int) -> tuple[list[list[int]], list[int], int]:
     return outs, hit.token_ids, hit.num_cached_tokens
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "qwen3_moe", "mixtral"])
 def test_tp2_greedy_tokens_equal_tp1(make_ckpt, family):
     path = make_ckpt(family)
     cfg = ModelConfig.from_dir(path)
@@ -55,6 +55,38 @@ def test_tp2_greedy_tokens_equal_tp1(make_ckpt, family):
     two = generate(path, 2)
     assert two[2] >= 32, two[2]  # the prefix cache hit at TP=2
     assert two == one
+
+
+@pytest.mark.parametrize("layout,opts", [("gptq", {}), ("awq", {}), ("fp8-block", {})])
+def test_tp2_quantized_checkpoint_equals_tp1(make_ckpt, tmp_path, layout, opts):
+    """Quantized q/k/v, gate/up split by rows, o_proj and down_proj by whole groups of 128
+    input columns (hidden 256 and intermediate 512 give each rank 128 and 256)."""
+    from tests.engine.test_quant_formats import quantize_checkpoint
+
+    qdir, _ = quantize_checkpoint(make_ckpt("llama", hidden_size=256, intermediate_size=512), tmp_path, layout, **opts)
+    assert generate(qdir, 2) == generate(qdir, 1)
+
+
+def test_a_quantized_split_inside_a_group_is_refused(make_ckpt, tmp_path):
+    from tests.engine.test_quant_formats import quantize_checkpoint
+
+    qdir, _ = quantize_checkpoint(make_ckpt("llama", hidden_size=256, intermediate_size=384), tmp_path, "gptq")
+    with pytest.raises(CheckpointError, match=r"model.layers.0.mlp.down_proj.weight: its input columns 0:192 do not "
+                                              r"fall on the quantization groups \(128 columns\), so it cannot be split"):
+        LLM(str(qdir), num_kv_blocks=8, tensor_parallel_size=2)
+    assert tp().size == 1
+
+
+def test_a_dead_rank_fails_the_next_step_at_once(make_ckpt):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(str(make_ckpt("llama")), num_kv_blocks=16, tensor_parallel_size=2) as llm:
+        assert len(llm.generate([[5, 6, 7]], params)[0].token_ids) == 4
+        rank1 = llm.engine.tp_group.procs[0]
+        rank1.kill()
+        rank1.join()
+        with pytest.raises(RankLost, match=r"^tensor parallelism: a rank process is gone \("):
+            llm.generate([[5, 6, 7, 8]], params)
+    assert tp().size == 1 and not rank1.is_alive()
 
 
 def test_kv_heads_split_or_replicated():

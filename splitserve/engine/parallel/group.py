@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -59,16 +58,14 @@ class TensorParallelGroup:
         """Until every rank has reached the store; one line if one died or never came."""
         keys = [f"joined{rank}" for rank in range(1, self.size)]
         deadline = time.monotonic() + JOIN_TIMEOUT_S
-        while True:
-            try:
-                self.store.wait(keys, timedelta(seconds=1))
-                return
-            except (RuntimeError, dist.DistStoreError):
-                dead = [p for p in self.procs if not p.is_alive()]
-                if dead or time.monotonic() > deadline:
-                    self.close()
-                    why = f"exited with code {dead[0].exitcode}" if dead else f"did not start in {JOIN_TIMEOUT_S:.0f} s"
-                    raise RuntimeError(f"tensor parallelism: rank process {why}") from None
+        while not self.store.check(keys):
+            dead = [p for p in self.procs if not p.is_alive()]
+            if dead or time.monotonic() > deadline:
+                self.close()
+                why = f"exited with code {dead[0].exitcode}" if dead else f"did not start in {JOIN_TIMEOUT_S:.0f} s"
+                raise RuntimeError(f"tensor parallelism: rank process {why} (a script that starts one needs an "
+                                   "`if __name__ == '__main__':` guard: ranks are spawned)")
+            time.sleep(0.05)
 
     def load(self, make_runner):
         """Rank 0's runner, once every rank has loaded its slice; else the first rank's error

@@ -60,8 +60,15 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+class RankLost(RuntimeError):
+    """Another rank's process is gone: this engine cannot run another step."""
+
+
 def broadcast_object(obj=None):
     """Rank 0's `obj` on every rank (the per-step description)."""
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    try:
+        dist.broadcast_object_list(box, src=0)
+    except RuntimeError as exc:  # gloo: "Connection closed by peer" within milliseconds, no hang
+        raise RankLost(f"tensor parallelism: a rank process is gone ({str(exc).splitlines()[0][:200]})") from exc
     return box[0]
