@@ -25,6 +25,7 @@ from splitserve.metrics import Metrics
 
 from .apply import sync_children
 from .autoscaler import ScalingPolicy, Windows, decide
+from .cluster_token import TokenUnavailable, ensure_token_secret
 from .config import OperatorConfig
 from .kube import KubeClient
 from .loadreports import LoadReportsUnavailable, read_load_reports, redis_url
@@ -156,12 +157,20 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger
         return
     if _client is None:
         raise kopf.TemporaryError("no Kubernetes credentials yet (login pending)", delay=5)
+    owner = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": meta}
+    try:  # before any pod: a pod without its token Secret would not start
+        spec = replace(spec, cluster_token_hash=await ensure_token_secret(_client, owner, spec))
+    except TokenUnavailable as exc:
+        METRICS.operator_reconcile_errors.labels(namespace, name).inc()
+        logger.error(f"InferenceDeployment {namespace}/{name}: {exc}")
+        patch.status["conditions"] = conditions({}, ("ClusterTokenUnavailable", str(exc)), previous, _now(),
+                                                generation)
+        return
     replicas = scheduled_replicas(spec, status)
     queue: dict[str, int | None] = {}
     if scale and spec.autoscaling.enabled:
         replicas, queue = await autoscale(spec, replicas, memo, patch, logger)
     manifests = render_all(spec, replicas, CONFIG.ray_version)
-    owner = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": meta}
     result = await sync_children(_client, owner, manifests, unwanted_children(spec, CONFIG.ray_version))
     for verb, items in (("created", result.created), ("re-applied (drift)", result.patched),
                         ("deleted", result.deleted)):

@@ -2,7 +2,7 @@
 
 It uses the credentials kopf logged in with (kopf.ConnectionInfo), so kopf's watch
 and our writes always talk to the same API server as the same identity. Only the
-calls the operator needs exist: get, server-side apply, merge-patch, delete.
+calls the operator needs exist: get, create, server-side apply, merge-patch, delete.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import aiohttp
 
 FIELD_MANAGER = "splitserve-operator"
 
-# kind -> plural, for every kind the operator reads or writes (Secrets: read only, and
-# only with the chart's rbac.readSecrets).
+# kind -> plural, for every kind the operator reads or writes (Secrets: get and create,
+# for the cluster token; cluster_token.py).
 PLURALS = {
     "Deployment": "deployments", "Service": "services", "RayCluster": "rayclusters",
     "PodDisruptionBudget": "poddisruptionbudgets", "NetworkPolicy": "networkpolicies",
@@ -78,6 +78,12 @@ class KubeClient:
         path = resource_path(manifest["apiVersion"], manifest["kind"], m["namespace"], m["name"])
         return await self._request("PATCH", path, manifest, "application/apply-patch+yaml",
                                    {"fieldManager": FIELD_MANAGER, "force": "true"})
+
+    async def create(self, manifest: dict) -> dict:
+        """POST: 409 (ApiError) when it exists, so nothing existing is ever overwritten."""
+        m = manifest["metadata"]
+        return await self._request("POST", resource_path(manifest["apiVersion"], manifest["kind"], m["namespace"]),
+                                   manifest)
 
     async def patch_status(self, api_version: str, kind: str, namespace: str, name: str, status: dict) -> dict:
         path = resource_path(api_version, kind, namespace, name, "status")

@@ -18,6 +18,12 @@ from .spec import InferenceSpec, RoleSpec
 
 MODEL_MOUNT = "/models"
 RUN_AS_USER = 1000
+# The cluster token Secret (cluster_token.py), mounted into every pod of the deployment.
+TOKEN_KEY = "token"
+TOKEN_DIR = "/etc/splitserve/cluster-token"
+TOKEN_FILE = f"{TOKEN_DIR}/{TOKEN_KEY}"
+TOKEN_VOLUME = "cluster-token"
+TOKEN_HASH_ANNOTATION = "splitserve.io/cluster-token-hash"
 
 
 def child_name(spec: InferenceSpec, role: str) -> str:
@@ -79,7 +85,9 @@ def tokenizer_dir(spec: InferenceSpec) -> str:
 def volumes(spec: InferenceSpec, shm: bool) -> list[dict]:
     """/tmp is writable scratch (the root filesystem is read-only); workers get a
     memory-backed /dev/shm for torch and Ray; the model volume is mounted read-only."""
-    vols: list[dict] = [{"name": "tmp", "emptyDir": {}}]
+    vols: list[dict] = [{"name": "tmp", "emptyDir": {}},
+                        {"name": TOKEN_VOLUME, "secret": {"secretName": spec.cluster_token_secret, "defaultMode": 0o440,
+                                                          "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}]}}]
     if shm:
         vols.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
     m = spec.model
@@ -93,7 +101,8 @@ def volumes(spec: InferenceSpec, shm: bool) -> list[dict]:
 
 
 def volume_mounts(spec: InferenceSpec, shm: bool) -> list[dict]:
-    mounts: list[dict] = [{"name": "tmp", "mountPath": "/tmp"}]
+    mounts: list[dict] = [{"name": "tmp", "mountPath": "/tmp"},
+                          {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}]
     if shm:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     if spec.model.source_type != "image":
@@ -131,7 +140,7 @@ def pod_spec_extras(spec: InferenceSpec) -> dict:
 def common_args(spec: InferenceSpec) -> list[str]:
     """Flags every component takes; the Redis URL goes through the env var so a
     later change to secret-sourced URLs touches one place."""
-    return ["--redis-url", "$(SPLITSERVE_REDIS_URL)", "--cluster", spec.cluster]
+    return ["--redis-url", "$(SPLITSERVE_REDIS_URL)", "--cluster", spec.cluster, "--cluster-token-file", TOKEN_FILE]
 
 
 def engine_args(spec: InferenceSpec, role: RoleSpec) -> list[str]:

@@ -67,8 +67,10 @@ def pod_template(spec: InferenceSpec, role: str, pod: PodSettings, containers: l
     that tell pods of one role apart (the Ray head and workers)."""
     node_labels = node_labels or {}
     metadata: dict = {"labels": {**pod.labels, **c.labels(spec, role), **node_labels}}
-    if pod.annotations:
-        metadata["annotations"] = dict(pod.annotations)
+    annotations = {**pod.annotations, **({c.TOKEN_HASH_ANNOTATION: spec.cluster_token_hash}
+                                         if spec.cluster_token_hash else {})}
+    if annotations:  # a new token changes the template: the pods roll and read it
+        metadata["annotations"] = annotations
     podspec: dict = {
         "containers": [with_pod_settings(x, pod) for x in containers],
         "volumes": c.volumes(spec, shm) + deepcopy(pod.volumes), **c.pod_spec_extras(spec),

@@ -104,6 +104,12 @@ class InferenceSpec:
     network_policy: bool = True
     drain_timeout_seconds: int = 600
     image_pull_secrets: tuple[str, ...] = ()
+    cluster_token_hash: str = ""  # of the token Secret, set at reconcile (cluster_token.py): rolls the pods
+
+    @property
+    def cluster_token_secret(self) -> str:
+        """The Secret holding this deployment's cluster token (created by the operator)."""
+        return f"{self.name}-cluster-token"
 
     @property
     def cluster(self) -> str:

@@ -133,7 +133,8 @@ def test_rbac_is_least_privilege():
     main = rbac[("ClusterRole", "ss-splitserve")]["rules"]
     for rule in main + rbac[("ClusterRole", "ss-splitserve-discovery")]["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
-        assert not {"secrets", "pods", "configmaps"} & set(rule["resources"])
+        assert not {"pods", "configmaps"} & set(rule["resources"])
+        assert "secrets" not in rule["resources"] or set(rule["verbs"]) == {"get", "create", "delete"}  # the token
         assert not {"deletecollection", "escalate", "bind", "impersonate"} & set(rule["verbs"])
         # update only where OwnerReferencesPermissionEnforcement needs it (blockOwnerDeletion)
         assert "update" not in rule["verbs"] or rule["resources"] == ["inferencedeployments/finalizers"]
@@ -148,13 +149,13 @@ def test_rbac_is_least_privilege():
     assert ("ClusterRoleBinding", "ss-splitserve") in rbac
 
 
-def test_secrets_are_readable_only_when_asked_for():
-    """rbac.readSecrets grants `get` on Secrets (spec.redis.urlSecretRef), never list or watch."""
-    assert "secrets" not in {r for rule in _rbac(objects({}))[("ClusterRole", "ss-splitserve")]["rules"]
-                             for r in rule["resources"]}
-    rules = _rbac(objects({"rbac": {"readSecrets": True}}))[("ClusterRole", "ss-splitserve")]["rules"]
-    assert [rule for rule in rules if "secrets" in rule["resources"]] == [
-        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
+def test_secrets_get_create_delete_only():
+    """The cluster token Secret: `get`, `create`, and `delete` (which owner references
+    require), never list, watch or update; rbac.readSecrets adds nothing beyond that."""
+    for values in ({}, {"rbac": {"readSecrets": True}}):
+        rules = _rbac(objects(values))[("ClusterRole", "ss-splitserve")]["rules"]
+        assert [rule for rule in rules if "secrets" in rule["resources"]] == [
+            {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "delete"]}]
 
 
 def test_watch_namespaces_binds_per_namespace_only():

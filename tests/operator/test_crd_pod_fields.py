@@ -91,7 +91,7 @@ def test_bad_affinity_content_is_refused_by_kubernetes_own_schema(schema, minima
 
 ENV_RULE = ("env must not set POD_NAME, POD_NAMESPACE, POD_IP, HOME, HF_HUB_OFFLINE, HF_TOKEN, SPLITSERVE_REDIS_URL: "
             "the operator sets them (the Hugging Face token comes from model.source.tokenSecretRef)")
-VOLUME_RULE = "volumes[].name must not be tmp, dshm or model: the operator's own volumes have those names"
+VOLUME_RULE = "volumes[].name must not be tmp, dshm, model or cluster-token: the operator's own volumes have those names"
 MOUNT_PATH_RULE = ("volumeMounts[].mountPath must not be /tmp, /dev/shm, /models or below /models: the operator "
                    "mounts its own volumes there")
 MOUNT_NAME_RULE = "volumeMounts[].name must name one of this role's volumes"

@@ -30,7 +30,7 @@ KINDS = {
     ("ray.io/v1", "rayclusters"): "RayCluster", ("policy/v1", "poddisruptionbudgets"): "PodDisruptionBudget",
     ("networking.k8s.io/v1", "networkpolicies"): "NetworkPolicy",
     ("monitoring.coreos.com/v1", "servicemonitors"): "ServiceMonitor",
-    ("monitoring.coreos.com/v1", "podmonitors"): "PodMonitor",
+    ("monitoring.coreos.com/v1", "podmonitors"): "PodMonitor", ("v1", "secrets"): "Secret",
 }
 PLURAL = {kind: plural for (_, plural), kind in KINDS.items()}
 

@@ -77,10 +77,12 @@ async def test_without_finalizers_update_children_cannot_block_owner_deletion(st
     await fake.create(*IFD, NS, infd("llama", minimal_spec))
     degraded = await wait_until(
         lambda: (c := condition(fake, "llama", "Degraded")) and c["status"] == "True" and c, "Degraded")
-    assert degraded["reason"] == "ApplyFailed"
-    assert "Deployment llama-decode: forbidden (PATCH); the operator's RBAC lacks this verb" in degraded["message"]
-    assert child(fake, "Deployment", "llama-decode") is None
-    assert any("cannot set blockOwnerDeletion if an ownerReference refers to a resource you can't set "
+    # The first owned child the operator creates is the cluster token Secret; nothing after it.
+    assert degraded["reason"] == "ClusterTokenUnavailable"
+    assert "cannot read or create the cluster token Secret demo/llama-cluster-token: HTTP 403" in degraded["message"]
+    assert child(fake, "Deployment", "llama-decode") is None and child(fake, "Secret", "llama-cluster-token") is None
+    assert any('secrets "llama-cluster-token" is forbidden: cannot set blockOwnerDeletion if an ownerReference '
+               "refers to a resource you can't set "
                'finalizers on: inferencedeployments.splitserve.io "llama" is forbidden: User '
                '"system:serviceaccount:splitserve-system:ss-splitserve" cannot update resource '
                '"inferencedeployments/finalizers" in API group "splitserve.io" in the namespace "demo"' in d

@@ -102,14 +102,15 @@ def test_component_commands_follow_the_contracts():
                               "--model", "/models/Meta-Llama-3-8B-Instruct",
                               "--served-model-name", "llama-3-8b-instruct",
                               "--redis-url", "$(SPLITSERVE_REDIS_URL)", "--cluster", "inference.llama3-8b",
-                              "--block-size", "16", "--max-model-len", "8192"]
+                              "--cluster-token-file", "/etc/splitserve/cluster-token/token", "--block-size", "16", "--max-model-len", "8192"]
     decode_dep = m[("Deployment", "llama3-8b-decode")]
     decode = decode_dep["spec"]["template"]["spec"]["containers"][0]
     engine = ["--served-model-name", "llama-3-8b-instruct", "--block-size", "16", "--device", "cuda",
               "--dtype", "bfloat16"]
     assert decode["args"] == ["decode-worker", "--model", "/models/Meta-Llama-3-8B-Instruct", "--host", "0.0.0.0",
                               "--port", "50052", "--admin-port", "8081", "--redis-url", "$(SPLITSERVE_REDIS_URL)",
-                              "--cluster", "inference.llama3-8b", "--kv-backend", "grpc", "--drain-timeout", "600",
+                              "--cluster", "inference.llama3-8b", "--cluster-token-file",
+                              "/etc/splitserve/cluster-token/token", "--kv-backend", "grpc", "--drain-timeout", "600",
                               *engine, "--max-num-seqs", "256", "--max-num-batched-tokens", "8192",
                               "--max-model-len", "8192", "--kv-cache-memory", "40"]
     assert decode_dep["spec"]["replicas"] == 3
@@ -121,7 +122,8 @@ def test_component_commands_follow_the_contracts():
     assert ray["metadata"]["annotations"] == {"ray.io/overwrite-container-cmd": "true"}
     assert head["args"][0].endswith(
         "exec splitserve prefill-pool --model /models/Meta-Llama-3-8B-Instruct --replicas 2 --one-per-worker-node "
-        '--redis-url "$SPLITSERVE_REDIS_URL" --cluster inference.llama3-8b --kv-backend grpc '
+        '--redis-url "$SPLITSERVE_REDIS_URL" --cluster inference.llama3-8b '
+        "--cluster-token-file /etc/splitserve/cluster-token/token --kv-backend grpc "
         "--port 50051 --metrics-port 8081 --worker-metrics-port 8082 --gpus-per-worker 1 "
         + " ".join(engine) + " --max-num-seqs 256 --max-num-batched-tokens 16384 --max-model-len 8192")
     assert '"${KUBERAY_GEN_RAY_START_CMD//--block/}"' in head["args"][0]

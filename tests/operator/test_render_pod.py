@@ -27,6 +27,9 @@ MODEL_DIR = "/models/Llama-3.1-8B-Instruct"
 HARDENED = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
             "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
 PROXY = [{"configMapRef": {"name": "egress-proxy"}}]
+TOKEN_VOLUME = {"name": "cluster-token", "secret": {"secretName": "llama31-8b-cluster-token", "defaultMode": 0o440,
+                                                    "items": [{"key": "token", "path": "token"}]}}
+TOKEN_MOUNT = {"name": "cluster-token", "mountPath": "/etc/splitserve/cluster-token", "readOnly": True}
 TEAM = {"team": "ml-platform", "cost-center": "cc-1234"}
 REDIS_FROM_SECRET = {"name": "SPLITSERVE_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": "redis-url", "key": "url"}}}
 OPERATOR_ENV_LIST = [
@@ -70,14 +73,14 @@ def test_router_pod_gets_its_settings_and_a_weightless_download():
     api_key_env = {"name": "SPLITSERVE_API_KEY_FILE", "value": "/etc/splitserve/api-key/key"}
     assert router["env"] == OPERATOR_ENV_LIST + [api_key_env]
     assert router["envFrom"] == PROXY
-    assert pod["volumes"] == [{"name": "tmp", "emptyDir": {}}, {"name": "model", "emptyDir": {}},
+    assert pod["volumes"] == [{"name": "tmp", "emptyDir": {}}, TOKEN_VOLUME, {"name": "model", "emptyDir": {}},
                               {"name": "api-key", "secret": {"secretName": "router-api-key", "defaultMode": 0o440}}]
-    assert router["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"},
+    assert router["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}, TOKEN_MOUNT,
                                       {"name": "model", "mountPath": "/models", "readOnly": True},
                                       {"name": "api-key", "mountPath": "/etc/splitserve/api-key", "readOnly": True}]
     # The router tokenizes only: config and tokenizer, no weights.
     # The model volume is writable here only; the role's env, envFrom and mounts apply too.
-    assert pod["initContainers"] == [fetch_model(["--no-weights"], [api_key_env], router["volumeMounts"][2:])]
+    assert pod["initContainers"] == [fetch_model(["--no-weights"], [api_key_env], router["volumeMounts"][3:])]
     assert pod["topologySpreadConstraints"] == spread("router")
     assert pod["priorityClassName"] == "inference-critical"
     assert "affinity" not in pod and "tolerations" not in pod and "imagePullSecrets" not in pod
@@ -91,7 +94,7 @@ def test_decode_pod_gets_its_settings_and_the_full_download():
     cuda_env = {"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:True"}
     assert decode["env"] == OPERATOR_ENV_LIST + [cuda_env]
     assert pod["initContainers"] == [fetch_model([], [cuda_env])]
-    assert pod["volumes"] == [{"name": "tmp", "emptyDir": {}}, {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    assert pod["volumes"] == [{"name": "tmp", "emptyDir": {}}, TOKEN_VOLUME, {"name": "dshm", "emptyDir": {"medium": "Memory"}},
                               {"name": "model", "emptyDir": {}}]
     assert pod["affinity"] == EXAMPLE["spec"]["decode"]["affinity"]
     assert pod["affinity"]["nodeAffinity"] == GPU_AFFINITY["nodeAffinity"]
