@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.core.gguf_model import find_gguf, prepare_gguf
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.engine.kv_cache import kv_cache_torch_dtype
 
@@ -36,6 +37,9 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        gguf = find_gguf(self.model)  # LLM("model.gguf") as vLLM takes it: served from its derived directory
+        if gguf is not None:
+            self.model = str(prepare_gguf(gguf))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         kv_cache_torch_dtype(self.kv_cache_dtype, self.torch_dtype)  # one clear error for a bad value

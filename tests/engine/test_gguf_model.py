@@ -117,6 +117,15 @@ def test_model_accepts_the_file_or_its_directory_and_names_it_after_the_file(tmp
     assert resolve_model(insisted) == (model, served) and insisted.quantization is None  # the engine sees no flag
 
 
+def test_the_offline_engine_takes_the_file_as_vllm_does():
+    from splitserve.engine.config import EngineConfig
+
+    gguf = smollm2_gguf()
+    assert EngineConfig(model=str(gguf)).model == str(derived(gguf))  # LLM("x.gguf"), a worker given the file
+    assert EngineConfig(model=str(gguf.parent)).model == str(derived(gguf))
+    assert EngineConfig(model=str(derived(gguf))).model == str(derived(gguf))
+
+
 def test_a_derived_directory_is_per_file_version(tmp_path):
     copy = tmp_path / "m.gguf"
     shutil.copyfile(smollm2_gguf(), copy)
