@@ -35,6 +35,7 @@ class WorkerInfo:
     kv_cache_dtype: str = ""  # the KV pool's element type ("bfloat16", "float8_e4m3fn", ...); "": not said
     started_at: float = field(default_factory=time.time)
     draining: bool = False  # finishing its streams: routers send it nothing new
+    signature: str = ""  # HMAC with the cluster token (registration_auth.py); "": unsigned
 
 
 @dataclass

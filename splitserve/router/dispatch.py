@@ -69,7 +69,8 @@ class Dispatcher:
         self.seed = hash_seed(config.model_id)
         self.index = RadixIndex(max_blocks=config.index_max_blocks)
         self.sync = IndexSync(bus, self.index, metrics=self.metrics, model=config.model_id,
-                              block_size=config.block_size, on_departure=self._worker_left)
+                              block_size=config.block_size, on_departure=self._worker_left,
+                              token=config.security.token)
         self.rng = random.Random(config.seed)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._calls: dict[str, set] = {}  # decode worker -> its Generate calls in flight

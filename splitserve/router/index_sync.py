@@ -27,6 +27,7 @@ from splitserve.cluster.messages import (
     kv_dtype_refusal,
     registration_refusal,
 )
+from splitserve.cluster.registration_auth import signature_refusal
 from splitserve.metrics import Metrics
 from splitserve.router.radix_index import RadixIndex
 
@@ -47,7 +48,7 @@ class IndexSync:
     def __init__(self, bus: ClusterBus, index: RadixIndex, *, approx_ttl: float = 60.0,
                  refresh_interval: float = 1.0, read_block: float = 0.5, batch: int = 1000,
                  metrics: Metrics | None = None, model: str | None = None, block_size: int | None = None,
-                 on_departure=None):
+                 on_departure=None, token: str | None = None):
         self.bus = bus
         self.index = index
         self.approx_ttl = approx_ttl
@@ -57,6 +58,7 @@ class IndexSync:
         self.metrics = metrics
         self.model = model  # workers serving another model or block size are refused
         self.block_size = block_size
+        self.token = token  # with a cluster token, only registrations signed with it are routed to
         self.on_departure = on_departure  # called with a worker id when it leaves the registry
         self.workers: dict[str, WorkerState] = {}
         self.loads: dict[str, LoadReport] = {}
@@ -116,7 +118,8 @@ class IndexSync:
                 self.metrics.workers_healthy.labels(role=role).set(len(self.live(role)))
 
     def _admissible(self, info: WorkerInfo, peers) -> bool:
-        refusal = registration_refusal(info, self.model, self.block_size) or kv_dtype_refusal(info, peers)
+        refusal = (signature_refusal(info, self.token) or registration_refusal(info, self.model, self.block_size)
+                   or kv_dtype_refusal(info, peers))
         if refusal is None:
             self.refused.pop(info.worker_id, None)
             return True

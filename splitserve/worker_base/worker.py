@@ -20,6 +20,7 @@ import grpc
 
 from splitserve.cluster.messages import LoadReport, WorkerInfo
 from splitserve.cluster.presence import WorkerPresence
+from splitserve.cluster.registration_auth import signed
 from splitserve.cluster.remote_bus import open_bus
 from splitserve.core import tracing
 from splitserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineStalledError
@@ -107,8 +108,9 @@ class WorkerBase(abc.ABC):
     async def _start_presence(self, engine: LLMEngine) -> None:
         cfg = self.config
         self.bus = self._given_bus or open_bus(cfg.bus_url, cfg.cluster, cfg.security)
-        info = WorkerInfo(self.worker_id, self.role, self.address, engine.model_id, cfg.engine.block_size,
-                          engine.num_total_blocks, cfg.kv_backend, kv_cache_dtype=self.kv_dtype_name())
+        info = signed(WorkerInfo(self.worker_id, self.role, self.address, engine.model_id, cfg.engine.block_size,
+                                 engine.num_total_blocks, cfg.kv_backend, kv_cache_dtype=self.kv_dtype_name()),
+                      cfg.security.token)  # routers with the token refuse unsigned registrations
         self.presence = WorkerPresence(self.bus, info, self.load_report, ttl=cfg.heartbeat_ttl_s,
                                        cached_blocks=self._cached_blocks, healthy=self._unhealthy_because)
         await self.presence.start()
