@@ -140,6 +140,10 @@ class Metrics:
         self.router_requests = Counter(
             "splitserve_router_requests_total", "Requests routed, by chosen worker and path.",
             ["worker", "path"], registry=r)
+        self.router_held_requests = Gauge(
+            "splitserve_router_held_requests",
+            "Requests held while no decode worker is registered (scaled to zero; --hold-requests-at-zero).",
+            registry=r)
         self.router_index_blocks = Gauge(
             "splitserve_router_index_blocks", "Blocks held in the router's radix index.", registry=r)
         self.router_index_resyncs = Counter(

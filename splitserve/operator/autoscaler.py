@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from splitserve.cluster.messages import LoadReport
 
+from .scale_to_zero import from_zero, to_zero_allowed
 from .spec import AutoscalingSpec, RoleSpec
 
 
@@ -37,11 +38,13 @@ class ScalingPolicy:
     down_window_s: float
     max_step: int
     stale_after_s: float
+    scale_to_zero_after_s: float = 600.0  # only with min_replicas 0 (scale_to_zero.py)
 
     @classmethod
     def for_role(cls, role: RoleSpec, a: AutoscalingSpec) -> ScalingPolicy:
         return cls(role.min_replicas, role.max_replicas, a.target_waiting_per_replica, a.low_watermark,
-                   a.scale_up_window_seconds, a.scale_down_window_seconds, a.max_step, a.stale_after_seconds)
+                   a.scale_up_window_seconds, a.scale_down_window_seconds, a.max_step, a.stale_after_seconds,
+                   a.scale_to_zero_after_seconds)
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,9 @@ def decide(policy: ScalingPolicy, current: int, reports: list[LoadReport], now: 
             why = "no load reports on the cluster bus"
         return Decision(current, Windows(), f"{why}: holding at {current}")
     waiting = sum(max(r.waiting, 0) for r in fresh)
+    if current == 0:  # only reachable with minReplicas 0: the load is what routers hold
+        new, why = from_zero(policy.target, policy.max_step, policy.max_replicas, waiting)
+        return Decision(new, Windows(), why, waiting)
     per_replica = waiting / current
     seen = f"{waiting} waiting over {current} replicas ({per_replica:.2f}/replica, target {policy.target:g})"
 
@@ -106,6 +112,12 @@ def decide(policy: ScalingPolicy, current: int, reports: list[LoadReport], now: 
                             f"{policy.low_watermark:g} x target for {now - since:.0f}s of "
                             f"{policy.down_window_s:.0f}s", waiting)
         new = max(math.ceil(waiting / policy.target), current - policy.max_step, policy.min_replicas)
+        if new == 0:
+            allowed, why = to_zero_allowed(fresh, now - since, policy.scale_to_zero_after_s)
+            if not allowed:
+                new = 1
+                if current == 1:
+                    return Decision(current, Windows(below_since=since), f"{seen}: {why}", waiting)
         if new >= current:
             return Decision(current, Windows(below_since=since), f"{seen}: at minReplicas or needed "
                             f"capacity {current}", waiting)

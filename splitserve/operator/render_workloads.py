@@ -42,6 +42,10 @@ def render_router(spec: InferenceSpec) -> list[dict]:
         args += ["--stream-interval", str(spec.router.stream_interval)]
     if spec.model.max_model_len:
         args += ["--max-model-len", str(spec.model.max_model_len)]
+    if spec.decode.min_replicas == 0:  # scale to zero: hold requests while no decode worker runs
+        a = spec.autoscaling
+        args += ["--hold-requests-at-zero", str(a.hold_requests_at_zero), "--hold-timeout",
+                 str(a.hold_timeout_seconds)]
     container = {
         "name": "router", "image": spec.image, "imagePullPolicy": spec.image_pull_policy,
         "command": ["splitserve"], "args": args, "env": c.env(spec),

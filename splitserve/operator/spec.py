@@ -77,6 +77,11 @@ class AutoscalingSpec:
     scale_down_window_seconds: int = 300
     max_step: int = 2
     stale_after_seconds: int = 30
+    # Scale to zero (spec.decode.minReplicas 0): idle this long before the last replica goes;
+    # meanwhile routers hold up to holdRequestsAtZero requests, each holdTimeoutSeconds at most.
+    scale_to_zero_after_seconds: int = 600
+    hold_requests_at_zero: int = 100
+    hold_timeout_seconds: int = 300
 
 
 @dataclass(frozen=True)
@@ -126,10 +131,10 @@ class InferenceSpec:
         return self.redis_url or f"redis://{self.name}-redis.{self.namespace}.svc:6379/0"
 
 
-def _role(d: dict, where: str, problems: list[str], replicas: int, maximum: int) -> RoleSpec:
+def _role(d: dict, where: str, problems: list[str], replicas: int, maximum: int, lowest_min: int = 1) -> RoleSpec:
     role = RoleSpec(
         replicas=int_field(d, "replicas", replicas, where, problems, minimum=1),
-        min_replicas=int_field(d, "minReplicas", 1, where, problems, minimum=1),
+        min_replicas=int_field(d, "minReplicas", 1, where, problems, minimum=lowest_min),
         max_replicas=int_field(d, "maxReplicas", maximum, where, problems, minimum=1),
         resources=d.get("resources", {}) or {},
         max_num_batched_tokens=int_field(d, "maxNumBatchedTokens", 8192, where, problems, minimum=1),
@@ -171,7 +176,7 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
         problems.append(f"spec.router.serviceType must be ClusterIP, NodePort or LoadBalancer, got {router.service_type!r}")
     prefill = _role(object_field(spec, "prefill", problems), "spec.prefill", problems, 1, 4)
     decode_d = object_field(spec, "decode", problems)
-    decode = _role(decode_d, "spec.decode", problems, 1, 4)
+    decode = _role(decode_d, "spec.decode", problems, 1, 4, lowest_min=0)  # 0: scale to zero (decode only)
     drain_timeout = int_field(decode_d, "drainTimeoutSeconds", 600, "spec.decode", problems, minimum=1)
     if decode.max_num_batched_tokens < decode.max_num_seqs:
         problems.append(f"spec.decode.maxNumBatchedTokens ({decode.max_num_batched_tokens}) must be >= "
@@ -184,7 +189,14 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
         scale_up_window_seconds=int_field(a, "scaleUpWindowSeconds", 60, "spec.autoscaling", problems),
         scale_down_window_seconds=int_field(a, "scaleDownWindowSeconds", 300, "spec.autoscaling", problems),
         max_step=int_field(a, "maxStep", 2, "spec.autoscaling", problems, minimum=1),
-        stale_after_seconds=int_field(a, "staleAfterSeconds", 30, "spec.autoscaling", problems, minimum=1))
+        stale_after_seconds=int_field(a, "staleAfterSeconds", 30, "spec.autoscaling", problems, minimum=1),
+        scale_to_zero_after_seconds=int_field(a, "scaleToZeroAfterSeconds", 600, "spec.autoscaling", problems,
+                                              minimum=0),
+        hold_requests_at_zero=int_field(a, "holdRequestsAtZero", 100, "spec.autoscaling", problems, minimum=1),
+        hold_timeout_seconds=int_field(a, "holdTimeoutSeconds", 300, "spec.autoscaling", problems, minimum=1))
+    if decode.min_replicas == 0 and not autoscaling.enabled:  # also a CEL rule of the CRD
+        problems.append("spec.decode.minReplicas 0 (scale to zero) needs spec.autoscaling.enabled: nothing "
+                        "would scale decode up again")
     if autoscaling.target_waiting_per_replica <= 0:
         problems.append("spec.autoscaling.targetWaitingPerReplica must be > 0")
     if not 0 < autoscaling.low_watermark < 1:

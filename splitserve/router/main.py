@@ -23,6 +23,7 @@ from splitserve.logs import configure_logging
 from splitserve.metrics import Metrics
 from splitserve.router.admission import AdmissionConfig
 from splitserve.router.dispatch import DispatchConfig, Dispatcher
+from splitserve.router.hold_at_zero import HoldConfig
 from splitserve.router.http_limits import HTTPLimits
 from splitserve.router.policy import PolicyConfig
 from splitserve.router.server import RouterServer, ServerConfig
@@ -65,6 +66,12 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
                     help="seconds a request waits for a healthy worker when there is none (one whose heartbeat was "
                          "late under load re-registering, a restart) before 503 no_workers; 0: answer 503 at once "
                          "(default: %(default)s)")
+    ap.add_argument("--hold-requests-at-zero", type=int, default=HoldConfig.max_held, metavar="N",
+                    help="with no decode worker registered (decode scaled to zero), hold up to N requests until one "
+                         "registers instead of answering 503; the held count is published for the operator's "
+                         "autoscaler to scale decode up from zero; 0: off (default: %(default)s)")
+    ap.add_argument("--hold-timeout", type=float, default=HoldConfig.timeout_s, metavar="S",
+                    help="seconds a request is held at zero before 503 with Retry-After (default: %(default)s)")
     ap.add_argument("--request-timeout", type=float,
                     help="seconds a request may take end to end; then it is aborted on every worker and the "
                          "client gets 504 (default: no deadline)")
@@ -103,6 +110,7 @@ async def start_router(args: argparse.Namespace, model: str, served: str, bus: C
     try:
         admission = AdmissionConfig(args.max_queued_requests, args.request_timeout, args.no_worker_wait)
         limits = HTTPLimits(args.max_request_body_mb, args.body_read_timeout, args.http_idle_timeout)
+        hold = HoldConfig(args.hold_requests_at_zero, args.hold_timeout)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     dispatcher = Dispatcher(DispatchConfig(
@@ -113,7 +121,7 @@ async def start_router(args: argparse.Namespace, model: str, served: str, bus: C
     gc.freeze()  # the index is long-lived: keep it out of collections (routing-latency spikes)
     server = RouterServer(ServerConfig(model, served, api_key=api_key_from_args(args), max_model_len=max_model_len,
                                        admission=admission, limits=limits, expected_workers=expected_workers or {},
-                                       content_as_text=not args.parse_control_tokens_in_content),
+                                       content_as_text=not args.parse_control_tokens_in_content, hold=hold),
                           dispatcher)
     # handler_cancellation: a client that disconnects cancels its handler, which cancels
     # the worker streams (the decode workers abort the request and free its blocks).

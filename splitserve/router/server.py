@@ -34,6 +34,7 @@ from splitserve.router.chat_output import ChatOutputConfig
 from splitserve.router.choice import ChoiceRun
 from splitserve.router.dispatch import Dispatcher, WorkerFailure
 from splitserve.router.errors import APIError
+from splitserve.router.hold_at_zero import HoldConfig, RequestHolder
 from splitserve.router.http_limits import HTTPLimits, client_request_id
 from splitserve.router.openapi import openapi_document
 from splitserve.router.policy import NoHealthyWorker
@@ -57,6 +58,7 @@ class ServerConfig:
     limits: HTTPLimits = field(default_factory=HTTPLimits)
     expected_workers: dict[str, int] = field(default_factory=dict)  # `serve`: workers it started, per role
     content_as_text: bool = True  # control-token text in chat messages stays text (core/chat_content.py)
+    hold: HoldConfig = field(default_factory=HoldConfig)  # requests held while decode is at zero
 
 
 class RouterServer:
@@ -71,6 +73,7 @@ class RouterServer:
         self.prompts = PromptTokenizer(self.tokenizer, self.max_model_len, content_as_text=config.content_as_text)
         self.created = int(time.time())
         self.admission = Admission(config.admission)
+        self.holder = RequestHolder(config.hold, dispatcher.sync.bus, self.metrics.router_held_requests)
         self._openapi = json.dumps(openapi_document(config.served_model_name, self.max_model_len,
                                                     auth=bool(config.api_key))).encode()
 
@@ -92,6 +95,7 @@ class RouterServer:
 
     async def _cleanup(self, app: web.Application) -> None:
         self.prompts.close()
+        await self.holder.close()
 
     # ---- middleware ---------------------------------------------------------------------
     @web.middleware
@@ -251,6 +255,8 @@ class RouterServer:
         """The routing decision; with no healthy worker, wait up to --no-worker-wait (within the
         request's deadline) for one, then 503. The client's disconnect cancels the wait."""
         limits = self.config.admission
+        if self.holder.config.enabled and not self.dispatcher.sync.live("decode"):  # scaled to zero
+            return await self.holder.hold(self.dispatcher, prompt, rid, limits.request_timeout_s)
         wait = min(limits.no_worker_wait_s, limits.request_timeout_s or float("inf"))
         try:
             return await self.dispatcher.decide_waiting(prompt, wait, lambda: log.warning(

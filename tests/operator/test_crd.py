@@ -81,6 +81,10 @@ INVALID_BY_SCHEMA = [
     ("unknown dtype", {"model": {"dtype": "int4"}}, "'int4' is not one of", "dtype must be bfloat16, float16 or float32"),
     ("zero stream interval", {"router": {"streamInterval": 0}}, "0 is less than the minimum of 1",
      "spec.router.streamInterval must be >= 1"),
+    ("prefill at zero", {"prefill": {"minReplicas": 0}}, "0 is less than the minimum of 1",
+     "spec.prefill.minReplicas must be >= 1"),
+    ("no held requests", {"autoscaling": {"holdRequestsAtZero": 0}}, "0 is less than the minimum of 1",
+     "spec.autoscaling.holdRequestsAtZero must be >= 1"),
 ]
 INVALID_BY_CEL = [
     ("min > max", {"decode": {"minReplicas": 5, "maxReplicas": 2, "replicas": 2}},
@@ -99,6 +103,9 @@ INVALID_BY_CEL = [
      "source.claimName is required", "claimName is required"),
     ("low watermark 1", {"autoscaling": {"lowWatermark": 1.0}}, "lowWatermark must lie strictly between 0 and 1",
      "lowWatermark must lie strictly between 0 and 1"),
+    ("scale to zero without autoscaling", {"decode": {"minReplicas": 0}, "autoscaling": {"enabled": False}},
+     "decode.minReplicas 0 (scale to zero) needs autoscaling.enabled",
+     "spec.decode.minReplicas 0 (scale to zero) needs spec.autoscaling.enabled"),
     ("batched tokens below seqs", {"decode": {"maxNumSeqs": 512, "maxNumBatchedTokens": 256}},
      "maxNumBatchedTokens must be >= maxNumSeqs", "maxNumBatchedTokens (256) must be >= spec.decode.maxNumSeqs (512)"),
 ]
