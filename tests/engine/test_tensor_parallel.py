@@ -1,8 +1,8 @@
 """Tensor parallelism (issue 32) on the CPU: `LLM(..., tensor_parallel_size=2)` runs two
-rank processes over gloo and gives the same greedy tokens as one process, for dense
-models whose KV heads are split (llama: 2 KV heads) or replicated (qwen2: 1 KV head < 2
-ranks, tied embeddings, q/k/v bias), and for MoE models (tensor-parallel expert slices),
-including a prefix-cache hit. Families and shapes that cannot be split are refused in one
+rank processes over gloo and gives the same greedy tokens as one process, for every
+family but Phi-3: dense models whose KV heads are split (llama, mistral, qwen3, gemma2: 2
+KV heads) or replicated (qwen2, gemma3: 1 KV head < 2 ranks, tied embeddings), MoE models
+(tensor-parallel expert slices), and quantized checkpoints, including a prefix-cache hit. Families and shapes that cannot be split are refused in one
 line, before any rank process starts."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def generate(path, tp_size: int) -> tuple[list[list[int]], list[int], int]:
     return outs, hit.token_ids, hit.num_cached_tokens
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe", "mixtral"])
 def test_tp2_greedy_tokens_equal_tp1(make_ckpt, family):
     path = make_ckpt(family)
     cfg = ModelConfig.from_dir(path)
