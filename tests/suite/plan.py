@@ -50,6 +50,8 @@ SLOW = {
     "tests/kernels/test_engine_triton_interpreter.py",
     "tests/kernels/test_compile_for_cuda.py",
     "tests/engine/test_gguf_model.py",  # transformers loads both real GGUF models (Gemma 3: 262k-token vocabulary)
+    "tests/operator/test_cluster_token.py",  # a router and two decode worker processes
+    "tests/operator/test_scale_to_zero.py",  # routers and a decode worker process, with the operator
 }
 
 
