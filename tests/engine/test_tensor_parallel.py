@@ -89,6 +89,28 @@ def test_a_dead_rank_fails_the_next_step_at_once(make_ckpt):
     assert tp().size == 1 and not rank1.is_alive()
 
 
+def test_each_rank_reads_only_its_part_of_each_checkpoint_tensor(make_ckpt):
+    """iter_weights with a shard_of reads through safetensors slices: the parts are the full
+    tensors' rows or columns (vocabulary rows padded with zeros on the last rank)."""
+    from splitserve.engine.checkpoint import iter_weights
+    from splitserve.engine.parallel.sharding import checkpoint_shard
+
+    path = make_ckpt("llama")
+    cfg = ModelConfig.from_dir(path)
+    full = dict(iter_weights(path))
+    for rank in (0, 1):
+        t = TPState(rank, 2)
+        parts = dict(iter_weights(path, lambda name, t=t: checkpoint_shard(name, cfg, t)))
+        for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight",
+                     "model.layers.1.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+            shard = checkpoint_shard(name, cfg, t)
+            assert torch.equal(parts[name], narrow(full[name], shard, name)), (rank, name)
+        assert torch.equal(parts["model.norm.weight"], full["model.norm.weight"])  # replicated
+    # the vocabulary (1021 rows) splits 511 + 510, the second rank padded to 511 with a zero row
+    assert parts["model.embed_tokens.weight"].shape[0] == 511 and not parts["model.embed_tokens.weight"][-1].any()
+    assert torch.equal(parts["model.embed_tokens.weight"][:510], full["model.embed_tokens.weight"][511:])
+
+
 def test_kv_heads_split_or_replicated():
     cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
                                  "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 8,

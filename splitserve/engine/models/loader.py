@@ -25,7 +25,7 @@ from splitserve.engine.checkpoint import iter_weights
 from splitserve.engine.models.quant_linear import QuantizedLinear, move_weight
 from splitserve.engine.models.registry import model_class
 from splitserve.engine.parallel.linear import quantized_replacement
-from splitserve.engine.parallel.sharding import checkpoint_shard, narrow
+from splitserve.engine.parallel.sharding import ShardOf, checkpoint_shard, sharded
 from splitserve.engine.parallel.state import tp
 from splitserve.engine.quant import iter_quantized_weights
 from splitserve.kernels.quant_weight import QuantizedWeight
@@ -33,22 +33,29 @@ from splitserve.kernels.quant_weight import QuantizedWeight
 Weights = Iterable[tuple[str, "torch.Tensor | QuantizedWeight"]]
 
 
-def checkpoint_weights(model_dir: str | Path, cfg: ModelConfig, quantization: str | None = None) -> Weights:
+def checkpoint_weights(model_dir: str | Path, cfg: ModelConfig, quantization: str | None = None,
+                       shard_of: ShardOf | None = None) -> Weights:
     """The directory's (name, tensor or QuantizedWeight) stream, by its quantization_config
-    (`quantization`: --quantization, which must match it)."""
+    (`quantization`: --quantization, which must match it); with `shard_of` (tensor
+    parallelism), each tensor narrowed to this rank's part."""
     spec = quantization_from_config(cfg.raw, f"{model_dir}/config.json", quantization)
     if spec is None:
-        return iter_weights(model_dir)
+        return iter_weights(model_dir, shard_of)
     if cfg.num_experts:
         raise CheckpointError(f"{model_dir}: quantized mixture-of-experts checkpoints are not supported")
-    return iter_quantized_weights(model_dir, spec)
+    weights = iter_quantized_weights(model_dir, spec)
+    return weights if shard_of is None else sharded(weights, shard_of, str(model_dir))
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
                quantization: str | None = None, weights: Weights | None = None) -> nn.Module:
     """`weights`: another source of (name, tensor or QuantizedWeight) than the directory's."""
+    # tensor parallelism: this rank loads its part of each tensor (engine/parallel/sharding.py)
+    shard_of = (lambda name: checkpoint_shard(name, cfg, tp())) if tp().size > 1 else None
     if weights is None:
-        weights = checkpoint_weights(model_dir, cfg, quantization)
+        weights = checkpoint_weights(model_dir, cfg, quantization, shard_of)
+    elif shard_of is not None:
+        weights = sharded(weights, shard_of, str(model_dir))
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
     deferred = {n: m.weight for n, m in linear_weights(model).items()}
@@ -70,9 +77,6 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
         if target is None:
             continue
         param_name, index = target
-        shard = checkpoint_shard(name, cfg, tp())  # tensor parallelism: this rank keeps its slice
-        if shard is not None:
-            tensor = narrow(tensor, shard, f"{model_dir}: {name}")
         is_quantized = isinstance(tensor, QuantizedWeight)
         if not is_quantized and (not tensor.is_floating_point() or tensor.element_size() == 1):
             raise CheckpointError(f"{model_dir}: tensor '{name}' is {tensor.dtype}, quantized codes that no "

@@ -16,6 +16,7 @@ ranges, local sizes and the slice of each checkpoint tensor this rank loads.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -122,6 +123,24 @@ def checkpoint_shard(name: str, cfg: ModelConfig, t: TPState) -> Shard | None:
     if _EXPERT_COLS.match(module):
         return Shard(1, *even_split(cfg.moe_intermediate_size, t))
     return None  # norms, the router: replicated
+
+
+ShardOf = Callable[[str], "Shard | None"]  # checkpoint name -> this rank's part
+
+
+def sharded(weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], shard_of: ShardOf,
+            source: str) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """A weight stream narrowed to this rank's parts (for sources that read whole tensors:
+    quantized and GGUF readers)."""
+    for name, tensor in weights:
+        shard = shard_of(name)
+        yield name, tensor if shard is None else narrow(tensor, shard, f"{source}: {name}")
+
+
+def read_shard(tensor_slice, shard: Shard, name: str) -> torch.Tensor:
+    """This rank's part read through a safetensors slice: only its bytes leave the file."""
+    part = tensor_slice[(slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.length),)]
+    return narrow(part, Shard(shard.dim, 0, shard.length, shard.padded), name)
 
 
 def narrow(tensor: torch.Tensor | QuantizedWeight, shard: Shard, name: str):
