@@ -51,7 +51,8 @@ def render_router(spec: InferenceSpec) -> list[dict]:
         "command": ["splitserve"], "args": args, "env": c.env(spec),
         "ports": [{"name": "http", "containerPort": c.ROUTER_PORT, "protocol": "TCP"}],
         "readinessProbe": _probe("/health", c.ROUTER_PORT, 5, 3),
-        # /health is 503 while no decode worker is registered: restarting routers would not help.
+        # /health is 503 while no decode worker is registered (200 while holding requests at
+        # zero, so the Service keeps the router): restarting routers would not help.
         "livenessProbe": _probe("/livez", c.ROUTER_PORT, 10, 6),
         "resources": spec.router.resources, "securityContext": c.container_security_context(),
         "volumeMounts": c.volume_mounts(spec, shm=False),

@@ -160,13 +160,18 @@ class RouterServer:
 
     async def health(self, request: web.Request) -> web.Response:
         """200 "ok" when every role has the workers it should; 200 "degraded" when some are
-        missing but requests are served; 503 with no decode worker."""
+        missing but requests are served; 503 with no decode worker, unless requests are
+        held for one (--hold-requests-at-zero: decode scaled to zero)."""
         sync = self.dispatcher.sync
         decode, prefill = sync.live("decode"), sync.live("prefill")
         missing = {role: want - len(have) for role, have, want in (
             ("decode", decode, self.config.expected_workers.get("decode", 0)),
             ("prefill", prefill, self.config.expected_workers.get("prefill", 0))) if len(have) < want}
         status = "no decode workers" if not decode else ("degraded" if missing else "ok")
+        # Scaled to zero, requests are held, not refused: stay in the Service's endpoints.
+        holding = not decode and self.holder.config.enabled
+        if holding:
+            status = "scaled to zero: holding requests"
         index = self.dispatcher.index
         body = {"status": status, "decode_workers": sorted(decode), "prefill_workers": sorted(prefill),
                 "draining_workers": sorted(sync.draining()),
@@ -180,7 +185,9 @@ class RouterServer:
             snap = sorted((h, sorted(ws)) for h, ws in index.snapshot().items())
             body["index"]["digest"] = hashlib.sha256(repr(snap).encode()).hexdigest()
         body["admission"] = self.admission.snapshot()
-        return web.json_response(body, status=200 if decode else 503)
+        if self.holder.config.enabled:
+            body["held_at_zero"] = self.holder.held
+        return web.json_response(body, status=200 if decode or holding else 503)
 
     async def livez(self, request: web.Request) -> web.Response:
         """Liveness: this process answers. Missing workers are /health's business (readiness);

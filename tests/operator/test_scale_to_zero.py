@@ -80,12 +80,16 @@ async def test_idle_decode_goes_to_zero_and_a_held_request_brings_it_back(stack,
     bus.delete(report)  # that pod is gone
 
     # The router as the operator renders it.
-    args = child(fake, "Deployment", "llama-router")["spec"]["template"]["spec"]["containers"][0]["args"]
+    container = child(fake, "Deployment", "llama-router")["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    args = container["args"]
     hold = ["--hold-requests-at-zero", flag(args, "--hold-requests-at-zero"),
             "--hold-timeout", flag(args, "--hold-timeout")]
     assert hold == ["--hold-requests-at-zero", "2", "--hold-timeout", "120"]
     router = await asyncio.to_thread(procs.start_router, hold)
     assert listed(router) == [SERVED]
+    health = requests.get(router.base_url + "/health", timeout=10)  # the router's readiness probe
+    assert health.status_code == 200 and health.json()["status"] == "scaled to zero: holding requests"
 
     request = asyncio.create_task(asyncio.to_thread(requests.post, router.base_url + "/v1/completions",
                                                     json=BODY, timeout=180))
@@ -105,6 +109,8 @@ def test_past_the_hold_limits_the_client_gets_503_with_retry_after(stack):
     procs.tls_args = ["--cluster", "demo.no-workers"]
     router = procs.start_router(["--hold-requests-at-zero", "1", "--hold-timeout", "2"])
     assert listed(router) == [SERVED]
+    without_hold = procs.start_router()  # the default: no worker, not ready, 503 after --no-worker-wait
+    assert requests.get(without_hold.base_url + "/health", timeout=10).status_code == 503
     url = router.base_url + "/v1/completions"
     started = time.monotonic()
     with requests.Session() as first:
