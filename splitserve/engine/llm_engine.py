@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,6 +50,7 @@ class LLMEngine(Disaggregation):
         self.tp_group: TensorParallelGroup | None = None
         if config.tensor_parallel_size > 1:  # ranks 1..N-1 load their slices alongside this one
             self.tp_group = TensorParallelGroup(config)
+            weakref.finalize(self, self.tp_group.close)  # an engine dropped without close() ends its ranks
             self.tp_group.start(int(self.max_model_len))
             self.runner = self.tp_group.load(
                 lambda: ModelRunner(self.model_config, self.tp_group.cfg, int(self.max_model_len)))

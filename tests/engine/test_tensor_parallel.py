@@ -27,11 +27,11 @@ def prompts(vocab: int) -> list[list[int]]:
     return [[rng.randrange(5, vocab) for _ in range(n)] for n in LENGTHS]
 
 
-def generate(path, tp_size: int) -> tuple[list[list[int]], list[int], int]:
+def generate(path, tp_size: int, **engine) -> tuple[list[list[int]], list[int], int]:
     """Greedy tokens of the prompts, then of a prompt sharing 32 tokens with the longest
     one (a prefix-cache hit), and that hit's cached token count."""
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    with LLM(str(path), num_kv_blocks=64, max_num_batched_tokens=32, tensor_parallel_size=tp_size) as llm:
+    with LLM(str(path), num_kv_blocks=64, max_num_batched_tokens=32, tensor_parallel_size=tp_size, **engine) as llm:
         cfg, runner = llm.engine.model_config, llm.engine.runner
         # rank 0 holds its slice only: half the q heads, its KV heads, half the vocabulary rows
         assert runner.model.layers[0].self_attn.num_heads == cfg.num_heads // tp_size
@@ -55,6 +55,11 @@ def test_tp2_greedy_tokens_equal_tp1(make_ckpt, family):
     two = generate(path, 2)
     assert two[2] >= 32, two[2]  # the prefix cache hit at TP=2
     assert two == one
+
+
+def test_tp2_over_an_fp8_kv_cache_equals_tp1(make_ckpt):
+    path = make_ckpt("qwen2")  # one KV head, replicated: both ranks write the same fp8 codes
+    assert generate(path, 2, kv_cache_dtype="fp8") == generate(path, 1, kv_cache_dtype="fp8")
 
 
 @pytest.mark.parametrize("layout,opts", [("gptq", {}), ("awq", {}), ("fp8-block", {})])

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.parallel.state import (
     NO_TIMEOUT,
+    RankLost,
     broadcast_object,
     destroy_tensor_parallel,
     init_tensor_parallel,
@@ -57,6 +58,9 @@ def run_rank(rank: int, size: int, port: int, cfg: EngineConfig, max_model_len: 
         runner, error = None, f"rank {rank}: {exc}" if str(exc) else f"rank {rank}: {traceback.format_exc(limit=1)}"
     if loaded(error) is not None:
         return
-    while (step := broadcast_object()) is not None:
-        runner.execute(step)
+    try:
+        while (step := broadcast_object()) is not None:
+            runner.execute(step)
+    except RankLost:  # rank 0 is gone (killed, crashed): nothing left to compute for
+        return
     destroy_tensor_parallel()
