@@ -56,10 +56,11 @@ def conditions(roles: dict[str, RoleObservation], problem: tuple[str, str] | Non
                previous: list[dict], now: str, generation: int) -> list[dict]:
     """`problem` = (reason, message) when the spec is invalid or applying failed."""
     prev = {c["type"]: c for c in previous or [] if "type" in c}
-    if not roles:  # nothing could be reconciled (invalid spec): no claim about readiness
+    if not roles:  # nothing could be reconciled (invalid spec, no token Secret): no claim about readiness
         reason, message = problem or ("NotReconciled", "not reconciled yet")
+        blocked = "blocked until the spec is fixed" if reason == "InvalidSpec" else "blocked until the cause is fixed"
         return [_condition("Ready", False, reason, "not reconciled: " + message, prev, now, generation),
-                _condition("Progressing", False, reason, "blocked until the spec is fixed", prev, now, generation),
+                _condition("Progressing", False, reason, blocked, prev, now, generation),
                 _condition("Degraded", True, reason, message, prev, now, generation)]
     not_ready = [f"{role} {o.ready}/{o.desired} ready" + ("" if o.found else " (missing)")
                  for role, o in roles.items() if not o.is_ready]

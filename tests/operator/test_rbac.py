@@ -79,6 +79,7 @@ async def test_without_finalizers_update_children_cannot_block_owner_deletion(st
         lambda: (c := condition(fake, "llama", "Degraded")) and c["status"] == "True" and c, "Degraded")
     # The first owned child the operator creates is the cluster token Secret; nothing after it.
     assert degraded["reason"] == "ClusterTokenUnavailable"
+    assert condition(fake, "llama", "Progressing")["message"] == "blocked until the cause is fixed"
     assert "cannot read or create the cluster token Secret demo/llama-cluster-token: HTTP 403" in degraded["message"]
     assert child(fake, "Deployment", "llama-decode") is None and child(fake, "Secret", "llama-cluster-token") is None
     assert any('secrets "llama-cluster-token" is forbidden: cannot set blockOwnerDeletion if an ownerReference '
