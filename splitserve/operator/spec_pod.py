@@ -21,7 +21,8 @@ OPERATOR_VOLUMES = ("tmp", "dshm", "model", "cluster-token")
 OPERATOR_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/component", "app.kubernetes.io/managed-by",
                    "app.kubernetes.io/instance")
 RESERVED_LABEL_PREFIXES = ("splitserve.io/", "ray.io/")  # selectors, and KubeRay's own labels
-# /tmp, /dev/shm, /models (or anything below /models: the model volume is read-only), the token.
+# /tmp, /dev/shm, /models (or anything below /models: the model volume is read-only), and
+# /etc/splitserve/cluster-token and below (the cluster token).
 RESERVED_MOUNT = re.compile(r"^/+(tmp|dev/+shm)/*$|^/+models(/.*)?$|^/+etc/+splitserve/+cluster-token(/.*)?$")
 LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
                        r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
@@ -84,8 +85,9 @@ def parse_pod_settings(d: dict, where: str, problems: list[str]) -> PodSettings:
         problems.append(f"{where}.volumes[].name must not be tmp, dshm, model or cluster-token: the operator's own "
                         "volumes have those names")
     if any(RESERVED_MOUNT.match(p) for p in _names(pod.volume_mounts, "mountPath")):
-        problems.append(f"{where}.volumeMounts[].mountPath must not be /tmp, /dev/shm, /models or below "
-                        "/models: the operator mounts its own volumes there")
+        problems.append(f"{where}.volumeMounts[].mountPath must not be /tmp, /dev/shm, /models, "
+                        "/etc/splitserve/cluster-token or "
+                        "below them: the operator mounts its own volumes there")
     volumes = set(_names(pod.volumes, "name"))
     if any(n not in volumes for n in _names(pod.volume_mounts, "name")):
         problems.append(f"{where}.volumeMounts[].name must name one of this role's volumes")
