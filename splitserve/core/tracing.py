@@ -174,6 +174,17 @@ def current():
     return context.get_current()
 
 
+def exemplar() -> dict[str, str] | None:
+    """The current span's trace id as a Prometheus exemplar (a dashboard's link from a latency
+    point to its trace), or None: tracing off, or the request not sampled."""
+    if _tracer is None:
+        return None
+    from opentelemetry import trace
+
+    context = trace.get_current_span().get_span_context()
+    return {"trace_id": format(context.trace_id, "032x")} if context.trace_flags.sampled else None
+
+
 def record(name: str, parent, start_ns: int, end_ns: int, attributes: Mapping | None = None) -> None:
     """A span that already happened: timings measured elsewhere (the engine, a thread)."""
     if _tracer is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from splitserve.core import tracing
 from splitserve.core.text_output import TextAssembler
 from splitserve.router import responses as R
 
@@ -39,7 +40,7 @@ class ChoiceRun:
                                   "decode_cached": ev.num_cached_tokens, "prefill_cached": ev.prefill_cached_tokens}
             if last is None:
                 self.cached_tokens = ev.num_cached_tokens
-                m.time_to_first_token.labels(model=model).observe(now - self.start)
+                m.time_to_first_token.labels(model=model).observe(now - self.start, tracing.exemplar())
             elif ev.token_ids:  # a chunk of n tokens (--stream-interval): n gaps of a n-th of its wait
                 gap = (now - last) / len(ev.token_ids)
                 for _ in ev.token_ids:

@@ -198,6 +198,11 @@ class RouterServer:
         return web.Response(body=self._openapi, content_type="application/json")
 
     async def prometheus(self, request: web.Request) -> web.Response:
+        if "application/openmetrics-text" in request.headers.get("Accept", ""):  # with exemplars: trace links
+            from prometheus_client.openmetrics import exposition as om
+
+            return web.Response(body=om.generate_latest(self.metrics.registry),
+                                headers={"Content-Type": om.CONTENT_TYPE_LATEST})
         return web.Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 

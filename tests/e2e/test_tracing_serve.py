@@ -85,6 +85,11 @@ def test_one_request_is_one_trace_across_router_prefill_and_decode(traced):
     # the engine's timings, recorded on the worker's side: queue, then prefill, then the KV push
     queue, prefill = by_name["queue"], by_name["prefill"]
     assert queue.end_ns == prefill.start_ns <= prefill.end_ns <= by_name["kv_transfer"].start_ns
+    # the TTFT histogram links to the trace (an OpenMetrics exemplar, what the dashboard's panel shows)
+    metrics = requests.get(f"{serve.base_url}/metrics", timeout=10,
+                           headers={"Accept": "application/openmetrics-text; version=1.0.0"}).text
+    assert any(line.startswith("splitserve_time_to_first_token_seconds_bucket") and f'trace_id="{trace_id}"' in line
+               for line in metrics.splitlines()), metrics[:2000]
 
 
 def test_an_unreachable_exporter_changes_nothing_for_the_client(traced):
