@@ -15,19 +15,26 @@ def test_off_unless_an_endpoint_is_given():
 
 
 def test_the_flag_and_the_standard_variables():
-    assert tracing_config("http://c:4317", {}) == TracingConfig("http://c:4317", "grpc", "parentbased_always_on", 1.0)
+    assert tracing_config("http://c:4317", {}) == TracingConfig("http://c:4317", "grpc", "parentbased_always_on", 1.0,
+                                                                 insecure=True)
+    # vLLM's host:port form: gRPC, over TLS unless the SDK's variable says insecure
+    assert tracing_config("jaeger:4317", {}).insecure is False
+    assert tracing_config("jaeger:4317", {"OTEL_EXPORTER_OTLP_TRACES_INSECURE": "true"}).insecure is True
+    assert tracing_config("https://c:4317", {}).insecure is False
     env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "https://t:4318", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:1",
            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
            "OTEL_TRACES_SAMPLER_ARG": "0.25"}
     # the OTLP/HTTP path is added as the SDK adds it to the variable; the flag wins over the variables
     assert tracing_config(None, env) == TracingConfig("https://t:4318/v1/traces", "http/protobuf",
-                                                      "parentbased_traceidratio", 0.25)
+                                                      "parentbased_traceidratio", 0.25, insecure=False)
     assert tracing_config("http://flag:4318/custom", env).endpoint == "http://flag:4318/custom"
     assert tracing_config(None, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:1"}).endpoint == "http://x:1"
 
 
 @pytest.mark.parametrize("endpoint, env, message", [
-    ("collector:4317", {}, "must be a URL like http://collector:4317"),
+    ("ftp://collector:4317", {}, "must be a URL like http://collector:4317"),
+    ("collector", {}, "must be a URL like http://collector:4317"),
+    ("collector:4318", {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}, "must be a URL like"),
     ("http://c:4317", {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"}, "'http/json' is not one of"),
     ("http://c:4317", {"OTEL_TRACES_SAMPLER": "sometimes"}, "OTEL_TRACES_SAMPLER 'sometimes'"),
     ("http://c:4317", {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"}, "in [0, 1]"),
@@ -51,10 +58,10 @@ def test_off_imports_nothing_of_opentelemetry():
 
 def test_serve_refuses_a_bad_endpoint_in_one_line(make_ckpt):
     out = subprocess.run([sys.executable, "-m", "splitserve.cli", "serve", "--model", str(make_ckpt("llama")),
-                          "--otlp-traces-endpoint", "collector:4317"], capture_output=True, text=True, timeout=120)
+                          "--otlp-traces-endpoint", "ftp://collector:4317"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
-    assert out.stderr.strip() == ("splitserve serve: OTLP traces endpoint 'collector:4317' must be a URL like "
-                                  "http://collector:4317")
+    assert out.stderr.strip() == ("splitserve serve: OTLP traces endpoint 'ftp://collector:4317' must be a URL like "
+                                  "http://collector:4317 (or, for gRPC, host:port as vLLM takes it)")
 
 
 HTTP_EXPORT = r"""

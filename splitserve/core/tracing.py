@@ -64,7 +64,7 @@ def _exporter(config: TracingConfig):
     if config.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        return OTLPSpanExporter(endpoint=config.endpoint, insecure=config.endpoint.startswith("http://"))
+        return OTLPSpanExporter(endpoint=config.endpoint, insecure=config.insecure)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     return OTLPSpanExporter(endpoint=config.endpoint)

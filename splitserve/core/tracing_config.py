@@ -27,6 +27,7 @@ class TracingConfig:
     protocol: str = "grpc"
     sampler: str = "parentbased_always_on"
     sampler_arg: float = 1.0
+    insecure: bool = True  # plaintext gRPC (http:// or OTEL_EXPORTER_OTLP_TRACES_INSECURE); else TLS
 
 
 def tracing_config(endpoint: str | None, env: Mapping[str, str] = os.environ) -> TracingConfig | None:
@@ -37,13 +38,18 @@ def tracing_config(endpoint: str | None, env: Mapping[str, str] = os.environ) ->
     endpoint = endpoint or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     if not endpoint:
         return None
-    url = urlparse(endpoint)
-    if url.scheme not in ("http", "https") or not url.hostname:
-        raise ValueError(f"OTLP traces endpoint {endpoint!r} must be a URL like http://collector:4317")
     protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
                 or "grpc").strip()
     if protocol not in PROTOCOLS:
         raise ValueError(f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL {protocol!r} is not one of {PROTOCOLS}")
+    url = urlparse(endpoint if "://" in endpoint else f"grpc://{endpoint}")
+    if url.scheme not in ("http", "https", "grpc") or not url.hostname or (url.scheme == "grpc" and (
+            protocol != "grpc" or not url.port)):
+        raise ValueError(f"OTLP traces endpoint {endpoint!r} must be a URL like http://collector:4317 (or, for "
+                         "gRPC, host:port as vLLM takes it)")
+    # host:port (vLLM's form): TLS unless the SDK's variable says insecure, as the SDK does
+    flag = env.get("OTEL_EXPORTER_OTLP_TRACES_INSECURE") or env.get("OTEL_EXPORTER_OTLP_INSECURE") or "false"
+    insecure = url.scheme == "http" or (url.scheme == "grpc" and flag.strip().lower() == "true")
     sampler = (env.get("OTEL_TRACES_SAMPLER") or "parentbased_always_on").strip().lower()
     if sampler not in SAMPLERS:
         raise ValueError(f"OTEL_TRACES_SAMPLER {sampler!r} is not one of {SAMPLERS}")
@@ -56,12 +62,14 @@ def tracing_config(endpoint: str | None, env: Mapping[str, str] = os.environ) ->
         raise ValueError(f"OTEL_TRACES_SAMPLER_ARG {raw!r} must be a number in [0, 1]")
     if protocol == "http/protobuf" and url.path in ("", "/"):
         endpoint = endpoint.rstrip("/") + "/v1/traces"  # the OTLP/HTTP path, as the SDK adds to the variable
-    return TracingConfig(endpoint, protocol, sampler, ratio)
+    return TracingConfig(endpoint, protocol, sampler, ratio, insecure)
 
 
 def add_tracing_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--otlp-traces-endpoint", metavar="URL",
                     help="export OpenTelemetry traces over OTLP to this collector, e.g. http://collector:4317 "
+                         "(plaintext), https://... (TLS) or host:port (gRPC, TLS unless "
+                         "OTEL_EXPORTER_OTLP_TRACES_INSECURE=true) "
                          "(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL grpc or http/protobuf; OTEL_TRACES_SAMPLER[_ARG] "
                          "sample; the client's W3C traceparent is honoured). Default: off, or "
                          "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
