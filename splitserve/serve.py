@@ -266,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill_workers < 0 or args.decode_workers < 1:
         print("splitserve serve: need --decode-workers >= 1 and --prefill-workers >= 0", file=sys.stderr)
         return 2
+    if args.tensor_parallel_size > 1 and args.prefill_workers:
+        print(f"splitserve serve: --tensor-parallel-size {args.tensor_parallel_size} runs colocated only "
+              "(--prefill-workers 0): KV transfer between tensor-parallel workers is not built yet", file=sys.stderr)
+        return 2
     if args.device.startswith("cuda:"):  # Ray numbers each worker's GPUs from 0: an index would mislead
         print(f"splitserve serve: --device {args.device}: serve gives each worker its GPU through Ray; pass "
               "--device cuda (CUDA_VISIBLE_DEVICES chooses which GPUs Ray may use)", file=sys.stderr)

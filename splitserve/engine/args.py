@@ -31,6 +31,10 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                         "with per-layer scales (1.0 unless the checkpoint ships k_scale/v_scale): twice the "
                         "tokens of bf16 in the same memory, half the bytes per KV transfer. Prefill and decode "
                         "workers must agree")
+    g.add_argument("-tp", "--tensor-parallel-size", type=positive_int, default=1,
+                   help="shard the model over this many rank processes (gloo on CPU, NCCL on CUDA; "
+                        "docs/architecture.md, Tensor parallelism). Above 1 a worker takes no KV transfer "
+                        "(serve: colocated only, --prefill-workers 0)")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int)
@@ -61,5 +65,6 @@ def engine_config_from_args(args: argparse.Namespace, model: str, served: str) -
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, model_id=served,
                         quantization=getattr(args, "quantization", None),
+                        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                         cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None,
                         warm_up=False if getattr(args, "no_warm_up", False) else None)

@@ -185,8 +185,11 @@ def child_main(config: EngineConfig, conn, step_clock, name: str, torch_threads:
 
     try:
         engine = LLMEngine(config)
-        check_shared_memory(engine.kv_pool.nbytes)
-        engine.kv_pool.data.share_memory_()  # in place: the engine's views follow it
+        pool = None  # tensor parallelism: each rank holds its own KV heads and no KV transfer reads them
+        if config.tensor_parallel_size == 1:
+            pool = engine.kv_pool
+            check_shared_memory(pool.nbytes)
+            pool.data.share_memory_()  # in place: the engine's views follow it
     except Exception as exc:  # noqa: BLE001 - the parent says why the worker cannot start
         conn.send([("start_failed", _picklable(exc))])
         return
@@ -200,7 +203,7 @@ def child_main(config: EngineConfig, conn, step_clock, name: str, torch_threads:
     from splitserve.engine.heap import freeze_startup_heap
 
     freeze_startup_heap()  # the collector no longer walks the start-up heap at every full collection
-    send([("ready", engine.model_id, engine.num_total_blocks, engine.kv_pool, child.stats)])  # the pool's
+    send([("ready", engine.model_id, engine.num_total_blocks, pool, child.stats)])  # the pool's
     # tensor crosses as a handle on the shared memory (torch.multiprocessing), not as a copy
     child.start()
     calls: dict[int, Future] = {}

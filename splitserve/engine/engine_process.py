@@ -90,7 +90,9 @@ class EngineProcess:
         ctx = multiprocessing.get_context("spawn")  # never fork a process with threads (and CUDA)
         self._conn, child_conn = ctx.Pipe()
         self._clock = ctx.RawValue("d", 0.0)  # monotonic start of the step in progress, 0: none
-        self._process = ctx.Process(target=child_main, name=f"engine-{name}", daemon=True,
+        # a tensor-parallel engine starts its rank processes, which a daemonic process may not
+        self._process = ctx.Process(target=child_main, name=f"engine-{name}",
+                                    daemon=config.tensor_parallel_size == 1,
                                     args=(config, child_conn, self._clock, name, torch.get_num_threads(),
                                           logging.getLogger().getEffectiveLevel(), self._kwargs))
         self._child_conn = child_conn

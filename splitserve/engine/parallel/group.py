@@ -7,6 +7,7 @@ Gloo on the CPU: the collectives go over loopback TCP; NCCL on CUDA."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import time
 
@@ -24,6 +25,7 @@ from splitserve.engine.parallel.state import (
 )
 from splitserve.engine.parallel.worker import cpu_threads, loaded, rank_config, run_rank
 
+log = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 300.0  # a rank that never joins (slow start, wedged): an error, not a hang
 
 
@@ -53,6 +55,9 @@ class TensorParallelGroup:
         self.wait_for_ranks()
         init_tensor_parallel(0, self.size, self.store, self.cfg.device)
         self.running = True
+        log.info("tensor-parallel engine: %d ranks over %s (rank processes %s)", self.size,
+                 "nccl" if torch.device(self.cfg.device).type == "cuda" else "gloo",
+                 ", ".join(str(p.pid) for p in self.procs))
 
     def wait_for_ranks(self) -> None:
         """Until every rank has reached the store; one line if one died or never came."""
