@@ -49,6 +49,15 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                         "before the first real one; off on CPU)")
 
 
+def prefill_tensor_parallel_problem(args: argparse.Namespace) -> str | None:
+    """Why a prefill worker cannot take this --tensor-parallel-size (it pushes KV, and KV
+    transfer between tensor-parallel workers is not built), or None."""
+    if args.tensor_parallel_size > 1:
+        return (f"--tensor-parallel-size {args.tensor_parallel_size}: a prefill worker pushes its KV, and KV "
+                "transfer between tensor-parallel workers is not built yet (serve TP models colocated)")
+    return None
+
+
 def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
     """(checkpoint dir, served name); builds the demo checkpoint when no --model is given."""
     if args.model is None:

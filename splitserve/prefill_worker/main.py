@@ -18,7 +18,12 @@ import torch
 from splitserve.core.cpus import available_cpus, threads_per_worker
 from splitserve.core.ports import PREFILL_ADMIN_PORT
 from splitserve.core.tracing_config import add_tracing_args, tracing_config_from_args
-from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
+from splitserve.engine.args import (
+    add_engine_args,
+    engine_config_from_args,
+    prefill_tensor_parallel_problem,
+    resolve_model,
+)
 from splitserve.logs import configure_logging
 from splitserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from splitserve.security.links import add_security_args, security_from_args
@@ -46,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, worker_class: type[PrefillWorker] = PrefillWorker) -> int:
     args = build_parser().parse_args(argv)
     configure_logging()
+    problem = prefill_tensor_parallel_problem(args)
+    if problem:
+        print(f"splitserve prefill-worker: {problem}", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.torch_threads or threads_per_worker(available_cpus()))
     model, served = resolve_model(args)
     config = PrefillWorkerConfig(engine_config_from_args(args, model, served), worker_id=args.worker_id,

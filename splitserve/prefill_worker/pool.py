@@ -21,7 +21,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from splitserve.core.ports import PREFILL_ADMIN_PORT
 from splitserve.core.tracing_config import add_tracing_args, tracing_config_from_args
-from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
+from splitserve.engine.args import (
+    add_engine_args,
+    engine_config_from_args,
+    prefill_tensor_parallel_problem,
+    resolve_model,
+)
 from splitserve.logs import configure_logging, keep_output_lines_whole
 from splitserve.metrics import Metrics
 from splitserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
@@ -77,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     if args.replicas < 0:
         raise SystemExit("--replicas must be >= 0")
+    problem = prefill_tensor_parallel_problem(args)
+    if problem:
+        raise SystemExit(f"splitserve prefill-pool: {problem}")
     model, served = resolve_model(args)
     engine = engine_config_from_args(args, model, served)
     security = security_from_args(args)  # TLS files / token must exist at the same paths on every Ray node

@@ -1,7 +1,8 @@
 """`splitserve serve --tensor-parallel-size 2` colocated (Ray, one decode worker whose engine
 runs two rank processes over gloo): greedy completions answer the tokens of a TP=1
 in-process engine, again as a prefix-cache hit; disaggregated serving with TP is refused
-in one line before anything starts (KV transfer between TP workers is not built)."""
+in one line before anything starts, and so are TP prefill workers (KV transfer between TP
+workers is not built)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import random
 import subprocess
 import sys
 
+import pytest
 import requests
 
 from splitserve.core.tokenizer import Tokenizer
@@ -57,3 +59,13 @@ def test_tp_with_prefill_workers_is_refused_in_one_line():
     assert r.returncode == 2
     assert r.stderr.strip() == ("splitserve serve: --tensor-parallel-size 2 runs colocated only (--prefill-workers 0): "
                                 "KV transfer between tensor-parallel workers is not built yet")
+
+
+@pytest.mark.parametrize("command", ["prefill-worker", "prefill-pool"])
+def test_a_tp_prefill_worker_is_refused_in_one_line(command):
+    r = subprocess.run([sys.executable, "-m", "splitserve.cli", command, "--redis-url", "redis://127.0.0.1:1",
+                        "-tp", "2"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert r.stderr.strip() == (f"splitserve {command}: --tensor-parallel-size 2: a prefill worker pushes its KV, "
+                                "and KV transfer between tensor-parallel workers is not built yet (serve TP models "
+                                "colocated)")

@@ -30,7 +30,9 @@ def rank_config(cfg: EngineConfig, rank: int) -> EngineConfig:
 
 
 def cpu_threads(size: int) -> int:
-    return max(1, (os.cpu_count() or 1) // size)
+    """Each rank's share of the CPUs this process may run on (serve pins each engine)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus // size)
 
 
 def loaded(error: str | None) -> str | None:
