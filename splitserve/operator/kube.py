@@ -19,7 +19,7 @@ PLURALS = {
     "Deployment": "deployments", "Service": "services", "RayCluster": "rayclusters",
     "PodDisruptionBudget": "poddisruptionbudgets", "NetworkPolicy": "networkpolicies",
     "ServiceMonitor": "servicemonitors", "PodMonitor": "podmonitors",
-    "InferenceDeployment": "inferencedeployments", "Secret": "secrets",
+    "InferenceDeployment": "inferencedeployments", "Secret": "secrets", "Certificate": "certificates",
 }
 
 

@@ -14,6 +14,7 @@ from splitserve.core.ports import (  # noqa: F401 - the renderers use them as c.
     ROUTER_PORT,
 )
 
+from . import cert_manager as tls
 from .spec import InferenceSpec, RoleSpec
 
 MODEL_MOUNT = "/models"
@@ -90,6 +91,8 @@ def volumes(spec: InferenceSpec, shm: bool) -> list[dict]:
                                                           "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}]}}]
     if shm:
         vols.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    if spec.tls_issuer is not None:
+        vols.append(tls.tls_volume(spec.name))
     m = spec.model
     if m.source_type == "pvc":
         vols.append({"name": "model", "persistentVolumeClaim": {"claimName": m.claim_name, "readOnly": True}})
@@ -103,6 +106,8 @@ def volumes(spec: InferenceSpec, shm: bool) -> list[dict]:
 def volume_mounts(spec: InferenceSpec, shm: bool) -> list[dict]:
     mounts: list[dict] = [{"name": "tmp", "mountPath": "/tmp"},
                           {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}]
+    if spec.tls_issuer is not None:
+        mounts.append(tls.tls_mount())
     if shm:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     if spec.model.source_type != "image":
@@ -140,7 +145,8 @@ def pod_spec_extras(spec: InferenceSpec) -> dict:
 def common_args(spec: InferenceSpec) -> list[str]:
     """Flags every component takes; the Redis URL goes through the env var so a
     later change to secret-sourced URLs touches one place."""
-    return ["--redis-url", "$(SPLITSERVE_REDIS_URL)", "--cluster", spec.cluster, "--cluster-token-file", TOKEN_FILE]
+    args = ["--redis-url", "$(SPLITSERVE_REDIS_URL)", "--cluster", spec.cluster, "--cluster-token-file", TOKEN_FILE]
+    return args + (tls.tls_args(spec.name, spec.namespace) if spec.tls_issuer is not None else [])
 
 
 def engine_args(spec: InferenceSpec, role: RoleSpec) -> list[str]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
 
+from .cert_manager import IssuerRef, parse_tls
 from .labels import label_problems
 from .spec_fields import float_field, int_field, object_field
 from .spec_model import ModelSpec, SecretRef, parse_model, parse_secret_ref
@@ -109,6 +110,7 @@ class InferenceSpec:
     network_policy: bool = True
     drain_timeout_seconds: int = 600
     image_pull_secrets: tuple[str, ...] = ()
+    tls_issuer: IssuerRef | None = None  # spec.tls.certManager: mutual TLS from cert-manager (cert_manager.py)
     cluster_token_hash: str = ""  # of the token Secret, set at reconcile (cluster_token.py): rolls the pods
 
     @property
@@ -201,6 +203,7 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
         problems.append("spec.autoscaling.targetWaitingPerReplica must be > 0")
     if not 0 < autoscaling.low_watermark < 1:
         problems.append("spec.autoscaling.lowWatermark must lie strictly between 0 and 1")
+    tls_issuer = parse_tls(object_field(spec, "tls", problems), problems)
     kv = object_field(spec, "kvTransfer", problems)
     kv_backend, rdma_device = str(kv.get("backend", "grpc")), str(kv.get("rdmaDevice", ""))
     if kv_backend not in ("grpc", "mooncake"):
@@ -238,7 +241,7 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
         prefill=prefill, decode=decode, autoscaling=autoscaling, block_size=block_size,
         kv_cache_dtype=kv_cache_dtype,
         kv_backend=kv_backend, rdma_device=rdma_device, redis_url=redis_url, redis_url_secret=redis_url_secret,
-        redis_image=str(redis.get("image", "redis:7.4-alpine")),
+        tls_issuer=tls_issuer, redis_image=str(redis.get("image", "redis:7.4-alpine")),
         service_monitor=bool(monitoring.get("serviceMonitor", False)),
         pod_monitor=bool(monitoring.get("podMonitor", False)),
         scrape_interval=str(monitoring.get("interval", "15s")),

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 # What the renderer (render_common.py, render_pod.py) sets itself; tests check both agree.
 OPERATOR_ENV = ("POD_NAME", "POD_NAMESPACE", "POD_IP", "HOME", "HF_HUB_OFFLINE", "HF_TOKEN",
                 "SPLITSERVE_REDIS_URL")
-OPERATOR_VOLUMES = ("tmp", "dshm", "model", "cluster-token")
+OPERATOR_VOLUMES = ("tmp", "dshm", "model", "cluster-token", "cluster-tls")
 OPERATOR_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/component", "app.kubernetes.io/managed-by",
                    "app.kubernetes.io/instance")
 RESERVED_LABEL_PREFIXES = ("splitserve.io/", "ray.io/")  # selectors, and KubeRay's own labels
 # /tmp, /dev/shm, /models (or anything below /models: the model volume is read-only), and
-# /etc/splitserve/cluster-token and below (the cluster token).
-RESERVED_MOUNT = re.compile(r"^/+(tmp|dev/+shm)/*$|^/+models(/.*)?$|^/+etc/+splitserve/+cluster-token(/.*)?$")
+# /etc/splitserve/cluster-token and /etc/splitserve/tls and below (token, certificates).
+RESERVED_MOUNT = re.compile(r"^/+(tmp|dev/+shm)/*$|^/+models(/.*)?$|^/+etc/+splitserve/+(cluster-token|tls)(/.*)?$")
 LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
                        r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
@@ -82,12 +82,12 @@ def parse_pod_settings(d: dict, where: str, problems: list[str]) -> PodSettings:
         problems.append(f"{where}.env must not set {', '.join(OPERATOR_ENV)}: the operator sets them "
                         "(the Hugging Face token comes from model.source.tokenSecretRef)")
     if any(n in OPERATOR_VOLUMES for n in _names(pod.volumes, "name")):
-        problems.append(f"{where}.volumes[].name must not be tmp, dshm, model or cluster-token: the operator's own "
+        problems.append(f"{where}.volumes[].name must not be tmp, dshm, model, cluster-token or cluster-tls: the operator's own "
                         "volumes have those names")
     if any(RESERVED_MOUNT.match(p) for p in _names(pod.volume_mounts, "mountPath")):
         problems.append(f"{where}.volumeMounts[].mountPath must not be /tmp, /dev/shm, /models, "
-                        "/etc/splitserve/cluster-token or "
-                        "below them: the operator mounts its own volumes there")
+                        "/etc/splitserve/cluster-token, /etc/splitserve/tls or below them: the operator mounts its "
+                        "own volumes there")
     volumes = set(_names(pod.volumes, "name"))
     if any(n not in volumes for n in _names(pod.volume_mounts, "name")):
         problems.append(f"{where}.volumeMounts[].name must name one of this role's volumes")

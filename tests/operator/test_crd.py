@@ -85,6 +85,10 @@ INVALID_BY_SCHEMA = [
      "spec.prefill.minReplicas must be >= 1"),
     ("no held requests", {"autoscaling": {"holdRequestsAtZero": 0}}, "0 is less than the minimum of 1",
      "spec.autoscaling.holdRequestsAtZero must be >= 1"),
+    ("tls issuer kind", {"tls": {"certManager": {"issuerRef": {"name": "ca", "kind": "Vault"}}}},
+     "'Vault' is not one of", "issuerRef.kind must be Issuer or ClusterIssuer, got 'Vault'"),
+    ("tls without issuer", {"tls": {"certManager": {}}}, "'issuerRef' is a required property",
+     "spec.tls.certManager.issuerRef.name is required"),
 ]
 INVALID_BY_CEL = [
     ("min > max", {"decode": {"minReplicas": 5, "maxReplicas": 2, "replicas": 2}},

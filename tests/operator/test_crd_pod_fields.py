@@ -91,9 +91,9 @@ def test_bad_affinity_content_is_refused_by_kubernetes_own_schema(schema, minima
 
 ENV_RULE = ("env must not set POD_NAME, POD_NAMESPACE, POD_IP, HOME, HF_HUB_OFFLINE, HF_TOKEN, SPLITSERVE_REDIS_URL: "
             "the operator sets them (the Hugging Face token comes from model.source.tokenSecretRef)")
-VOLUME_RULE = "volumes[].name must not be tmp, dshm, model or cluster-token: the operator's own volumes have those names"
-MOUNT_PATH_RULE = ("volumeMounts[].mountPath must not be /tmp, /dev/shm, /models, /etc/splitserve/cluster-token or "
-                   "below them: the operator mounts its own volumes there")
+VOLUME_RULE = "volumes[].name must not be tmp, dshm, model, cluster-token or cluster-tls: the operator's own volumes have those names"
+MOUNT_PATH_RULE = ("volumeMounts[].mountPath must not be /tmp, /dev/shm, /models, /etc/splitserve/cluster-token, "
+                   "/etc/splitserve/tls or below them: the operator mounts its own volumes there")
 MOUNT_NAME_RULE = "volumeMounts[].name must name one of this role's volumes"
 KEY_RULE = ("keys must be [DNS-subdomain prefix/]name, the name at most 63 letters, digits, '-', '_' or '.', "
             "beginning and ending with a letter or digit")

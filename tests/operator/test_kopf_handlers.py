@@ -31,6 +31,7 @@ KINDS = {
     ("networking.k8s.io/v1", "networkpolicies"): "NetworkPolicy",
     ("monitoring.coreos.com/v1", "servicemonitors"): "ServiceMonitor",
     ("monitoring.coreos.com/v1", "podmonitors"): "PodMonitor", ("v1", "secrets"): "Secret",
+    ("cert-manager.io/v1", "certificates"): "Certificate",
 }
 PLURAL = {kind: plural for (_, plural), kind in KINDS.items()}
 

@@ -198,9 +198,10 @@ def test_network_policies_let_the_operator_reach_redis(minimal_spec):
 def test_unwanted_children_are_the_ones_turned_off(minimal_spec):
     spec = parse_spec("q", "ns", minimal_spec, "img:1")
     assert unwanted_children(spec, "2.60.0") == [
+        ("cert-manager.io/v1", "Certificate", "q-tls"),  # no spec.tls
         ("monitoring.coreos.com/v1", "PodMonitor", "q-decode"), ("monitoring.coreos.com/v1", "PodMonitor", "q-prefill"),
         ("monitoring.coreos.com/v1", "ServiceMonitor", "q-router")]
-    assert unwanted_children(SPECS["llama-pvc.yaml"], "2.60.0") == []
+    assert unwanted_children(SPECS["llama-pvc.yaml"], "2.60.0") == [("cert-manager.io/v1", "Certificate", "llama3-8b-tls")]
     assert ("apps/v1", "Deployment", "mistral-7b-redis") in unwanted_children(SPECS["mistral-image-rdma.yaml"], "2.60.0")
 
 

@@ -156,7 +156,8 @@ def test_what_the_operator_sets_is_exactly_what_the_crd_reserves(minimal_spec):
     """The operator's own env names, volumes, mount paths and label keys, in every pod
     it renders (every example and a uri source with a token), are the reserved ones."""
     source = {"type": "uri", "uri": "hf://org/name", "tokenSecretRef": {"name": "hf", "key": "t"}}
-    specs = [parse_spec("q", "ns", {**minimal_spec, "model": {**minimal_spec["model"], "source": source}}, "i")]
+    specs = [parse_spec("q", "ns", {**minimal_spec, "model": {**minimal_spec["model"], "source": source},
+                                    "tls": {"certManager": {"issuerRef": {"name": "cluster-ca"}}}}, "i")]
     for path in sorted((REPO / "examples").glob("*.yaml")):
         obj = yaml.safe_load(path.read_text())
         specs.append(parse_spec(obj["metadata"]["name"], "ns", obj["spec"], "img:1"))

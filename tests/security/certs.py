@@ -43,8 +43,9 @@ def _write(path: Path, cert: x509.Certificate | None = None, key=None) -> Path:
     return path
 
 
-def make_pki(directory: Path, name: str) -> CertFiles:
-    """A CA `name`-ca and a leaf signed by it, written under `directory`."""
+def make_pki(directory: Path, name: str, dns_names: list[str] | None = None) -> CertFiles:
+    """A CA `name`-ca and a leaf signed by it, written under `directory`; the leaf names
+    localhost and 127.0.0.1, or only `dns_names` when given."""
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (x509.CertificateBuilder().subject_name(_name(f"{name}-ca")).issuer_name(_name(f"{name}-ca"))
@@ -56,9 +57,10 @@ def make_pki(directory: Path, name: str) -> CertFiles:
     leaf = (x509.CertificateBuilder().subject_name(_name(f"{name}-worker")).issuer_name(ca.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName(n) for n in dns_names] if dns_names is not None
+                else [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
             .sign(ca_key, hashes.SHA256()))

@@ -52,6 +52,7 @@ SLOW = {
     "tests/engine/test_gguf_model.py",  # transformers loads both real GGUF models (Gemma 3: 262k-token vocabulary)
     "tests/operator/test_cluster_token.py",  # a router and two decode worker processes
     "tests/operator/test_scale_to_zero.py",  # routers and a decode worker process, with the operator
+    "tests/operator/test_cert_manager_tls.py",  # a router and a decode worker over mutual TLS
 }
 
 
