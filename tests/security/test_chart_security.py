@@ -33,6 +33,10 @@ ALLOWED_RULES = {
     ("monitoring.coreos.com", "servicemonitors"): {"get", "create", "patch", "delete"},
     ("monitoring.coreos.com", "podmonitors"): {"get", "create", "patch", "delete"},
     ("", "events"): {"create"},
+    # The cluster token Secret per InferenceDeployment (issue 36): never list, watch or update;
+    # delete only because an owner reference needs it (OwnerReferencesPermissionEnforcement).
+    ("", "secrets"): {"get", "create", "delete"},
+    ("cert-manager.io", "certificates"): {"get", "create", "patch", "delete"},  # spec.tls.certManager
 }
 # Ports of worker pods open beyond the deployment's own pods: metrics/health only.
 OPEN_WORKER_PORTS = {8081, 8082}
