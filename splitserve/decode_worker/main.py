@@ -63,5 +63,5 @@ def main(argv: list[str] | None = None) -> int:
     worker = DecodeWorker(config)
     return run_worker_process(
         worker, lambda: f"splitserve decode-worker: {worker.worker_id} serving gRPC on {worker.address}, KV receiver "
-                        f"{worker.kv_address}, admin {worker.admin_url or '(off)'}",
+                        f"{worker.kv_address or 'none'}, admin {worker.admin_url or '(off)'}",
         before_stop=lambda: worker.drain(args.drain_timeout))

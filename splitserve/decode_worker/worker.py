@@ -91,7 +91,7 @@ class DecodeWorker(RemotePrefill, WorkerBase, DecodeWorkerServicer):
         self.kv_address = f"{self.address.rsplit(':', 1)[0]}:{kv_port}" if kv_port else ""  # prefill workers dial it
         await self._start_presence(engine)
         log.info("decode worker %s serving on %s (KV receiver %s, %s%s; links: %s)", self.worker_id,
-                 self.address, self.kv_address, self.kv_pool_description(),
+                 self.address, self.kv_address or "none (tensor-parallel)", self.kv_pool_description(),
                  f", admin {self.admin_url}" if self.admin_url else "", cfg.security.describe())
         return self.address
 
