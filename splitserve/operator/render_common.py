@@ -160,6 +160,8 @@ def engine_args(spec: InferenceSpec, role: RoleSpec) -> list[str]:
         args += ["--max-model-len", str(m.max_model_len)]
     if role.kv_cache_memory_gib:
         args += ["--kv-cache-memory", f"{role.kv_cache_memory_gib:g}"]
+    if role.tensor_parallel_size > 1:  # the worker's engine starts its rank processes in the same pod
+        args += ["--tensor-parallel-size", str(role.tensor_parallel_size)]
     if spec.kv_cache_dtype != "auto":  # prefill and decode workers must agree: one field for both
         args += ["--kv-cache-dtype", spec.kv_cache_dtype]
     return args

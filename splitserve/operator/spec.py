@@ -49,6 +49,7 @@ class RoleSpec:
     max_num_seqs: int = 256
     pod: PodSettings = field(default_factory=PodSettings)
     kv_cache_memory_gib: float | None = None  # None: the engine's default
+    tensor_parallel_size: int = 1  # ranks each worker shards the model over (--tensor-parallel-size)
 
     @property
     def gpus(self) -> int:
@@ -143,6 +144,7 @@ def _role(d: dict, where: str, problems: list[str], replicas: int, maximum: int,
         max_num_seqs=int_field(d, "maxNumSeqs", 256, where, problems, minimum=1),
         pod=parse_pod_settings(d, where, problems),
         kv_cache_memory_gib=float_field(d, "kvCacheMemoryGiB", 0.0, where, problems) or None,
+        tensor_parallel_size=int_field(d, "tensorParallelSize", 1, where, problems, minimum=1),
     )
     if role.kv_cache_memory_gib is not None and role.kv_cache_memory_gib <= 0:
         problems.append(f"{where}.kvCacheMemoryGiB must be > 0")
@@ -150,6 +152,14 @@ def _role(d: dict, where: str, problems: list[str], replicas: int, maximum: int,
         role.gpus  # noqa: B018 - validates the quantity
     except (TypeError, ValueError):
         problems.append(f"{where}.resources nvidia.com/gpu must be a whole number")
+    else:
+        tp = role.tensor_parallel_size
+        if tp > 1 and where.endswith("prefill"):
+            problems.append(f"{where}.tensorParallelSize must be 1: prefill workers push KV, and KV transfer "
+                            "between tensor-parallel workers is not built yet")
+        elif tp > 1 and role.gpus % tp:
+            problems.append(f"{where}.resources nvidia.com/gpu ({role.gpus}) must be a multiple of "
+                            f"{where}.tensorParallelSize ({tp}): one GPU per rank")
     # The CRD's CEL rules, repeated (see module docstring).
     if role.min_replicas > role.max_replicas:
         problems.append(f"{where}.minReplicas ({role.min_replicas}) must be <= "

@@ -141,6 +141,18 @@ def test_router_stream_interval_reaches_the_router_pods(minimal_spec):
     assert args[args.index("--stream-interval") + 1] == "4"
 
 
+def test_decode_tensor_parallel_size_requests_its_gpus_and_passes_the_flag(minimal_spec):
+    default = by_kind_name(render(parse_spec("q", "ns", minimal_spec, "img:1")))
+    args = default[("Deployment", "q-decode")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--tensor-parallel-size" not in args
+    decode = {"tensorParallelSize": 4, "resources": {"limits": {"nvidia.com/gpu": 4}}}
+    spec = parse_spec("q", "ns", {**minimal_spec, "decode": decode}, "img:1")
+    c = by_kind_name(render(spec))[("Deployment", "q-decode")]["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"][c["args"].index("--tensor-parallel-size") + 1] == "4"
+    assert c["args"][c["args"].index("--device") + 1] == "cuda"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 4  # one GPU per rank, in the one pod
+
+
 def test_rdma_and_image_source():
     m = by_kind_name(render(SPECS["mistral-image-rdma.yaml"]))
     decode_pod = m[("Deployment", "mistral-7b-decode")]["spec"]["template"]["spec"]
