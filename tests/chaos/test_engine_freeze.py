@@ -93,7 +93,9 @@ def test_streams_on_an_engine_frozen_mid_step_migrate_token_exact(serve, referen
                      for i, p in enumerate(batch)]
             while not all(len(o.tokens) >= 4 for o in outs):
                 await asyncio.sleep(0.02)
-            worker = outs[0].decode_worker  # the decode worker of a stream still running: frozen mid-step
+            # the decode worker of the stream least far along: still running, so it is frozen mid-step
+            # (on a loaded machine the first short stream may already have finished)
+            worker = min((o for o in outs if not o.done), key=lambda o: len(o.tokens)).decode_worker
             victim.append(pids[worker])
             frozen_at.append(_freeze(victim[0]))
             return await asyncio.gather(*tasks)
