@@ -2,11 +2,9 @@
 its linears through oneDNN, is 1.7-1.9x ahead of us on SmolLM2.)
 
 One offline engine, one thread: prefill time of one prompt and decode tok/s at batch 1 and 8
-with today's linears (MKL's float32 GEMM on input-major weights), then with every decoder
-linear swapped in place for a oneDNN one (`torch._C._nn.mkldnn_linear` over the weight
-converted once with `to_mkldnn()`, as `torch.utils.mkldnn.to_mkldnn(nn.Linear)` does), same
-engine, fresh prompts (no prefix-cache hit), and whether greedy tokens stay the same.
-An experiment, not a serving path: the engine does not use oneDNN (see docs/benchmarks.md).
+with every float32 linear on MKL (`F.linear` on the input-major weights), then as the engine
+runs them (kernels/cpu_linear.py: oneDNN from two rows up, MKL for one), same engine, fresh
+prompts (no prefix-cache hit), and whether greedy tokens stay the same.
 
     taskset -c 1 python -m bench.experiments.cpu_gemm_onednn --model DIR --prompt-tokens 900
 """
@@ -19,33 +17,17 @@ import statistics
 import time
 
 import torch
-from torch import nn
 
 from splitserve.core.sampling_params import SamplingParams
 from splitserve.engine.llm import LLM
+from splitserve.kernels import cpu_linear
 
 
-class OneDNNLinear(nn.Module):
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.register_buffer("packed", linear.weight.detach().contiguous().to_mkldnn())
-        self.bias = None if linear.bias is None else linear.bias.detach().to_mkldnn()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        y = torch._C._nn.mkldnn_linear(rows.to_mkldnn(), self.packed, self.bias).to_dense()
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-def swap_linears(model: nn.Module) -> int:
-    """Every decoder linear (not the LM head) replaced; how many."""
-    n = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and name != "lm_head":
-                setattr(module, name, OneDNNLinear(child))
-                n += 1
-    return n
+def use_onednn(on: bool) -> None:
+    """The engine's float32 CPU linears through oneDNN (kernels/cpu_linear.py), or MKL alone."""
+    cpu_linear._available = None if on else False
+    if on and not cpu_linear.available():
+        raise SystemExit("this torch build has no oneDNN linear")
 
 
 def measure(llm: LLM, vocab: int, prompt_tokens: int, seed: int) -> dict:
@@ -88,9 +70,10 @@ def main() -> None:
     vocab = llm.engine.model_config.vocab_size
     check = torch.randint(10, vocab, (100,), generator=torch.Generator().manual_seed(7)).tolist()
     greedy = SamplingParams(temperature=0, max_tokens=24)
+    use_onednn(False)
     before = llm.generate(check, greedy)[0].token_ids
     result = {"model": ns.model, "prompt_tokens": ns.prompt_tokens, "mkl": measure(llm, vocab, ns.prompt_tokens, 1)}
-    result["swapped_linears"] = swap_linears(llm.engine.runner.model)
+    use_onednn(True)
     result["onednn"] = measure(llm, vocab, ns.prompt_tokens, 2)
     result["same_greedy_tokens"] = llm.generate(check, greedy)[0].token_ids == before
     print(json.dumps(result, indent=2))

@@ -17,7 +17,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from splitserve.kernels import reference
+from splitserve.kernels import cpu_linear, reference
 
 _BACKENDS = ("auto", "triton", "native", "reference")
 _backend: str | None = None
@@ -196,3 +196,12 @@ def quantized_linear(x, qw, bias=None):
         if quant_native.supports(x, qw):
             return quant_native.quantized_linear(x, qw, bias)
     return quant_weight.quantized_linear_reference(x, qw, bias)
+
+
+def linear(x, weight, bias=None):
+    """x @ weight.T (+ bias): F.linear, except float32 steps of several rows on a CPU, which
+    go through oneDNN on the native backend (kernels/cpu_linear.py says why)."""
+    # one decode sequence (the hot path at batch 1) is decided by the first test alone
+    if x.shape[0] >= cpu_linear.MIN_ROWS and cpu_linear.eligible(x, weight) and backend_for(x) == "native":
+        return cpu_linear.linear(x, weight, bias)
+    return F.linear(x, weight, bias)

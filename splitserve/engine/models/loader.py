@@ -166,6 +166,8 @@ def store_linear_weights_input_major(model: nn.Module) -> None:
     Why: on a CPU, MKL's float32 GEMM with few rows (a decode step's batch) runs 1.3-2x faster
     on this layout (gate_up at 8 rows: 52 -> 36 us; a demo-model decode step -7% at batch 32,
     -9% at 8) and as fast for a prefill's hundreds of rows; bf16 was slower, so it stays as is.
+    Steps of two rows or more go through oneDNN (kernels/cpu_linear.py), which reads this
+    layout as it is, faster still.
     A weight tied to the embedding keeps its layout: the lookup reads its rows."""
     tied = {id(p) for name, p in model.named_parameters() if "embed" in name}
     for module in model.modules():

@@ -21,17 +21,21 @@ from torch import nn
 from splitserve.engine.models.quant_linear import QuantizedLinear
 from splitserve.engine.parallel.sharding import vocab_rows
 from splitserve.engine.parallel.state import all_gather, all_reduce, tp
+from splitserve.kernels import ops
 
 
 class ColumnParallelLinear(nn.Linear):
     """nn.Linear over this rank's output rows."""
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
 
 class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp().size == 1:
-            return F.linear(x, self.weight, self.bias)
-        return all_reduce(F.linear(x, self.weight, self.bias if tp().rank == 0 else None))
+            return ops.linear(x, self.weight, self.bias)
+        return all_reduce(ops.linear(x, self.weight, self.bias if tp().rank == 0 else None))
 
 
 class ParallelLMHead(nn.Linear):
@@ -40,7 +44,7 @@ class ParallelLMHead(nn.Linear):
         self.vocab_size = vocab_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_gather(F.linear(x, self.weight))[..., :self.vocab_size]  # padding rows dropped
+        return all_gather(ops.linear(x, self.weight))[..., :self.vocab_size]  # padding rows dropped
 
 
 class VocabParallelEmbedding(nn.Embedding):
