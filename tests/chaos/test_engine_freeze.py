@@ -29,7 +29,9 @@ from tests.reliability.conftest import (
 )
 
 BOUND_S = 2.0
-TOKENS = 120
+# Long enough that the engine is still generating when the client has seen 4 tokens of every
+# stream: at 120 the demo model sometimes finished all of them first (nothing left to migrate).
+TOKENS = 480
 
 
 @pytest.fixture(scope="module")
