@@ -8,6 +8,10 @@ Every gRPC link (bus bridge, Generate, Prefill, KV receivers) requires a cluster
 generated for this run unless one is given (--cluster-token-file, to attach more routers
 or workers), so no other process on the machine can register a worker, push KV blocks or
 read prompts; --tls-* adds mutual TLS on top.
+
+(Just over 300 lines: the start-up order here, checks before Ray, Ray, workers, router,
+supervision, reads top to bottom in one place; the pieces that stand alone, CPU plans, Ray
+supervision, the banner, already live in their own modules.)
 """
 
 from __future__ import annotations
