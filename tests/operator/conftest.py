@@ -47,3 +47,18 @@ def third_party_schema(filename: str, version: str = "v1") -> dict:
     if not SCHEMAS.is_dir():
         pytest.skip(f"third-party CRD schemas not found at {SCHEMAS} (shared/schemas next to the repo)")
     return crd_schema(yaml.safe_load(path.read_text()), version)
+
+
+@pytest.fixture
+async def cluster(tmp_path, monkeypatch):
+    """The fake API server with the operator's real kopf handlers running against it."""
+    from .fake_kube import FakeKube
+    from .test_kopf_handlers import KINDS, NS, run_operator, stop_operator
+
+    fake = FakeKube(KINDS)
+    await fake.start()
+    await fake.create_namespace(NS)
+    stop, thread = await run_operator(fake, tmp_path, monkeypatch)
+    yield fake
+    await stop_operator(stop, thread)
+    await fake.stop()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 
-import pytest
 import requests
 
 from splitserve.operator.cert_manager import server_name
@@ -18,20 +17,9 @@ from tests.reliability.cluster import SERVED, Cluster
 from tests.security.certs import make_pki
 
 from .fake_kube import FakeKube
-from .test_kopf_handlers import IFD, KINDS, NS, child, infd, run_operator, stop_operator, wait_for
+from .test_kopf_handlers import IFD, NS, child, infd, wait_for
 
 TLS = {"certManager": {"issuerRef": {"name": "cluster-ca", "kind": "ClusterIssuer"}}}
-
-
-@pytest.fixture
-async def cluster(tmp_path, monkeypatch):
-    fake = FakeKube(KINDS)
-    await fake.start()
-    await fake.create_namespace(NS)
-    stop, thread = await run_operator(fake, tmp_path, monkeypatch)
-    yield fake
-    await stop_operator(stop, thread)
-    await fake.stop()
 
 
 def containers(fake: FakeKube) -> dict[str, dict]:

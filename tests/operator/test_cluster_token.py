@@ -10,29 +10,17 @@ from __future__ import annotations
 import base64
 import time
 
-import pytest
 import requests
 
 from splitserve.operator.cluster_token import token_hash
 from tests.reliability.cluster import Cluster
 
 from .fake_kube import FakeKube
-from .test_kopf_handlers import IFD, KINDS, NS, child, infd, run_operator, stop_operator, wait_for
+from .test_kopf_handlers import IFD, NS, child, infd, wait_for
 
 SECRETS = ("v1", "secrets")
 TOKEN_FILE = "/etc/splitserve/cluster-token/token"
 HASH = "splitserve.io/cluster-token-hash"
-
-
-@pytest.fixture
-async def cluster(tmp_path, monkeypatch):
-    fake = FakeKube(KINDS)
-    await fake.start()
-    await fake.create_namespace(NS)
-    stop, thread = await run_operator(fake, tmp_path, monkeypatch)
-    yield fake
-    await stop_operator(stop, thread)
-    await fake.stop()
 
 
 def pod_templates(fake: FakeKube, name: str) -> dict[str, dict]:

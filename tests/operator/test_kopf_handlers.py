@@ -74,17 +74,6 @@ async def stop_operator(stop: threading.Event, thread: threading.Thread) -> None
     assert not thread.is_alive(), "kopf did not stop within 15s"
 
 
-@pytest.fixture
-async def cluster(tmp_path, monkeypatch):
-    fake = FakeKube(KINDS)
-    await fake.start()
-    await fake.create_namespace(NS)
-    stop, thread = await run_operator(fake, tmp_path, monkeypatch)
-    yield fake
-    await stop_operator(stop, thread)
-    await fake.stop()
-
-
 def infd(name: str, spec: dict) -> dict:
     return {"apiVersion": "splitserve.io/v1alpha1", "kind": "InferenceDeployment",
             "metadata": {"name": name, "namespace": NS}, "spec": copy.deepcopy(spec)}
