@@ -12,3 +12,4 @@ class BlockEvent:
     kind: str  # "stored" | "removed"
     block_hashes: list[int]
     parent: int | None = None  # hash of the block before the first stored one
+    tier: str = "device"  # where the blocks are: device (the KV pool), host or disk (engine/kv_offload/)
