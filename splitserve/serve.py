@@ -40,7 +40,12 @@ from splitserve.core.cpus import (
 from splitserve.core.model_dir import checkpoint_problem, demo_dir
 from splitserve.core.tracing_config import tracing_config, tracing_config_from_args
 from splitserve.decode_worker.prefill_timeout import add_prefill_timeout_arg
-from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
+from splitserve.engine.args import (
+    add_engine_args,
+    engine_config_from_args,
+    resolve_model,
+    speculative_problem,
+)
 from splitserve.logs import configure_logging, keep_output_lines_whole
 from splitserve.router.main import add_router_args, bind_http, start_router
 from splitserve.security.links import LinkSecurity, security_from_args
@@ -288,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     # checked before Ray or any process starts: one line, exit 2
     problem = checkpoint_problem(args.model, args.quantization) if args.model is not None else (
         None if (demo_dir() / "config.json").is_file() else cache_dir_problem(demo_dir()))
+    problem = problem or speculative_problem(args)
     if problem:
         print(f"splitserve serve: {problem}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 
 import torch
 
@@ -17,7 +18,12 @@ from splitserve.core.ports import ADMIN_PORT, DECODE_GRPC_PORT, DRAIN_PORT
 from splitserve.core.tracing_config import add_tracing_args, tracing_config_from_args
 from splitserve.decode_worker.prefill_timeout import add_prefill_timeout_arg
 from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
-from splitserve.engine.args import add_engine_args, engine_config_from_args, resolve_model
+from splitserve.engine.args import (
+    add_engine_args,
+    engine_config_from_args,
+    resolve_model,
+    speculative_problem,
+)
 from splitserve.logs import configure_logging
 from splitserve.security.links import add_security_args, security_from_args
 from splitserve.worker_base.config import ENGINE_LOOPS, add_worker_health_args
@@ -48,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     configure_logging()
     torch.set_num_threads(args.torch_threads or threads_per_worker(available_cpus()))
+    problem = speculative_problem(args)
+    if problem:  # one line, before the model loads
+        print(f"splitserve decode-worker: {problem}", file=sys.stderr)
+        return 2
     model, served = resolve_model(args)
     advertise = args.advertise_host or (None if args.host == "0.0.0.0" else args.host) or socket.gethostname()
     config = DecodeWorkerConfig(engine_config_from_args(args, model, served), worker_id=args.worker_id,

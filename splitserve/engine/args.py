@@ -8,6 +8,7 @@ from splitserve.core.cli_types import positive_int
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.core.model_dir import resolve_model as core_resolve_model
 from splitserve.core.quantization import QUANTIZATION_CHOICES
+from splitserve.core.speculative import SpeculativeConfigError, parse_speculative_config
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache import KV_CACHE_DTYPES
 
@@ -44,9 +45,22 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                    "its workers, see --cpus)")
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="run decode steps eagerly on CUDA (by default they replay CUDA graphs; off on CPU)")
+    g.add_argument("--speculative-config", metavar="JSON",
+                   help='speculative decoding, vLLM\'s JSON object, e.g. {"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} '
+                        '(optional "disable_by_batch_size": N); docs/architecture.md, Speculative decoding')
     g.add_argument("--no-warm-up", action="store_true",
                    help="skip the start-up warm-up on CUDA (two throwaway requests that compile the kernels "
                         "before the first real one; off on CPU)")
+
+
+def speculative_problem(args: argparse.Namespace) -> str | None:
+    """Why --speculative-config cannot be served (one line), or None; checked before any process starts."""
+    try:
+        parse_speculative_config(getattr(args, "speculative_config", None), args.model)
+    except SpeculativeConfigError as exc:
+        return f"--speculative-config: {exc}"
+    return None
 
 
 def prefill_tensor_parallel_problem(args: argparse.Namespace) -> str | None:
@@ -76,4 +90,5 @@ def engine_config_from_args(args: argparse.Namespace, model: str, served: str) -
                         quantization=getattr(args, "quantization", None),
                         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                         cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None,
-                        warm_up=False if getattr(args, "no_warm_up", False) else None)
+                        warm_up=False if getattr(args, "no_warm_up", False) else None,
+                        speculative_config=getattr(args, "speculative_config", None))

@@ -129,7 +129,8 @@ class BlockManager:
         """After a step: register blocks that are now full and computed under their hash."""
         if not self.enable_prefix_caching:
             return
-        full = seq.num_computed_tokens // self.block_size
+        # (computed drafts are not the sequence's tokens until accepted: engine/spec/)
+        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         if full <= seq.num_registered_blocks:
             return
         self.ensure_hashes(seq, full)

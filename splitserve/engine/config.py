@@ -9,6 +9,7 @@ import torch
 
 from splitserve.core.gguf_model import find_gguf, prepare_gguf
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
+from splitserve.core.speculative import SpeculativeConfig, parse_speculative_config
 from splitserve.engine.kv_cache import kv_cache_torch_dtype
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,6 +35,8 @@ class EngineConfig:
     warm_up: bool | None = None  # throwaway requests at start-up compile the kernels (engine/warmup.py); None: CUDA
     tensor_parallel_size: int = 1  # ranks (processes) the model is sharded over (engine/parallel/)
     cpu_affinity: tuple[int, ...] = ()  # CPUs the engine process pins itself to (`serve`'s plan, core/cpus.py); (): none
+    # --speculative-config (vLLM's JSON object, a dict or a SpeculativeConfig; core/speculative.py); None: off
+    speculative_config: SpeculativeConfig | dict | str | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -52,6 +55,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.cuda_graphs and self.tensor_parallel_size > 1:
             raise ValueError("cuda_graphs=True is not supported with tensor_parallel_size > 1 yet (decode runs eagerly)")
+        self.speculative_config = parse_speculative_config(self.speculative_config, self.model)
         if self.cuda_graphs and torch.device(self.device).type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got device={self.device!r}")
 

@@ -32,6 +32,8 @@ from splitserve.engine.parallel.sharding import check_shardable
 from splitserve.engine.sampler import sample
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sequence import Sequence
+from splitserve.engine.spec.speculator import Speculator
+from splitserve.engine.spec.step import speculative_step
 from splitserve.engine.stats import EngineStats
 from splitserve.engine.warmup import warm_up
 
@@ -65,6 +67,9 @@ class LLMEngine(Disaggregation):
         self.grammars = GrammarCompiler((Path(config.model) / "tokenizer.json").read_text(),
                                         self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.long_rope_after = self.model_config.rope.long_after  # longrope: see engine/models/rope.py
+        self.speculator = (Speculator(config.speculative_config, self.long_rope_after)
+                           if config.speculative_config is not None else None)
+        self.scheduler.speculator = self.speculator  # it asks for drafts as it schedules (engine/spec/)
         self.sequences: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # finished, blocks kept for a KV push
         self.remote: dict[str, Sequence] = {}  # waiting for KV from a prefill worker
@@ -196,14 +201,18 @@ class LLMEngine(Disaggregation):
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        due = [seq for seq, n in batch.entries if seq.num_computed_tokens + n == seq.num_tokens]
-        masks = self.grammars.start_masks([seq.grammar for seq in due])  # overlaps the forward pass
+        due = [seq for seq, n in batch.entries
+               if seq.num_computed_tokens + n == seq.num_tokens + len(seq.draft_token_ids)]
+        plain = [seq for seq in due if not seq.draft_token_ids]  # (drafts: masked row by row in verify)
+        masks = self.grammars.start_masks([seq.grammar for seq in plain])  # overlaps the forward pass
         try:
             logits, sampled = self.runner.run(batch)
         finally:
             mask = masks.result() if masks is not None else None
         assert sampled == due, "the runner sampled other sequences than the grammar masked"
         self.scheduler.computed(batch)
+        if len(plain) < len(due):
+            return speculative_step(self, logits, sampled, mask)
         tokens, logprobs = sample(logits, sampled, self.generator, self.eos_token_ids, mask)
         return [self._append(seq, token, lp) for seq, token, lp in zip(sampled, tokens, logprobs, strict=True)]
 

@@ -53,6 +53,7 @@ class Scheduler:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.prompt_tokens_computed = 0  # prefill tokens run so far (a prefill worker's rate)
+        self.speculator = None  # engine/spec/speculator.py when --speculative-config is given
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -76,6 +77,7 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 continue
+            n += self._propose_drafts(seq, n, budget, len(self.running) - i - 1)
             self.bm.grow(seq, n)
             self._add_to_batch(batch, seq, n)
             budget -= n
@@ -108,11 +110,38 @@ class Scheduler:
         self.bm.grow(seq, n)
 
     def computed(self, batch: ScheduledBatch) -> None:
-        """The batch's forward pass ran: its KV is in the pool, full blocks join the cache."""
-        self.prompt_tokens_computed += sum(n for _, n in batch.prefills)
+        """The batch's forward pass ran: its KV is in the pool, full blocks join the cache
+        (of drafts, only what reject_drafts keeps counts afterwards)."""
+        self.prompt_tokens_computed += sum(n for s, n in batch.prefills if not s.draft_token_ids)
         for seq, n in batch.entries:
             seq.num_computed_tokens += n
             self.bm.publish_full_blocks(seq)
+
+    # ---- speculative decoding (engine/spec/) ----------------------------------------------
+    def _propose_drafts(self, seq: Sequence, n: int, budget: int, num_later: int) -> int:
+        """Drafts for a decode step of `seq` (appended provisionally, verified in the same
+        pass): as many as the budget and the free blocks leave after one token for each of
+        the `num_later` sequences still to schedule, so drafts never preempt or starve one."""
+        seq.draft_token_ids = []
+        if self.speculator is None or n != 1 or seq.num_computed_tokens != seq.num_tokens - 1:
+            return 0
+        free_blocks = self.bm.num_free_blocks - self.bm.blocks_needed(seq, 1) - num_later
+        slots = (len(seq.block_table) + self.bm.blocks_needed(seq, 1) + max(free_blocks, 0)) * self.bm.block_size
+        room = min(budget - 1 - num_later, slots - seq.num_tokens)
+        seq.draft_token_ids = self.speculator.propose(seq, room, len(self.running))
+        return len(seq.draft_token_ids)
+
+    def reject_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """Verification kept `num_accepted` of `seq`'s drafts: the KV of the others is void.
+        Their slots are simply overwritten by later steps; blocks past the next token's go
+        back to the pool. None of them was published: publish_full_blocks covers only
+        tokens the sequence holds, so the prefix cache never sees a rejected token."""
+        seq.num_computed_tokens -= len(seq.draft_token_ids) - num_accepted
+        seq.draft_token_ids = []
+        keep = -(-(seq.num_computed_tokens + 1) // self.bm.block_size)
+        if len(seq.block_table) > keep:
+            self.bm.release_blocks(seq.block_table[keep:])
+            del seq.block_table[keep:]
 
     @staticmethod
     def _add_to_batch(batch: ScheduledBatch, seq: Sequence, n: int) -> None:

@@ -45,6 +45,7 @@ class Sequence:
     long_rope: bool = False  # longrope model past its original length: long factors (engine/models/rope.py)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     grammar: object | None = None  # structured outputs: an llguidance matcher, advanced per token (engine/grammar.py)
+    draft_token_ids: list[int] = field(default_factory=list)  # this step's speculative drafts (engine/spec/)
 
     @property
     def hash_salt(self) -> int:

@@ -35,13 +35,14 @@ def step_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInputs, lis
     sampled: list[Sequence] = []
     for seq, n in batch.entries:
         start = seq.num_computed_tokens
-        input_ids.extend(seq.token_ids[start : start + n])
+        known = seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids
+        input_ids.extend(known[start : start + n])
         positions.extend(range(start, start + n))
         table = seq.block_table
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
         long_rope.extend([seq.long_rope] * n)
-        if start + n == seq.num_tokens:
-            logits_rows.append(len(input_ids) - 1)
+        if start + n == len(known):  # logits at the last token, and at each draft (engine/spec/verify.py)
+            logits_rows.extend(range(len(input_ids) - 1 - len(seq.draft_token_ids), len(input_ids)))
             sampled.append(seq)
     step = StepInputs(
         input_ids, positions, slots, logits_rows,

@@ -1,0 +1,115 @@
+"""`--speculative-config`: the JSON object vLLM takes, parsed and checked without torch (serve,
+the workers and the operator refuse a bad one before anything starts).
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+- ngram (prompt lookup): the drafts are the tokens that followed the latest earlier occurrence
+  of the sequence's last n tokens (prompt_lookup_max >= n >= prompt_lookup_min).
+- disable_by_batch_size: no drafts in a step whose running batch holds more sequences than
+  this (speculation costs compute that a full batch no longer has to spare).
+- draft_model and eagle are recognised and checked (a draft model must exist and share the
+  target's vocabulary) but not built yet: they are refused at start, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+METHODS = ("ngram", "draft_model", "eagle")
+BUILT = ("ngram",)
+_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
+         "model"}
+
+
+class SpeculativeConfigError(ValueError):
+    """A --speculative-config that cannot be served; the message is one line."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = None
+    model: str | None = None
+
+    def to_json(self) -> str:
+        fields = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
+        if self.method == "ngram":
+            fields |= {"prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max}
+        if self.disable_by_batch_size is not None:
+            fields["disable_by_batch_size"] = self.disable_by_batch_size
+        if self.model is not None:
+            fields["model"] = self.model
+        return json.dumps(fields, separators=(",", ":"))
+
+
+def _positive(raw: dict, key: str, default: int | None) -> int | None:
+    value = raw.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SpeculativeConfigError(f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def parse_speculative_config(value: str | dict | SpeculativeConfig | None,
+                             target_model: str | None = None) -> SpeculativeConfig | None:
+    """A checked config (None: no speculation). A draft model's vocabulary is compared with
+    the `target_model` checkpoint's (when given)."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise SpeculativeConfigError(f"not a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise SpeculativeConfigError(f"must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - _KEYS)
+    if unknown:
+        raise SpeculativeConfigError(f"unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(_KEYS))})")
+    method = value.get("method")
+    if method not in METHODS:
+        raise SpeculativeConfigError(f"unknown method {method!r} (one of {', '.join(METHODS)})")
+    if "num_speculative_tokens" not in value:
+        raise SpeculativeConfigError("num_speculative_tokens is required")
+    k = _positive(value, "num_speculative_tokens", None)
+    lo, hi = _positive(value, "prompt_lookup_min", 1), _positive(value, "prompt_lookup_max", 4)
+    if method == "ngram" and lo > hi:
+        raise SpeculativeConfigError(f"prompt_lookup_min {lo} is above prompt_lookup_max {hi}")
+    model = value.get("model")
+    if method != "ngram":
+        _check_draft_model(method, model, target_model)
+    elif model is not None:
+        raise SpeculativeConfigError("method ngram takes no model")
+    if method not in BUILT:
+        raise SpeculativeConfigError(f"method {method!r} is not built yet (built: {', '.join(BUILT)}); "
+                                     "docs/architecture.md, Speculative decoding")
+    return SpeculativeConfig(method, k, lo, hi, _positive(value, "disable_by_batch_size", None), model)
+
+
+def _vocab_size(model: str, what: str) -> int | None:
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        raise SpeculativeConfigError(f"{what} {model}: no config.json there")
+    try:
+        raw = json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        raise SpeculativeConfigError(f"{what} {model}: cannot read config.json: {exc}") from None
+    return raw.get("vocab_size", raw.get("text_config", {}).get("vocab_size"))
+
+
+def _check_draft_model(method: str, model, target_model: str | None) -> None:
+    if not isinstance(model, str) or not model:
+        raise SpeculativeConfigError(f"method {method} needs \"model\": a checkpoint directory")
+    vocab = _vocab_size(model, "draft model")
+    target = _vocab_size(target_model, "target model") if target_model is not None else vocab
+    if vocab != target:
+        raise SpeculativeConfigError(f"draft model {model} has vocab_size {vocab}, the target model {target}: "
+                                     "drafts must use the target's vocabulary")

@@ -1,0 +1,70 @@
+"""The scheduler's source of drafts, and the counters of what verification kept.
+
+The scheduler asks for drafts when it gives a running sequence its decode step, with the
+number of extra tokens the step's budget and the free KV blocks allow; the speculator caps
+that by what the request may still produce (max_tokens, the context, a longrope switch)
+and by the batch size past which speculation is off (disable_by_batch_size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from splitserve.core.speculative import SpeculativeConfig
+from splitserve.engine.sequence import Sequence
+from splitserve.engine.spec.ngram import propose_ngram
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's spec-decode counters: verified sequences-steps (drafts), draft tokens proposed
+    and accepted, and accepted tokens by draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.accepted_per_position[pos] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verified sequence gains per step: the accepted drafts and one more."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def snapshot(self) -> SpecDecodeStats:
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               list(self.accepted_per_position))
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, long_rope_after: int | None = None):
+        self.config = config
+        self.long_rope_after = long_rope_after
+        self.stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
+
+    def propose(self, seq: Sequence, room: int, batch_size: int) -> list[int]:
+        """Drafts for `seq`'s next step, at most `room` (what the step's budget and KV allow)."""
+        limit = min(room, self._limit(seq))
+        cap = self.config.disable_by_batch_size
+        if limit <= 0 or (cap is not None and batch_size > cap):
+            return []
+        return propose_ngram(seq.token_ids, limit, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+
+    def _limit(self, seq: Sequence) -> int:
+        """Drafts this sequence can use: it gains at most 1 + k tokens, never past max_tokens,
+        the context or (longrope, short factors) the switch to the long ones."""
+        if seq.hold_kv:  # a prefill worker's request: one token, then pushed
+            return 0
+        p = seq.params
+        limit = min(self.config.num_speculative_tokens, seq.max_total_tokens - seq.num_tokens - 1)
+        if p.max_tokens is not None:
+            limit = min(limit, p.max_tokens - seq.num_output_tokens - 1)
+        if self.long_rope_after is not None and not seq.long_rope:
+            limit = min(limit, self.long_rope_after - seq.num_tokens)
+        return limit
