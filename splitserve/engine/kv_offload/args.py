@@ -1,0 +1,46 @@
+"""The offload tiers' command-line flags (added to every engine's flags by engine/args.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+GIB = 2**30
+
+
+def non_negative_gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a size in GiB must be finite and >= 0")
+    return value
+
+
+def add_kv_offload_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--kv-offload-gib", type=non_negative_gib, default=0.0,
+                   help="host-memory KV tier per worker, under the device KV pool: prefix blocks evicted from "
+                        "the pool are kept here and loaded back instead of recomputed (0: off; "
+                        "docs/architecture.md, KV offload tiers)")
+    g.add_argument("--kv-offload-dir", help="disk KV tier: a directory for KV block files (one checksummed "
+                                            "file per block; each worker uses its own subdirectory). Needs "
+                                            "--kv-offload-dir-gib")
+    g.add_argument("--kv-offload-dir-gib", type=non_negative_gib, default=0.0,
+                   help="size of the disk KV tier per worker (with --kv-offload-dir)")
+
+
+def kv_offload_problem(args: argparse.Namespace) -> str | None:
+    """Why the offload flags cannot be served (one line), or None; checked before any process starts."""
+    directory, size = getattr(args, "kv_offload_dir", None), getattr(args, "kv_offload_dir_gib", 0.0)
+    if (directory is None) != (size == 0):
+        return "--kv-offload-dir and --kv-offload-dir-gib go together: the disk tier needs a directory and a size"
+    if (directory or getattr(args, "kv_offload_gib", 0.0)) and getattr(args, "tensor_parallel_size", 1) > 1:
+        return "--kv-offload-gib / --kv-offload-dir are not supported with --tensor-parallel-size > 1 yet"
+    return None
+
+
+def kv_offload_fields(args: argparse.Namespace) -> dict:
+    """EngineConfig fields of the offload flags."""
+    return dict(kv_offload_bytes=int(getattr(args, "kv_offload_gib", 0.0) * GIB),
+                kv_offload_dir=getattr(args, "kv_offload_dir", None),
+                kv_offload_dir_bytes=int(getattr(args, "kv_offload_dir_gib", 0.0) * GIB))
