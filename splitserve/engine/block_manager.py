@@ -14,6 +14,7 @@ from collections import OrderedDict
 
 from splitserve.core.block_events import BlockEvent
 from splitserve.core.hashing import block_hashes
+from splitserve.engine.kv_offload.load_back import load_from_tiers
 from splitserve.engine.sequence import Sequence
 
 
@@ -22,7 +23,8 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, hash_seed: int = 0, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, hash_seed: int = 0, enable_prefix_caching: bool = True,
+                 offload=None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.hash_seed = hash_seed
@@ -33,6 +35,7 @@ class BlockManager:
         # Free blocks, least recently used first. Cached blocks stay here until reused.
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.events: list[BlockEvent] = []
+        self.offload = offload  # KVOffloader (engine/kv_offload/): host and disk tiers under this pool, or None
 
     # ---- low-level: raw blocks (KV transfer leases use these) --------------------
     @property
@@ -58,9 +61,13 @@ class BlockManager:
                 self.free[b] = None
                 if self.block_hash[b] is None:  # nothing to reuse: hand it out first
                     self.free.move_to_end(b, last=False)
+                elif self.offload is not None:  # idle and cached: written down in the background
+                    self.offload.on_cached_free(b, self.block_hash[b])
 
     def _take_free(self) -> int:
         b, _ = self.free.popitem(last=False)
+        if self.offload is not None:  # its pending write-down happens now or never
+            self.offload.before_reuse(b)
         h = self.block_hash[b]
         if h is not None:  # evict its cached content
             self.block_hash[b] = None
@@ -101,6 +108,8 @@ class BlockManager:
             if b is None:
                 break
             hits.append(b)
+        if self.offload is not None and len(hits) < usable:  # the rest may be in the host or disk tier
+            hits += load_from_tiers(self, seq, hits, usable)
         return hits
 
     def can_admit(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
@@ -156,10 +165,12 @@ class BlockManager:
 
     def drain_events(self) -> list[BlockEvent]:
         events, self.events = self.events, []
-        return events
+        return events + (self.offload.drain_events() if self.offload is not None else [])
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block that no running sequence holds."""
+        """Forget every cached block that no running sequence holds (and the offload tiers)."""
+        if self.offload is not None:
+            self.offload.clear()
         for b in list(self.free):
             h = self.block_hash[b]
             if h is not None:
