@@ -185,11 +185,9 @@ def child_main(config: EngineConfig, conn, step_clock, name: str, torch_threads:
 
     try:
         engine = LLMEngine(config)
-        pool = None  # tensor parallelism: each rank holds its own KV heads and no KV transfer reads them
-        if config.tensor_parallel_size == 1:
-            pool = engine.kv_pool
-            check_shared_memory(pool.nbytes)
-            pool.data.share_memory_()  # in place: the engine's views follow it
+        # every rank's pool goes into shared memory (each the same size): the worker's KV transfer reads them
+        check_shared_memory(engine.runner.kv_pool.nbytes * config.tensor_parallel_size)
+        pool = engine.share_kv_pool()
     except Exception as exc:  # noqa: BLE001 - the parent says why the worker cannot start
         conn.send([("start_failed", _picklable(exc))])
         return

@@ -28,6 +28,7 @@ from splitserve.engine.grammar import GrammarCompiler, GrammarError, advance
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.parallel.group import TensorParallelGroup
+from splitserve.engine.parallel.kv_shards import ShardedKVPool
 from splitserve.engine.parallel.sharding import check_shardable
 from splitserve.engine.sampler import sample
 from splitserve.engine.scheduler import Scheduler
@@ -50,6 +51,7 @@ class LLMEngine(Disaggregation):
         self.max_model_len = min(config.max_model_len or math.inf, self.model_config.max_model_len)
         check_shardable(self.model_config, config.tensor_parallel_size, config.model)
         self.tp_group: TensorParallelGroup | None = None
+        self.sharded_kv_pool: ShardedKVPool | None = None  # under TP, once share_kv_pool() ran
         if config.tensor_parallel_size > 1:  # ranks 1..N-1 load their slices alongside this one
             self.tp_group = TensorParallelGroup(config)
             weakref.finalize(self, self.tp_group.close)  # an engine dropped without close() ends its ranks
@@ -283,11 +285,27 @@ class LLMEngine(Disaggregation):
 
     @property
     def kv_pool(self):
-        """The KV cache tensors (a prefill worker's sender reads its held blocks from them)."""
+        """The KV cache tensors (a prefill worker's sender reads its held blocks from them);
+        under TP every rank's heads as one pool, once share_kv_pool() ran."""
         if self.tp_group is not None:
-            raise RuntimeError("KV transfer is not supported with tensor_parallel_size > 1 yet: "
-                               "rank 0 holds only its KV heads")
+            if self.sharded_kv_pool is None:
+                raise RuntimeError("a tensor-parallel engine's KV pool is read through share_kv_pool() "
+                                   "(rank 0 holds only its KV heads)")
+            return self.sharded_kv_pool
         return self.runner.kv_pool
+
+    def share_kv_pool(self):
+        """The KV pool in shared memory, for the worker's KV transfer: the pool itself at tp=1;
+        under TP every rank's pool as one (parallel/kv_shards.py). Call it before steps run
+        on another thread: under TP it is a broadcast to the ranks."""
+        pool = self.runner.kv_pool
+        if self.tp_group is None:
+            pool.data.share_memory_()  # in place: the engine's views follow it
+            return pool
+        if self.sharded_kv_pool is None:
+            shards = self.tp_group.share_kv_pools(pool.data)
+            self.sharded_kv_pool = ShardedKVPool.of(self.model_config, pool.spec, pool.num_blocks, shards)
+        return self.sharded_kv_pool
 
     def close(self) -> None:
         """End the other tensor-parallel ranks (nothing to do at tp=1)."""

@@ -5,6 +5,9 @@ of that block, contiguous in the block-major pool. On CPU pools regions are read
 zero-copy memoryviews of the pool and written in place; on CUDA pools they are packed
 on the device and copied to the host once (the mooncake backend with RDMA writes GPU
 memory directly and does not come through here for the data, only for checksums).
+A tensor-parallel engine's pool (ShardedKVPool) is read by gathering every rank's heads
+into one buffer and written by scattering each region's heads to the ranks: the bytes on
+the wire are those of a one-rank pool whatever the TP size of either side.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 import xxhash
 
 from splitserve.engine.kv_cache import KVCachePool
+from splitserve.engine.parallel.kv_shards import ShardedKVPool
 from splitserve.kernels import ops
 
 # torch warns that a tensor over gRPC's read-only buffer must not be written; we only
@@ -61,6 +65,10 @@ def pool_bytes(pool: KVCachePool) -> torch.Tensor:
 def host_regions(pool: KVCachePool, block_ids: Sequence[int], layout: RegionLayout) -> list[memoryview]:
     """One read-only view of host memory per block region, in block_ids order."""
     n = layout.region_nbytes
+    if isinstance(pool, ShardedKVPool):  # tensor parallelism: every rank's heads, gathered (one copy)
+        host = pool.read(block_ids, layout.layer_start, layout.layer_end).view(-1).view(torch.uint8).numpy()
+        flat = memoryview(host)
+        return [flat[i * n:(i + 1) * n] for i in range(len(block_ids))]
     if pool.data.device.type == "cpu":
         flat = memoryview(pool_bytes(pool).numpy())
         return [flat[layout.offset(b):layout.offset(b) + n] for b in block_ids]
@@ -93,11 +101,14 @@ class StreamWriter:
         self.layout = layout
         self.total = layout.region_nbytes * len(self.dest)
         self.received = 0
+        self._hashers: dict[int, xxhash.xxh3_64] = {}
+        if isinstance(pool, ShardedKVPool):  # a region's heads go to the ranks once it is whole
+            self._staged: dict[int, bytearray] = {}
+            return
         self._bytes = pool_bytes(pool)
         # On the CPU a chunk's bytes go in by the buffer protocol (a memcpy): a tensor over
         # the received bytes would be a view of a read-only buffer, which torch warns about.
         self._host = memoryview(self._bytes.numpy()) if self._bytes.device.type == "cpu" else None
-        self._hashers: dict[int, xxhash.xxh3_64] = {}
 
     def write(self, offset: int, data: memoryview) -> list[tuple[int, int]]:
         """Copy a chunk in place; returns (region index, xxh3) of regions it completed."""
@@ -114,11 +125,13 @@ class StreamWriter:
                 whole.append((index, at))
                 done.append((index, xxhash.xxh3_64_intdigest(piece)))
                 continue
-            self._copy(self.layout.offset(self.dest[index]) + within, piece)
+            self._copy_part(index, within, piece)
             hasher = self._hashers.setdefault(index, xxhash.xxh3_64())
             hasher.update(piece)
             if within + n == size:
                 done.append((index, self._hashers.pop(index).intdigest()))
+                if isinstance(self.pool, ShardedKVPool):
+                    self._scatter([index], memoryview(self._staged.pop(index)))
         if whole:
             self._write_whole(data, whole)
         self.received += len(data)
@@ -127,6 +140,14 @@ class StreamWriter:
     def _write_whole(self, data: memoryview, whole: list[tuple[int, int]]) -> None:
         size = self.layout.region_nbytes
         contiguous_in_chunk = all(at == whole[0][1] + k * size for k, (_, at) in enumerate(whole))
+        if isinstance(self.pool, ShardedKVPool):
+            if contiguous_in_chunk:  # one scatter for them all
+                start = whole[0][1]
+                self._scatter([i for i, _ in whole], data[start:start + size * len(whole)])
+            else:
+                for index, at in whole:
+                    self._scatter([index], data[at:at + size])
+            return
         on_device = self.pool.data.device.type != "cpu"
         if on_device and self.layout.whole_blocks and contiguous_in_chunk:
             # Full blocks into a GPU pool: one host-to-device copy, then the unpack kernel
@@ -139,6 +160,21 @@ class StreamWriter:
             return
         for index, at in whole:
             self._copy(self.layout.offset(self.dest[index]), data[at:at + size])
+
+    def _copy_part(self, index: int, within: int, piece: memoryview) -> None:
+        """Part of region `index` from byte `within`: into the pool, or staged (sharded)."""
+        if isinstance(self.pool, ShardedKVPool):
+            staged = self._staged.setdefault(index, bytearray(self.layout.region_nbytes))
+            staged[within:within + len(piece)] = piece
+        else:
+            self._copy(self.layout.offset(self.dest[index]) + within, piece)
+
+    def _scatter(self, indices: list[int], regions: memoryview) -> None:
+        """Whole regions (consecutive in `regions`) into a sharded pool, each rank its heads."""
+        spec = self.pool.spec
+        shape = (len(indices), self.layout.layer_end - self.layout.layer_start, *spec.block_shape[1:])
+        blocks = _read_only_tensor(regions).view(spec.dtype).view(shape)
+        self.pool.write([self.dest[i] for i in indices], blocks, self.layout.layer_start)
 
     def _copy(self, pool_offset: int, piece: memoryview) -> None:
         if self._host is not None:

@@ -13,17 +13,26 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing  # noqa: F401 - registers the shared-memory pickling of tensors
 
 from splitserve.core.model_config import CheckpointError
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.parallel.state import (
     NO_TIMEOUT,
+    RankLost,
     broadcast_object,
     destroy_tensor_parallel,
     init_tensor_parallel,
     tp,
 )
-from splitserve.engine.parallel.worker import cpu_threads, loaded, rank_config, run_rank
+from splitserve.engine.parallel.worker import (
+    SHARE_KV_POOL,
+    cpu_threads,
+    loaded,
+    rank_config,
+    run_rank,
+    shared,
+)
 
 log = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 300.0  # a rank that never joins (slow start, wedged): an error, not a hang
@@ -39,6 +48,7 @@ class TensorParallelGroup:
         self.store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, timeout=NO_TIMEOUT,
                                    wait_for_workers=False)
         self.procs: list[mp.Process] = []
+        self.from_ranks: list = []  # one pipe from each rank: its KV pool handle (share_kv_pools)
         self.threads = torch.get_num_threads()
         self.running = False
 
@@ -46,10 +56,13 @@ class TensorParallelGroup:
         """Start ranks 1..N-1 and join the group as rank 0 (before rank 0 loads its slice)."""
         ctx = mp.get_context("spawn")
         for rank in range(1, self.size):
+            reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=run_rank, name=f"splitserve-tp-rank{rank}", daemon=True,
-                               args=(rank, self.size, self.store.port, self.cfg, max_model_len))
+                               args=(rank, self.size, self.store.port, self.cfg, max_model_len, writer))
             proc.start()
+            writer.close()  # the rank's end only: its death then ends the pipe
             self.procs.append(proc)
+            self.from_ranks.append(reader)
         if torch.device(self.cfg.device).type == "cpu":
             torch.set_num_threads(cpu_threads(self.size))
         self.wait_for_ranks()
@@ -89,6 +102,23 @@ class TensorParallelGroup:
             raise CheckpointError(first)
         return runner
 
+    def share_kv_pools(self, own: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's KV pool tensor, in rank order, shared with this process (rank 0's
+        own first): for the KV transfer of the worker (parallel/kv_shards.py). Call it between
+        steps: it is a broadcast like a step's."""
+        broadcast_object(SHARE_KV_POOL)
+        pools = [shared(own)]
+        for rank, pipe in enumerate(self.from_ranks, start=1):
+            try:
+                if not pipe.poll(JOIN_TIMEOUT_S):
+                    raise EOFError
+                pools.append(pipe.recv())
+            except (EOFError, OSError):
+                raise RankLost(f"tensor parallelism: rank {rank} did not hand over its KV pool "
+                               f"(its process {'is gone' if not self.procs[rank - 1].is_alive() else 'is stuck'})"
+                               ) from None
+        return pools
+
     def close(self) -> None:
         """Stop the other ranks (a None step) and leave the group. Idempotent."""
         if self.running:
@@ -103,5 +133,8 @@ class TensorParallelGroup:
                 proc.terminate()
                 proc.join(timeout=5)
         self.procs = []
+        for pipe in self.from_ranks:
+            pipe.close()
+        self.from_ranks = []
         destroy_tensor_parallel()
         torch.set_num_threads(self.threads)

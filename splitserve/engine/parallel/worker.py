@@ -1,7 +1,8 @@
 """Ranks 1..N-1 of a tensor-parallel engine: each a process that loads its slice of the
 model and its slice of the KV pool, then runs every step rank 0 broadcasts, until rank 0
 broadcasts None. Rank 0 schedules and samples; these ranks only compute (their copy of
-the gathered logits is dropped)."""
+the gathered logits is dropped). Asked once (SHARE_KV_POOL), a rank hands rank 0 its KV
+pool tensor in shared memory, for the worker's KV transfer (parallel/kv_shards.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing  # noqa: F401 - registers the shared-memory pickling of tensors
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.parallel.state import (
@@ -20,6 +22,14 @@ from splitserve.engine.parallel.state import (
     destroy_tensor_parallel,
     init_tensor_parallel,
 )
+
+SHARE_KV_POOL = "share-kv-pool"  # broadcast instead of a step: send your pool tensor to rank 0
+
+
+def shared(pool: torch.Tensor) -> torch.Tensor:
+    """The pool tensor, moved into shared memory in place on the CPU (the runner's views
+    follow it); a CUDA tensor crosses processes as a CUDA IPC handle as it is."""
+    return pool.share_memory_()
 
 
 def rank_config(cfg: EngineConfig, rank: int) -> EngineConfig:
@@ -42,7 +52,7 @@ def loaded(error: str | None) -> str | None:
     return next((e for e in errors if e), None)
 
 
-def run_rank(rank: int, size: int, port: int, cfg: EngineConfig, max_model_len: int) -> None:
+def run_rank(rank: int, size: int, port: int, cfg: EngineConfig, max_model_len: int, to_rank0) -> None:
     from splitserve.core.model_config import ModelConfig
     from splitserve.engine.model_runner import ModelRunner
 
@@ -62,7 +72,10 @@ def run_rank(rank: int, size: int, port: int, cfg: EngineConfig, max_model_len: 
         return
     try:
         while (step := broadcast_object()) is not None:
-            runner.execute(step)
+            if isinstance(step, str) and step == SHARE_KV_POOL:
+                to_rank0.send(shared(runner.kv_pool.data))  # the handle: its memory is not copied
+            else:
+                runner.execute(step)
     except RankLost:  # rank 0 is gone (killed, crashed): nothing left to compute for
         return
     destroy_tensor_parallel()
