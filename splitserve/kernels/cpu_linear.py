@@ -1,4 +1,4 @@
-"""float32 linears on a CPU: oneDNN for steps of several rows, MKL for one row (issue 30).
+"""float32 linears on a CPU: oneDNN for steps of several rows, a native gemv for one row (issue 30).
 
 Measured on the development machine's AMD EPYC, one thread (docs/benchmarks.md, "SmolLM2
 against vLLM's CPU backend"): MKL's float32 GEMM, what `F.linear` runs, stops at ~107
@@ -7,13 +7,20 @@ SmolLM2 prefill is 99% GEMM. vLLM's CPU backend runs its linears through oneDNN 
 1.7-1.9x our tokens on SmolLM2. `torch.ops.mkldnn._linear_pointwise` calls oneDNN on plain
 dense tensors (no to_mkldnn / to_dense conversions, which cost ~37 us a call, and no
 second copy of the weight) and reads our input-major weights as they are
-(models/loader.py): 1.4-2.6x faster than MKL from 2 rows up. At one row MKL on the
-input-major weight stays faster (0.042 against 0.060 ms for 576 -> 1536), so a decode step
-of one sequence keeps it. The results agree with MKL's to float32 rounding.
+(models/loader.py): 1.4-2.6x faster than MKL from 2 rows up.
+
+One row (a decode step of one sequence) is a pass over the weight at two flops per float
+read: what counts is the rate the weight streams from memory, and there MKL's gemv (17-23
+GB/s on this machine's EPYC, one thread) and oneDNN (22-24 GB/s) leave a third of the
+core's bandwidth unused. `splitserve_dense_gemv` (cpu_dense_gemv.cpp, built with the other
+native kernels) reads either layout in address order with eight streams in flight, 29-32
+GB/s on decoder linears and 38 GB/s on SmolLM2's tied LM head (MKL: 17). The results agree
+with MKL's to float32 rounding.
 
 Used for float32 CPU tensors on the native backend (the `auto` default on CPU); the
 reference backend, other dtypes and devices keep `F.linear`. A torch build without oneDNN
-(or whose op refuses the call) falls back to `F.linear` for the rest of the process.
+(or whose op refuses the call) falls back to `F.linear` for the rest of the process; without
+the native library (no compiler) one row goes to `F.linear` too.
 """
 
 from __future__ import annotations
@@ -23,8 +30,10 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from splitserve.kernels import cpu_native
+
 log = logging.getLogger(__name__)
-MIN_ROWS = 2  # below: MKL on the input-major weight is faster (one decode sequence)
+MIN_ROWS = 2  # from here oneDNN; one row: the native gemv (or MKL)
 _available: bool | None = None
 
 
@@ -36,8 +45,35 @@ def available() -> bool:
 
 
 def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Several rows of float32 on a CPU, with oneDNN there."""
     return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
             and x.numel() >= MIN_ROWS * x.shape[-1] and available())
+
+
+def gemv_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One float32 row on a CPU, a weight in either dense layout, and the native library built."""
+    n, k = weight.shape
+    dense = weight.stride() in ((1, n), (k, 1))
+    return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
+            and x.numel() == x.shape[-1] and dense and cpu_native.library() is not None)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias for one row through the native gemv (callers check `gemv_eligible`)."""
+    n, k = weight.shape
+    row = x.reshape(k).contiguous()
+    if bias is not None:
+        bias = bias.float().contiguous()
+    y = torch.empty(n)
+    input_major = int(weight.stride() == (1, n) and n > 1)
+    fn = cpu_native.library().splitserve_dense_gemv
+    args = (row.data_ptr(), k, weight.data_ptr(), input_major, None if bias is None else bias.data_ptr(),
+            y.data_ptr(), n)
+    if torch.get_num_threads() == 1:  # the engine's usual case: no slicing to pay for
+        fn(*args, 0, n)
+    else:  # output columns split over the native kernels' thread pool
+        cpu_native._run_sliced(lambda first, end: fn(*args, first, end), torch.ones(n, dtype=torch.int64), "gemv")
+    return y.reshape(*x.shape[:-1], n)
 
 
 def _onednn_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

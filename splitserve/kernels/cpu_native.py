@@ -1,5 +1,6 @@
 """Native CPU kernels: cpu_decode_attention.cpp and cpu_prefill_attention.cpp (here),
-cpu_fused_ops.cpp (cpu_fused.py) and cpu_quant_linear.cpp (quant_native.py), compiled together
+cpu_fused_ops.cpp (cpu_fused.py), cpu_quant_linear.cpp (quant_native.py) and cpu_dense_gemv.cpp
+(cpu_linear.py), compiled together
 into one library for this machine on first use.
 
 Why compiled here and not shipped: `-march=native` is where the speed comes from (AVX-512 on
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "cpu_decode_attention.cpp", _HERE / "cpu_prefill_attention.cpp", _HERE / "cpu_fused_ops.cpp",
-           _HERE / "cpu_quant_linear.cpp"]
+           _HERE / "cpu_quant_linear.cpp", _HERE / "cpu_dense_gemv.cpp"]
 HEADERS = [_HERE / "cpu_scalar.h"]
 # -fassociative-math (with the two flags it needs) lets sums be vectorised in any order, as
 # SDPA's blocked sums are; no -ffast-math: NaN and infinity keep their meaning.
@@ -60,6 +61,7 @@ SIGNATURES = {  # C entry point -> argument types (all return int: 0 or an ERROR
                                 _I, _I64, _I, _I64, _I64, _I64, _F, _F],
     "splitserve_act_and_mul": [_I, _P, _I64, _P, _I, _I, _I],
     "splitserve_quant_gemv": [_P, _I, _I, _P, _I, _P, _P, _I, _P, _P, _I, _I, _I],  # quant_native.py
+    "splitserve_dense_gemv": [_P, _I, _P, _I, _P, _P, _I, _I, _I],  # cpu_linear.py
 }
 
 _lock = threading.Lock()

@@ -199,9 +199,12 @@ def quantized_linear(x, qw, bias=None):
 
 
 def linear(x, weight, bias=None):
-    """x @ weight.T (+ bias): F.linear, except float32 steps of several rows on a CPU, which
-    go through oneDNN on the native backend (kernels/cpu_linear.py says why)."""
-    # one decode sequence (the hot path at batch 1) is decided by the first test alone
-    if x.shape[0] >= cpu_linear.MIN_ROWS and cpu_linear.eligible(x, weight) and backend_for(x) == "native":
-        return cpu_linear.linear(x, weight, bias)
+    """x @ weight.T (+ bias): F.linear, except float32 on a CPU under the native backend: one
+    row through the native gemv, several through oneDNN (kernels/cpu_linear.py says why)."""
+    if x.device.type == "cpu" and backend_for(x) == "native":
+        if x.shape[0] >= cpu_linear.MIN_ROWS:
+            if cpu_linear.eligible(x, weight):
+                return cpu_linear.linear(x, weight, bias)
+        elif cpu_linear.gemv_eligible(x, weight):
+            return cpu_linear.gemv(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -1,12 +1,13 @@
-"""float32 CPU linears (kernels/cpu_linear.py): oneDNN from two rows up, MKL (F.linear) for one
-row, other dtypes and the reference backend; the same results to float32 rounding, on the
-input-major weights the loader stores; a build whose oneDNN refuses falls back, once, for good."""
+"""float32 CPU linears (kernels/cpu_linear.py): oneDNN from two rows up, the native gemv
+(cpu_dense_gemv.cpp) for one row, F.linear for other dtypes and the reference backend; the same
+results to float32 rounding, on the input-major weights the loader stores and on output-major
+ones (a tied LM head); a build whose oneDNN refuses falls back, once, for good."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from splitserve.kernels import cpu_linear, ops
+from splitserve.kernels import cpu_linear, cpu_native, ops
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this torch build has no oneDNN linear")
 
@@ -32,9 +33,23 @@ def input_major(n: int, k: int, g: torch.Generator) -> torch.Tensor:
     return torch.randn(n, k, generator=g).t().contiguous().t()  # as models/loader.py stores it
 
 
+@pytest.fixture
+def gemv_calls(monkeypatch):
+    """Weight shapes each native gemv call got."""
+    seen = []
+    real = cpu_linear.gemv
+
+    def spy(x, weight, bias):
+        seen.append(tuple(weight.shape))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(cpu_linear, "gemv", spy)
+    return seen
+
+
 @pytest.mark.parametrize("rows", [1, 2, 8, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_same_result_as_f_linear_and_one_row_stays_on_mkl(calls, rows, with_bias):
+def test_same_result_as_f_linear_and_one_row_takes_the_gemv(calls, gemv_calls, rows, with_bias):
     g = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, 576, generator=g), input_major(960, 576, g)
     bias = torch.randn(960, generator=g) if with_bias else None
@@ -42,6 +57,41 @@ def test_same_result_as_f_linear_and_one_row_stays_on_mkl(calls, rows, with_bias
     assert got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     assert calls == ([] if rows == 1 else [rows])
+    assert gemv_calls == ([(960, 576)] if rows == 1 else [])
+
+
+needs_native = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler: no native kernels")
+
+
+@needs_native
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (3072, 576), (1030, 40), (17, 33), (1, 5), (4, 1)])
+@pytest.mark.parametrize("layout", ["input-major", "output-major"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_row_gemv_matches_f_linear_in_both_layouts(gemv_calls, n, k, layout, threads):
+    """Every pass width and tail of the kernel (k not a multiple of 8 or 16, n not of 16, one
+    output), split over two threads too."""
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=g)
+    w = input_major(n, k, g) if layout == "input-major" else w
+    x, bias = torch.randn(1, 1, k, generator=g), torch.randn(n, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, got_no_bias = ops.linear(x, w, bias), ops.linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got_no_bias, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    assert got.shape == (1, 1, n) and gemv_calls == [(n, k)] * 2
+
+
+def test_one_row_of_a_strided_weight_or_without_the_library_uses_f_linear(gemv_calls, monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(1, 64, generator=g), torch.randn(32, 128, generator=g)[:, ::2]  # neither layout
+    assert torch.equal(ops.linear(x, w), F.linear(x, w)) and gemv_calls == []
+    monkeypatch.setattr(cpu_native, "library", lambda: None)
+    w = torch.randn(32, 64, generator=g)
+    assert torch.equal(ops.linear(x, w), F.linear(x, w)) and gemv_calls == []
 
 
 def test_a_batch_of_rows_in_three_dimensions_keeps_its_shape(calls):
