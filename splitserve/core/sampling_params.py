@@ -56,6 +56,9 @@ class SamplingParams:
     # Structured outputs (core/structured.py): the output must match this; the engine masks
     # every other token (engine/grammar.py) and ends the sequence when the grammar is complete.
     structured: StructuredSpec | None = None
+    # The LoRA adapter the request runs under (engine/lora/), by the name it was loaded as;
+    # None: the base model. It rides with the parameters so every hop (prefill, migration) keeps it.
+    lora_name: str | None = None
 
     @property
     def processes_logits(self) -> bool:

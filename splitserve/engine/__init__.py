@@ -14,6 +14,7 @@ _EXPORTS = {
     "InvalidPromptError": "splitserve.engine.llm_engine", "EngineConfig": "splitserve.engine.config",
     "ModelConfig": "splitserve.core.model_config", "CheckpointError": "splitserve.core.model_config",
     "SamplingParams": "splitserve.core.sampling_params", "InvalidSamplingParams": "splitserve.core.sampling_params",
+    "LoRARequest": "splitserve.engine.lora.request",
 }
 __all__ = sorted(_EXPORTS)
 

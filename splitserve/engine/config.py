@@ -35,6 +35,10 @@ class EngineConfig:
     warm_up: bool | None = None  # throwaway requests at start-up compile the kernels (engine/warmup.py); None: CUDA
     tensor_parallel_size: int = 1  # ranks (processes) the model is sharded over (engine/parallel/)
     cpu_affinity: tuple[int, ...] = ()  # CPUs the engine process pins itself to (`serve`'s plan, core/cpus.py); (): none
+    enable_lora: bool = False  # requests may run under LoRA adapters (engine/lora/)
+    max_loras: int = 1  # adapters resident at once (slots); a step mixes at most this many
+    max_lora_rank: int = 16  # the largest adapter rank a slot holds
+    lora_modules: dict[str, str] = field(default_factory=dict)  # name -> PEFT directory, loaded at start
     # --speculative-config (vLLM's JSON object, a dict or a SpeculativeConfig; core/speculative.py); None: off
     speculative_config: SpeculativeConfig | dict | str | None = None
     extra: dict = field(default_factory=dict)
@@ -56,13 +60,15 @@ class EngineConfig:
         if self.cuda_graphs and self.tensor_parallel_size > 1:
             raise ValueError("cuda_graphs=True is not supported with tensor_parallel_size > 1 yet (decode runs eagerly)")
         self.speculative_config = parse_speculative_config(self.speculative_config, self.model)
+        if self.enable_lora and (self.tensor_parallel_size > 1 or self.cuda_graphs):
+            raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 or cuda_graphs=True yet")
         if self.cuda_graphs and torch.device(self.device).type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got device={self.device!r}")
 
     @property
     def use_cuda_graphs(self) -> bool:
-        if self.cuda_graphs is None:
-            return torch.device(self.device).type == "cuda" and self.tensor_parallel_size == 1
+        if self.cuda_graphs is None:  # (a graph would freeze one step's LoRA token grouping)
+            return torch.device(self.device).type == "cuda" and self.tensor_parallel_size == 1 and not self.enable_lora
         return self.cuda_graphs
 
     @property

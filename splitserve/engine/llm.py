@@ -11,6 +11,7 @@ from splitserve.core.logprobs import TokenLogprobs
 from splitserve.core.sampling_params import SamplingParams
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine, RequestOutput
+from splitserve.engine.lora.offline import LoRARequest, with_lora
 
 
 @dataclass
@@ -49,9 +50,11 @@ class LLM:
         self.close()
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None
-                 ) -> list[GenerationOutput]:
-        """One output per prompt (with `.choices` for n > 1), in prompt order."""
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[GenerationOutput]:
+        """One output per prompt (with `.choices` for n > 1), in prompt order. `lora_request`
+        (one for all prompts, or one per prompt, None for the base model) loads the adapter on
+        first use (LLM(..., enable_lora=True))."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
@@ -60,6 +63,8 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if lora_request is not None:
+            params = with_lora(self.engine, params, lora_request)
         request_ids: list[list[str]] = []
         try:
             for prompt, p in zip(prompts, params, strict=True):

@@ -25,6 +25,7 @@ from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.disaggregation import Disaggregation
 from splitserve.engine.grammar import GrammarCompiler, GrammarError, advance
+from splitserve.engine.lora.engine_setup import attach_lora, resolve_lora
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.parallel.group import TensorParallelGroup
@@ -76,6 +77,7 @@ class LLMEngine(Disaggregation):
         self.held: dict[str, Sequence] = {}  # finished, blocks kept for a KV push
         self.remote: dict[str, Sequence] = {}  # waiting for KV from a prefill worker
         self.step_seconds = 0.0  # wall time in step() so far (with prompt_tokens_computed: the prefill rate)
+        self.loras = attach_lora(self)  # None unless enable_lora (engine/lora/)
         if config.use_warm_up:
             warm_up(self)
 
@@ -109,6 +111,7 @@ class LLMEngine(Disaggregation):
             text=(TextAssembler(self.tokenizer, list(params.stop), params.skip_special_tokens, params.min_tokens)
                   if detokenize or params.stop else None),
             generator=generator)
+        seq.lora = resolve_lora(self.loras, params.lora_name)  # before any block hash: the adapter salts them
         seq.long_rope = self.long_rope_after is not None and len(tokens) > self.long_rope_after
         seq.num_resumed_tokens = num_draws_done
         if params.structured is not None:  # a migrated request's grammar state: rebuilt from its tokens
@@ -207,6 +210,8 @@ class LLMEngine(Disaggregation):
                if seq.num_computed_tokens + n == seq.num_tokens + len(seq.draft_token_ids)]
         plain = [seq for seq in due if not seq.draft_token_ids]  # (drafts: masked row by row in verify)
         masks = self.grammars.start_masks([seq.grammar for seq in plain])  # overlaps the forward pass
+        if self.loras is not None:  # slots for the step's adapters, tokens grouped by slot
+            self.loras.prepare(batch.entries)
         try:
             logits, sampled = self.runner.run(batch)
         finally:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitserve.engine.block_manager import BlockManager
@@ -53,6 +54,8 @@ class Scheduler:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.prompt_tokens_computed = 0  # prefill tokens run so far (a prefill worker's rate)
+        # may this waiting sequence join the live ones? (LoRA: at most --max-loras adapters live)
+        self.admits: Callable[[Sequence], bool] = lambda seq: True
         self.speculator = None  # engine/spec/speculator.py when --speculative-config is given
 
     def add(self, seq: Sequence) -> None:
@@ -86,6 +89,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and not batch.preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
+            if not self.admits(seq):
+                break
             cached = self.bm.match_prefix(seq)
             n = min(seq.num_tokens - len(cached) * self.bm.block_size, budget)
             if not self.bm.can_admit(seq, cached, n):
@@ -182,7 +187,9 @@ class Scheduler:
     def reserve(self, seq: Sequence) -> bool:
         """Blocks for all of `seq`'s prompt (its cached prefix reused), to be filled by a
         prefill worker; the sequence is not scheduled until `join_computed`. False when
-        the pool cannot hold the prompt now."""
+        the pool cannot hold the prompt now (or its LoRA adapter cannot join now)."""
+        if not self.admits(seq):
+            return False
         cached = self.bm.match_prefix(seq)
         n = seq.num_tokens - len(cached) * self.bm.block_size
         if not self.bm.can_admit(seq, cached, n):

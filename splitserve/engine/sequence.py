@@ -5,12 +5,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from splitserve.core.logprobs import TokenLogprobs
 from splitserve.core.sampling_params import SamplingParams
 from splitserve.core.text_output import TextAssembler
+
+if TYPE_CHECKING:
+    from splitserve.engine.lora.adapter import LoRAAdapter
 
 LONG_ROPE_SALT = 0x10A6_20BE
 
@@ -46,12 +50,13 @@ class Sequence:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     grammar: object | None = None  # structured outputs: an llguidance matcher, advanced per token (engine/grammar.py)
     draft_token_ids: list[int] = field(default_factory=list)  # this step's speculative drafts (engine/spec/)
+    lora: LoRAAdapter | None = None  # the adapter it runs under (engine/lora/); None: the base model
 
     @property
     def hash_salt(self) -> int:
         """KV computed with longrope's long factors is another cache entry than the same
-        tokens computed with the short ones."""
-        return LONG_ROPE_SALT if self.long_rope else 0
+        tokens computed with the short ones; KV computed under a LoRA adapter is its own too."""
+        return (LONG_ROPE_SALT if self.long_rope else 0) ^ (self.lora.salt if self.lora is not None else 0)
 
     @property
     def num_tokens(self) -> int:

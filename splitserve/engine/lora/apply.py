@@ -1,0 +1,62 @@
+"""Adding the adapters' deltas to the projections' outputs during a forward pass.
+
+Before each step the manager fills `LoRAStep` with the step's tokens grouped by slot
+(the layout kernels/lora_reference.py describes); a forward hook on every LoRA-capable
+projection adds scale * B(A(x)) of each token's adapter to the projection's output. Base
+model tokens are in no segment and pay nothing; a step with no adapted token skips the
+hooks' work entirely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from splitserve.kernels import lora_reference
+from splitserve.kernels.ops import backend_for
+
+
+@dataclass
+class LoRAStep:
+    perm: torch.Tensor | None = None  # adapted tokens, grouped by slot (None: no adapted token this step)
+    seg_starts: list[int] = field(default_factory=list)
+    seg_slots: list[int] = field(default_factory=list)
+    whole_slot: int | None = None  # every token of the step under this one slot: no gather needed
+
+    def set(self, token_slots: list[int], device: torch.device) -> None:
+        """token_slots: each token's slot in step order, -1 for the base model."""
+        by_slot: dict[int, list[int]] = {}
+        for i, slot in enumerate(token_slots):
+            if slot >= 0:
+                by_slot.setdefault(slot, []).append(i)
+        self.seg_slots = sorted(by_slot)
+        self.seg_starts, perm = [0], []
+        for slot in self.seg_slots:
+            perm.extend(by_slot[slot])
+            self.seg_starts.append(len(perm))
+        self.perm = torch.tensor(perm, dtype=torch.int64, device=device) if perm else None
+        self.whole_slot = self.seg_slots[0] if len(self.seg_slots) == 1 and len(perm) == len(token_slots) else None
+
+
+def _lora_delta(x, a, b, out, step: LoRAStep):
+    if backend_for(x) == "triton":
+        from splitserve.kernels import triton_lora  # lazily: Triton is heavy
+
+        return triton_lora.lora_delta(x, a, b, out, step.perm, step.seg_starts, step.seg_slots)
+    if step.whole_slot is not None:
+        return out.add_((x @ a[step.whole_slot].T) @ b[step.whole_slot].T)
+    return lora_reference.lora_delta(x, a, b, out, step.perm, step.seg_starts, step.seg_slots)
+
+
+def install_hooks(targets: dict[str, nn.Module], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+                  step: LoRAStep) -> None:
+    for name, linear in targets.items():
+        def hook(module, inputs, out, a=a[name], b=b[name]):
+            if step.perm is None:
+                return out
+            x = inputs[0]
+            return _lora_delta(x.reshape(-1, x.shape[-1]), a, b, out.reshape(-1, out.shape[-1]), step).view_as(out)
+
+        linear.register_forward_hook(hook)

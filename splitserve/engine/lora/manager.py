@@ -1,0 +1,85 @@
+"""The engine's LoRA state: the loaded adapters by name, their slots, and the per-step work.
+
+- Loading reads and checks an adapter once (adapter.py); requests then name it.
+- The scheduler admits a request only while the live sequences use at most --max-loras
+  distinct adapters, so every step's adapters fit the slots (slots.py).
+- Before each forward pass, `prepare` gives the step's adapters slots and tells the
+  projections' hooks which tokens run under which slot (apply.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from splitserve.engine.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter, lora_targets
+from splitserve.engine.lora.apply import LoRAStep, install_hooks
+from splitserve.engine.lora.slots import LoRASlots
+
+
+class UnknownLoRAError(LoRAAdapterError):
+    """A request named an adapter that is not loaded."""
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):
+        if max_loras < 1 or max_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be at least 1, got {max_loras} and {max_rank}")
+        self.model, self.max_rank, self.device = model, max_rank, device
+        self.adapters: dict[str, LoRAAdapter] = {}
+        targets = lora_targets(model)
+        self.slots = LoRASlots(targets, max_loras, max_rank, dtype, device)
+        self.step = LoRAStep()
+        install_hooks(targets, self.slots.a, self.slots.b, self.step)
+        self.requests: Counter[str] = Counter()  # requests run per adapter (metrics)
+
+    @property
+    def max_loras(self) -> int:
+        return self.slots.max_loras
+
+    def add(self, name: str, path: str) -> LoRAAdapter:
+        """Load an adapter under `name` (raises LoRAAdapterError; nothing changes then).
+        Loading the same name again is a no-op if the content is the same."""
+        if not name or name.strip() != name:
+            raise LoRAAdapterError(f"LoRA adapter name {name!r} must be non-empty, without surrounding spaces")
+        adapter = load_adapter(name, path, self.model, self.max_rank)
+        old = self.adapters.get(name)
+        if old is not None and old.salt != adapter.salt:
+            raise LoRAAdapterError(f"LoRA adapter {name!r} is already loaded with other weights; unload it first")
+        self.adapters[name] = old or adapter
+        return self.adapters[name]
+
+    def remove(self, name: str) -> bool:
+        """Unload: new requests can no longer name it (running ones finish under it)."""
+        return self.adapters.pop(name, None) is not None
+
+    def resolve(self, name: str | None) -> LoRAAdapter | None:
+        if name is None:
+            return None
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            raise UnknownLoRAError(f"The model `{name}` does not exist.")
+        return adapter
+
+    def admits(self, lora: LoRAAdapter | None, live: Iterable) -> bool:
+        """May a sequence under `lora` join the `live` sequences without needing more slots?"""
+        if lora is None:
+            return True
+        keys = {s.lora.key for s in live if s.lora is not None}
+        return lora.key in keys or len(keys) < self.max_loras
+
+    def prepare(self, entries: list) -> None:
+        """Before a step over `entries` [(sequence, new tokens)], in the step's token order."""
+        adapters = [seq.lora for seq, _ in entries if seq.lora is not None]
+        slot_of = self.slots.assign(adapters) if adapters else {}
+        token_slots: list[int] = []
+        for seq, n in entries:
+            token_slots.extend([slot_of[seq.lora.key] if seq.lora is not None else -1] * n)
+        self.step.set(token_slots, self.device)
+
+    def resident(self) -> list[str]:
+        """Names of the loaded adapters that hold a slot now (load reports, routing)."""
+        return [name for name, a in self.adapters.items() if a.key in self.slots.resident]

@@ -1,0 +1,36 @@
+"""The batched LoRA matmul in torch (the reference the Triton kernel is tested against,
+and the CPU path).
+
+A step's tokens belong to different adapters. `perm` lists the adapted tokens grouped by
+slot; segment s is perm[seg_starts[s]:seg_starts[s+1]], all under slot seg_slots[s]
+(tokens of the base model are in no segment). `sgmv` (segmented gathered matrix-vector,
+Punica's name) computes, for every segment, out[rows] (+)= x[rows] @ w[slot].T: one matmul
+per segment, never a Python loop over tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sgmv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, perm: torch.Tensor,
+         seg_starts: list[int], seg_slots: list[int], accumulate: bool) -> torch.Tensor:
+    """x [n, k], w [slots, m, k], out [n, m]: the rows in segments are written (or added to)."""
+    rows = x.index_select(0, perm)
+    parts = [rows[a:b] @ w[slot].T for a, b, slot in zip(seg_starts, seg_starts[1:], seg_slots, strict=False)]
+    result = torch.cat(parts).to(out.dtype)
+    if accumulate:
+        out.index_add_(0, perm, result)
+    else:
+        out.index_copy_(0, perm, result)
+    return out
+
+
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, perm: torch.Tensor,
+               seg_starts: list[int], seg_slots: list[int]) -> torch.Tensor:
+    """out[rows] += (x[rows] @ a[slot].T) @ b[slot].T per segment: shrink and expand fused
+    per segment (the CPU path: one gather, two small matmuls a segment, one scatter-add)."""
+    rows = x.index_select(0, perm)
+    parts = [(rows[s:e] @ a[slot].T) @ b[slot].T
+             for s, e, slot in zip(seg_starts, seg_starts[1:], seg_slots, strict=False)]
+    return out.index_add_(0, perm, torch.cat(parts).to(out.dtype))
