@@ -64,6 +64,7 @@ class KVEvent:
     block_hashes: list[int]
     parent: int | None = None
     timestamp: float = field(default_factory=time.time)
+    tier: str = "device"  # device (the KV pool), host or disk (its offload tiers, engine/kv_offload/)
 
 
 def registration_refusal(info: WorkerInfo, model: str | None, block_size: int | None) -> tuple[str, str] | None:

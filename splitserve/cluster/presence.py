@@ -51,10 +51,11 @@ class WorkerPresence:
     def publish_block_events(self, events: list[BlockEvent]) -> None:
         """Called on the event loop with the engine's block events of one step."""
         for e in events:
-            self._queue_event(e.kind, e.block_hashes, e.parent)
+            self._queue_event(e.kind, e.block_hashes, e.parent, e.tier)
 
-    def _queue_event(self, kind: str, hashes: list[int], parent: int | None) -> None:
-        self._events.put_nowait(KVEvent(self.info.worker_id, self._next_event_id, kind, list(hashes), parent))
+    def _queue_event(self, kind: str, hashes: list[int], parent: int | None, tier: str = "device") -> None:
+        self._events.put_nowait(KVEvent(self.info.worker_id, self._next_event_id, kind, list(hashes), parent,
+                                        tier=tier))
         self._next_event_id += 1
 
     async def _republish(self) -> None:

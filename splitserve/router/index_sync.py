@@ -30,6 +30,7 @@ from splitserve.cluster.messages import (
 from splitserve.cluster.registration_auth import signature_refusal
 from splitserve.metrics import Metrics
 from splitserve.router.radix_index import RadixIndex
+from splitserve.router.tier_scoring import tier_holder
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class IndexSync:
                         "its %d blocks from the router index", worker_id, self.index.blocks_of(worker_id))
             del self.workers[worker_id]
             self.index.remove_worker(worker_id)
+            self.index.remove_worker(tier_holder(worker_id))
             if self.on_departure is not None:
                 self.on_departure(worker_id)
         for worker_id, info in live.items():
@@ -180,12 +182,15 @@ class IndexSync:
         if not st.precise:  # first event: its own reports replace the router's guesses
             self.index.clear_worker(w)
             st.precise = True
+        # blocks in the worker's offload tiers (host, disk) have a holder of their own
+        holder = w if getattr(ev, "tier", "device") == "device" else tier_holder(w)
         if ev.kind == "stored":
-            self.index.apply_stored(w, ev.parent, ev.block_hashes)
+            self.index.apply_stored(holder, ev.parent, ev.block_hashes)
         elif ev.kind == "removed":
-            self.index.apply_removed(w, ev.block_hashes)
+            self.index.apply_removed(holder, ev.block_hashes)
         elif ev.kind == "cleared":
             self.index.clear_worker(w)
+            self.index.clear_worker(tier_holder(w))
         else:
             log.error("worker %s sent KV event %d of unknown kind %r; ignored", w,
                       ev.event_id, ev.kind)
@@ -197,6 +202,7 @@ class IndexSync:
     async def _resync(self, worker_id: str) -> None:
         st = self.workers[worker_id]
         self.index.clear_worker(worker_id)
+        self.index.clear_worker(tier_holder(worker_id))
         st.position, st.last_event_id, st.resyncs = START, None, st.resyncs + 1
         st.replay_end = parse_position(await self.bus.kv_tail(worker_id))
         if self.metrics is not None:

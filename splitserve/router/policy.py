@@ -2,7 +2,9 @@
 
 Decode worker: cost = load − overlap_credit × overlap, where
   load    = kv_usage + (waiting + running + pending) / requests_per_load_unit
-  overlap = fraction of the prompt's full blocks the worker already holds (0..1)
+  overlap = fraction of the prompt's full blocks the worker already holds (0..1), a block
+            in its offload tiers (host, disk) counting `tier_credit` of a device block
+            (router/tier_scoring.py): device hit > tier hit > miss
 so with the defaults a worker holding the whole prompt is worth `requests_per_load_unit`
 extra queued requests. The imbalance guard overrides the cost when queues are far apart
 (both an absolute and a relative gap, so two nearly idle workers never trip it). Ties
@@ -23,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from splitserve.cluster.messages import LoadReport
+from splitserve.router.tier_scoring import prefix_scores, reachable_blocks
 
 TIE_EPSILON = 1e-9
 
@@ -38,12 +41,15 @@ class PolicyConfig:
     imbalance_abs: int = 16  # guard trips when max−min outstanding requests exceeds this
     imbalance_ratio: float = 1.5  # ... and max > ratio × min
     disagg_min_uncached_tokens: int = 256  # below this the decode worker prefills itself
+    tier_credit: float = 0.5  # a block in a worker's host/disk tier, in device blocks (loaded back, not recomputed)
 
     def __post_init__(self) -> None:
         if self.overlap_credit < 0 or self.requests_per_load_unit <= 0:
             raise ValueError("overlap_credit must be >= 0 and requests_per_load_unit > 0")
         if self.imbalance_abs < 0 or self.imbalance_ratio < 1:
             raise ValueError("imbalance_abs must be >= 0 and imbalance_ratio >= 1")
+        if not 0 <= self.tier_credit <= 1:
+            raise ValueError("tier_credit must be in [0, 1]")
         if self.disagg_min_uncached_tokens < 0:
             raise ValueError("disagg_min_uncached_tokens must be >= 0")
 
@@ -106,7 +112,7 @@ def choose_decode(
     if not decode_workers:
         raise NoHealthyWorker("no healthy decode worker: check worker heartbeats on the cluster "
                               "bus and splitserve_workers_healthy{role=\"decode\"}")
-    get_report, get_matched = loads.get, matched.get
+    get_report, get_matched = loads.get, prefix_scores(matched, decode_workers, config.tier_credit).get
     credit = config.overlap_credit / max(prompt_blocks, 1)
     per_unit = config.requests_per_load_unit
     queue: list[int] = []
@@ -158,7 +164,7 @@ def choose_prefill(
         report = loads.get(w)
         return report.waiting_tokens if report is not None else 0
 
-    cost = {w: queued(w) + prompt_tokens - min(matched.get(w, 0) * block_size, prompt_tokens)
+    cost = {w: queued(w) + prompt_tokens - min(reachable_blocks(matched, w) * block_size, prompt_tokens)
             for w in workers}
     best = min(cost.values())
     tied = [w for w in workers if cost[w] == best]
@@ -185,7 +191,7 @@ def route(
     prompt_blocks = prompt_tokens // block_size
     decode, reason, costs = choose_decode(decode_workers, matched, prompt_blocks, loads, rng,
                                           config, pending)
-    decode_cached = matched.get(decode, 0)
+    decode_cached = reachable_blocks(matched, decode)  # tier blocks are loaded back there, not prefilled
     uncached = prompt_tokens - decode_cached * block_size
     prefill = None
     prefill_cached = 0
@@ -196,7 +202,7 @@ def route(
                           f"{config.disagg_min_uncached_tokens}")
     else:
         prefill = choose_prefill(prefill_workers, matched, prompt_tokens, block_size, loads, rng)
-        prefill_cached = matched.get(prefill, 0)
+        prefill_cached = reachable_blocks(matched, prefill)
         prefill_reason = (f"disaggregated: uncached {uncached} tokens >= "
                           f"{config.disagg_min_uncached_tokens}")
     return RouteDecision(decode, prefill, prompt_tokens, prompt_blocks, decode_cached,

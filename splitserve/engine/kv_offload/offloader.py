@@ -31,7 +31,6 @@ from splitserve.engine.kv_cache import KVCachePool
 from splitserve.engine.kv_offload.disk_tier import DiskTier
 from splitserve.engine.kv_offload.host_tier import HostTier
 from splitserve.engine.kv_offload.stats import OffloadCounters, OffloadStats
-from splitserve.kvtransfer.pool_io import RegionLayout, pool_bytes
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,6 @@ def layout_tag(pool: KVCachePool) -> int:
 class KVOffloader:
     def __init__(self, pool: KVCachePool, host_bytes: int = 0, disk_dir: str | None = None, disk_bytes: int = 0):
         self.pool = pool
-        self.layout = RegionLayout.of(pool)
         self.block_nbytes = pool.spec.block_nbytes
         on_gpu = pool.data.device.type != "cpu"
         self.host = HostTier(host_bytes // self.block_nbytes, self.block_nbytes, pin_memory=on_gpu) \
@@ -218,8 +216,9 @@ class KVOffloader:
 
     # ---- under the lock ------------------------------------------------------------------
     def _device_block(self, block_id: int) -> torch.Tensor:
-        start = self.layout.offset(block_id)
-        return pool_bytes(self.pool)[start:start + self.block_nbytes]  # a fresh view: the pool may move to shared memory
+        # a fresh view each time: the pool may have moved to shared memory since
+        start = self.pool.block_offset(block_id)
+        return self.pool.data.view(-1).view(torch.uint8)[start:start + self.block_nbytes]
 
     def _copy_to_host(self, block_id: int, h: int, slot: int) -> None:
         self.host.slot(slot).copy_(self._device_block(block_id))
