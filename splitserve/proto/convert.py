@@ -20,7 +20,8 @@ def sampling_to_proto(p: SamplingParams) -> pb.Sampling:
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, min_tokens=p.min_tokens,
         structured=None if p.structured is None else pb.Structured(
-            kind=p.structured.kind, spec=p.structured.spec, param=p.structured.param))
+            kind=p.structured.kind, spec=p.structured.spec, param=p.structured.param),
+        lora_name=p.lora_name or "")
 
 
 def sampling_from_proto(s: pb.Sampling) -> SamplingParams:
@@ -33,7 +34,7 @@ def sampling_from_proto(s: pb.Sampling) -> SamplingParams:
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty or 1.0, logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens,
         structured=StructuredSpec(s.structured.kind, s.structured.spec, s.structured.param)
-        if s.HasField("structured") else None)
+        if s.HasField("structured") else None, lora_name=s.lora_name or None)
 
 
 def logprob_to_proto(lp: TokenLogprobs) -> pb.TokenLogprob:
