@@ -45,7 +45,9 @@ from splitserve.engine.args import (
     engine_config_from_args,
     resolve_model,
     speculative_problem,
+    tensor_parallel_problem,
 )
+from splitserve.engine.kv_offload.args import kv_offload_problem
 from splitserve.logs import configure_logging, keep_output_lines_whole
 from splitserve.router.main import add_router_args, bind_http, start_router
 from splitserve.security.links import LinkSecurity, security_from_args
@@ -275,10 +277,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill_workers < 0 or args.decode_workers < 1:
         print("splitserve serve: need --decode-workers >= 1 and --prefill-workers >= 0", file=sys.stderr)
         return 2
-    if args.tensor_parallel_size > 1 and args.prefill_workers:
-        print(f"splitserve serve: --tensor-parallel-size {args.tensor_parallel_size} runs colocated only "
-              "(--prefill-workers 0): KV transfer between tensor-parallel workers is not built yet", file=sys.stderr)
-        return 2
     if args.device.startswith("cuda:"):  # Ray numbers each worker's GPUs from 0: an index would mislead
         print(f"splitserve serve: --device {args.device}: serve gives each worker its GPU through Ray; pass "
               "--device cuda (CUDA_VISIBLE_DEVICES chooses which GPUs Ray may use)", file=sys.stderr)
@@ -293,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     # checked before Ray or any process starts: one line, exit 2
     problem = checkpoint_problem(args.model, args.quantization) if args.model is not None else (
         None if (demo_dir() / "config.json").is_file() else cache_dir_problem(demo_dir()))
-    problem = problem or speculative_problem(args)
+    problem = problem or tensor_parallel_problem(args) or speculative_problem(args) or kv_offload_problem(args)
     if problem:
         print(f"splitserve serve: {problem}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ from splitserve.core.quantization import QUANTIZATION_CHOICES
 from splitserve.core.speculative import SpeculativeConfigError, parse_speculative_config
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache import KV_CACHE_DTYPES
+from splitserve.engine.kv_offload.args import add_kv_offload_args, kv_offload_fields
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
@@ -34,8 +35,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                         "workers must agree")
     g.add_argument("-tp", "--tensor-parallel-size", type=positive_int, default=1,
                    help="shard the model over this many rank processes (gloo on CPU, NCCL on CUDA; "
-                        "docs/architecture.md, Tensor parallelism). Above 1 a worker takes no KV transfer "
-                        "(serve: colocated only, --prefill-workers 0)")
+                        "docs/architecture.md, Tensor parallelism). KV moves between workers of any TP "
+                        "sizes (re-sharded by KV heads on arrival) over --kv-backend grpc")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int)
@@ -43,6 +44,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                    "this process may use, i.e. its affinity set capped by the container's CPU limit, less "
                    "one left to the serving threads when there are two or more; `serve` splits them among "
                    "its workers, see --cpus)")
+    add_kv_offload_args(g)
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="run decode steps eagerly on CUDA (by default they replay CUDA graphs; off on CPU)")
     g.add_argument("--speculative-config", metavar="JSON",
@@ -63,12 +65,14 @@ def speculative_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def prefill_tensor_parallel_problem(args: argparse.Namespace) -> str | None:
-    """Why a prefill worker cannot take this --tensor-parallel-size (it pushes KV, and KV
-    transfer between tensor-parallel workers is not built), or None."""
-    if args.tensor_parallel_size > 1:
-        return (f"--tensor-parallel-size {args.tensor_parallel_size}: a prefill worker pushes its KV, and KV "
-                "transfer between tensor-parallel workers is not built yet (serve TP models colocated)")
+def tensor_parallel_problem(args: argparse.Namespace) -> str | None:
+    """Why this --tensor-parallel-size cannot serve with this --kv-backend, or None. mooncake
+    writes one-sided into one registered region of a pool, and a tensor-parallel worker's
+    pool is split over its ranks (grpc carries every head and re-shards on arrival)."""
+    if args.tensor_parallel_size > 1 and getattr(args, "kv_backend", "grpc") == "mooncake":
+        return (f"--tensor-parallel-size {args.tensor_parallel_size} with --kv-backend mooncake: one-sided writes "
+                "need one registered KV pool, and a tensor-parallel worker's is split over its ranks "
+                "(use --kv-backend grpc)")
     return None
 
 
@@ -90,5 +94,5 @@ def engine_config_from_args(args: argparse.Namespace, model: str, served: str) -
                         quantization=getattr(args, "quantization", None),
                         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                         cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None,
-                        warm_up=False if getattr(args, "no_warm_up", False) else None,
+                        warm_up=False if getattr(args, "no_warm_up", False) else None, **kv_offload_fields(args),
                         speculative_config=getattr(args, "speculative_config", None))

@@ -34,6 +34,9 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # decode steps replayed from CUDA graphs; None: on for CUDA, off on CPU
     warm_up: bool | None = None  # throwaway requests at start-up compile the kernels (engine/warmup.py); None: CUDA
     tensor_parallel_size: int = 1  # ranks (processes) the model is sharded over (engine/parallel/)
+    kv_offload_bytes: int = 0  # host-memory KV tier under the device pool (engine/kv_offload/); 0: none
+    kv_offload_dir: str | None = None  # disk KV tier: a directory for block files; None: none
+    kv_offload_dir_bytes: int = 0  # ... and its size
     cpu_affinity: tuple[int, ...] = ()  # CPUs the engine process pins itself to (`serve`'s plan, core/cpus.py); (): none
     enable_lora: bool = False  # requests may run under LoRA adapters (engine/lora/)
     max_loras: int = 1  # adapters resident at once (slots); a step mixes at most this many
@@ -59,9 +62,10 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.cuda_graphs and self.tensor_parallel_size > 1:
             raise ValueError("cuda_graphs=True is not supported with tensor_parallel_size > 1 yet (decode runs eagerly)")
-        self.speculative_config = parse_speculative_config(self.speculative_config, self.model)
         if self.enable_lora and (self.tensor_parallel_size > 1 or self.cuda_graphs):
             raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 or cuda_graphs=True yet")
+        check_offload(self)
+        self.speculative_config = parse_speculative_config(self.speculative_config, self.model)
         if self.cuda_graphs and torch.device(self.device).type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got device={self.device!r}")
 
@@ -83,3 +87,15 @@ class EngineConfig:
     def kv_torch_dtype(self) -> torch.dtype:
         """The KV pool's element type."""
         return kv_cache_torch_dtype(self.kv_cache_dtype, self.torch_dtype)
+
+
+def check_offload(cfg: EngineConfig) -> None:
+    """One clear error for offload tiers that cannot work as configured."""
+    if cfg.kv_offload_bytes < 0 or cfg.kv_offload_dir_bytes < 0:
+        raise ValueError("--kv-offload-gib and --kv-offload-dir-gib must be >= 0")
+    if (cfg.kv_offload_dir is None) != (cfg.kv_offload_dir_bytes == 0):
+        raise ValueError("--kv-offload-dir and --kv-offload-dir-gib go together: the disk tier needs both")
+    if (cfg.kv_offload_bytes or cfg.kv_offload_dir) and not cfg.enable_prefix_caching:
+        raise ValueError("KV offload tiers hold prefix-cache blocks: they need prefix caching on")
+    if (cfg.kv_offload_bytes or cfg.kv_offload_dir) and cfg.tensor_parallel_size > 1:
+        raise ValueError("KV offload tiers are not supported with tensor_parallel_size > 1 yet")

@@ -25,6 +25,7 @@ from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.disaggregation import Disaggregation
 from splitserve.engine.grammar import GrammarCompiler, GrammarError, advance
+from splitserve.engine.kv_offload.offloader import build_offloader
 from splitserve.engine.lora.engine_setup import attach_lora, resolve_lora
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import RequestOutput
@@ -62,8 +63,11 @@ class LLMEngine(Disaggregation):
         else:
             self.runner = ModelRunner(self.model_config, config, int(self.max_model_len))
         self.model_id = config.model_id or Path(config.model).resolve().name
+        self.offloader = build_offloader(config, self.runner.kv_pool)  # host / disk tiers, or None
+        if self.offloader is not None:
+            weakref.finalize(self, self.offloader.close)
         blocks = BlockManager(self.runner.kv_pool.num_blocks, config.block_size, hash_seed(self.model_id),
-                              config.enable_prefix_caching)
+                              config.enable_prefix_caching, self.offloader)
         self.scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
@@ -313,9 +317,11 @@ class LLMEngine(Disaggregation):
         return self.sharded_kv_pool
 
     def close(self) -> None:
-        """End the other tensor-parallel ranks (nothing to do at tp=1)."""
+        """End the other tensor-parallel ranks (nothing to do at tp=1) and the offload writer."""
         if self.tp_group is not None:
             self.tp_group.close()
+        if self.offloader is not None:
+            self.offloader.close()
 
     def params_for_choice(self, params: SamplingParams, index: int) -> SamplingParams:
         """Choice `index` of an n>1 request: its own sub-request, seed offset by the index."""
