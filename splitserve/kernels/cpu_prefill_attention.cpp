@@ -42,13 +42,14 @@ using splitserve::store;
 constexpr int kLanes = 16;
 constexpr int kKeys = 64;    // keys per tile: four registers of scores per query row
 constexpr int kRows = 4;     // query rows computed together (their scores stay in registers)
+constexpr int kChunk = 64;   // head dims of the V sums held in registers at once: 4 rows x 4 registers
 #else
 constexpr int kLanes = 8;
 constexpr int kKeys = 32;
 constexpr int kRows = 2;
+constexpr int kChunk = 32;   // 2 rows x 4 registers of 8 lanes
 #endif
 constexpr int kTokens = 64;  // new tokens per query tile (times the group's heads: its rows)
-constexpr int kChunk = 32;   // head dims of the V sums held in registers at once
 constexpr int kMaxDim = 512;
 constexpr int kMaxGroup = 64;
 
