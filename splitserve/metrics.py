@@ -75,6 +75,18 @@ class Metrics:
         self.num_preemptions = Counter(
             "splitserve_num_preemptions_total", "Requests preempted (recomputed) for lack of KV blocks.",
             ["role", "worker"], registry=r)
+        # Speculative decoding (engine/spec/), vLLM's meaning: acceptance rate = accepted / draft tokens,
+        # mean accepted length = 1 + accepted / drafts.
+        self.spec_decode_num_drafts = Counter(
+            "splitserve_spec_decode_num_drafts", "Sequence steps that verified drafts.", ["role", "worker"], registry=r)
+        self.spec_decode_num_draft_tokens = Counter(
+            "splitserve_spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", ["role", "worker"],
+            registry=r)
+        self.spec_decode_num_accepted_tokens = Counter(
+            "splitserve_spec_decode_num_accepted_tokens", "Draft tokens accepted.", ["role", "worker"], registry=r)
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            "splitserve_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the "
+            "draft (0: the first draft token).", ["role", "worker", "position"], registry=r)
         # Worker liveness: the engine thread behind every request.
         self.engine_alive = Gauge(
             "splitserve_engine_alive", "1 while the worker's engine thread runs; 0 once it died (the worker "
@@ -175,6 +187,23 @@ class Metrics:
             "splitserve_operator_reconcile_errors_total", "Reconciliations that failed.",
             ["deployment_namespace", "deployment"], registry=r)
 
+
+    def sync_spec_decode(self, role: str, worker: str, stats) -> None:
+        """An engine's speculative decoding totals (engine/spec/speculator.py SpecDecodeStats)."""
+        for counter, total in ((self.spec_decode_num_drafts, stats.num_drafts),
+                               (self.spec_decode_num_draft_tokens, stats.num_draft_tokens),
+                               (self.spec_decode_num_accepted_tokens, stats.num_accepted_tokens)):
+            self._advance_total(counter, {"role": role, "worker": worker}, total)
+        for pos, total in enumerate(stats.accepted_per_position):
+            self._advance_total(self.spec_decode_num_accepted_tokens_per_pos,
+                                {"role": role, "worker": worker, "position": str(pos)}, total)
+
+    def _advance_total(self, counter: Counter, labels: dict, total: float) -> None:
+        key = (id(counter), *sorted(labels.items()))
+        delta = total - self._engine_totals.get(key, 0)
+        if delta > 0:
+            counter.labels(**labels).inc(delta)
+        self._engine_totals[key] = total
 
     def sync_engine_counters(self, role: str, worker: str, prefix_queries: int, prefix_hits: int,
                              preemptions: int) -> None:

@@ -196,7 +196,8 @@ class LLMEngine(Disaggregation):
                            len(self.held), len(self.sequences), s.num_free_blocks,
                            s.num_blocks, s.prefix_query_tokens, s.prefix_hit_tokens,
                            s.num_preemptions, sum(len(q.block_table) for q in self.held.values()),
-                           s.prompt_tokens_computed, self.step_seconds)
+                           s.prompt_tokens_computed, self.step_seconds,
+                           spec_decode=self.speculator.stats.snapshot() if self.speculator is not None else None)
 
     # ---- the loop ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -151,6 +151,8 @@ class WorkerBase(abc.ABC):
         waiting, waiting_tokens = self._load_numbers(s)
         m, labels = self.metrics, {"role": self.role, "worker": self.worker_id}
         m.sync_engine_counters(self.role, self.worker_id, s.prefix_query_tokens, s.prefix_hit_tokens, s.preemptions)
+        if s.spec_decode is not None:  # speculative decoding (engine/spec/)
+            m.sync_spec_decode(self.role, self.worker_id, s.spec_decode)
         m.num_requests_waiting.labels(**labels).set(waiting)
         m.num_requests_running.labels(**labels).set(s.running)
         m.kv_cache_usage.labels(**labels).set(s.kv_usage)
