@@ -75,6 +75,33 @@ class Metrics:
         self.num_preemptions = Counter(
             "splitserve_num_preemptions_total", "Requests preempted (recomputed) for lack of KV blocks.",
             ["role", "worker"], registry=r)
+        # KV offload tiers under a worker's device pool (engine/kv_offload/), and peer pulls.
+        self.kv_offload_stored_blocks = Counter(
+            "splitserve_kv_offload_stored_blocks_total", "Prefix-cache blocks written down to an offload tier "
+            "(host: idle device blocks copied by the background writer; disk: host blocks evicted to files).",
+            ["role", "worker", "tier"], registry=r)
+        self.kv_offload_stored_bytes = Counter(
+            "splitserve_kv_offload_stored_bytes_total", "Bytes of the blocks written down to an offload tier.",
+            ["role", "worker", "tier"], registry=r)
+        self.kv_offload_loaded_blocks = Counter(
+            "splitserve_kv_offload_loaded_blocks_total", "Blocks loaded back from an offload tier into the device "
+            "pool instead of recomputed.", ["role", "worker", "tier"], registry=r)
+        self.kv_offload_loaded_bytes = Counter(
+            "splitserve_kv_offload_loaded_bytes_total", "Bytes of the blocks loaded back from an offload tier.",
+            ["role", "worker", "tier"], registry=r)
+        self.kv_offload_lookup_blocks = Counter(
+            "splitserve_kv_offload_lookup_blocks_total", "Prompt blocks missed on device and looked up in the "
+            "offload tiers (hit rate: kv_offload_hit_blocks / this).", ["role", "worker"], registry=r)
+        self.kv_offload_hit_blocks = Counter(
+            "splitserve_kv_offload_hit_blocks_total", "Looked-up blocks an offload tier held.",
+            ["role", "worker"], registry=r)
+        self.kv_offload_failures = Counter(
+            "splitserve_kv_offload_failures_total", "Offload tier failures, each a recompute and never a wrong "
+            "token: dropped (reused on device before written down), write (a disk write failed: full disk), "
+            "read (a missing, short or corrupt block file).", ["role", "worker", "kind"], registry=r)
+        self.kv_offload_blocks = Gauge(
+            "splitserve_kv_offload_blocks", "Blocks held in an offload tier, by state (used, capacity).",
+            ["role", "worker", "tier", "state"], registry=r)
         # Speculative decoding (engine/spec/), vLLM's meaning: acceptance rate = accepted / draft tokens,
         # mean accepted length = 1 + accepted / drafts.
         self.spec_decode_num_drafts = Counter(
@@ -87,6 +114,17 @@ class Metrics:
         self.spec_decode_num_accepted_tokens_per_pos = Counter(
             "splitserve_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the "
             "draft (0: the first draft token).", ["role", "worker", "position"], registry=r)
+        self.kv_peer_pull_blocks = Counter(
+            "splitserve_kv_peer_pull_blocks_total", "Prefix blocks moved between decode workers by a peer pull "
+            "instead of recomputed: pulled (received here) or pushed (sent from here to a peer).",
+            ["worker", "direction"], registry=r)
+        self.kv_peer_pull_requests = Counter(
+            "splitserve_kv_peer_pull_requests_total", "Peer pulls a decode worker tried, by outcome: ok, failed "
+            "(peer gone, transfer or checksum error: the prefix is recomputed, token-exact), skipped (nothing "
+            "to pull or no free blocks).", ["worker", "outcome"], registry=r)
+        self.kv_peer_pull_seconds = Histogram(
+            "splitserve_kv_peer_pull_seconds", "Duration of one successful peer pull, from reserving the blocks "
+            "to their adoption into the prefix cache.", ["worker"], buckets=TRANSFER_BUCKETS, registry=r)
         # Worker liveness: the engine thread behind every request.
         self.engine_alive = Gauge(
             "splitserve_engine_alive", "1 while the worker's engine thread runs; 0 once it died (the worker "
@@ -188,6 +226,14 @@ class Metrics:
             ["deployment_namespace", "deployment"], registry=r)
 
 
+    def advance(self, counter: Counter, labels: dict, total: float) -> None:
+        """Move a counter to a running total kept elsewhere (an engine's), by the difference."""
+        key = (id(counter), *sorted(labels.items()))
+        delta = total - self._engine_totals.get(key, 0)
+        if delta > 0:
+            counter.labels(**labels).inc(delta)
+        self._engine_totals[key] = total
+
     def sync_spec_decode(self, role: str, worker: str, stats) -> None:
         """An engine's speculative decoding totals (engine/spec/speculator.py SpecDecodeStats)."""
         for counter, total in ((self.spec_decode_num_drafts, stats.num_drafts),
@@ -216,6 +262,30 @@ class Metrics:
             if delta > 0:
                 counter.labels(**labels).inc(delta)
             self._engine_totals[key] = total
+
+
+def sync_kv_offload(metrics: Metrics, role: str, worker: str, stats) -> None:
+    """A worker's offload tiers (engine/kv_offload/stats.py OffloadStats) into its metrics."""
+    labels = {"role": role, "worker": worker}
+    c, nb = stats.counters, stats.block_nbytes
+    totals = []
+    for tier in ("host", "disk"):
+        t = {**labels, "tier": tier}
+        totals += [(metrics.kv_offload_stored_blocks, t, c.stored_blocks[tier]),
+                   (metrics.kv_offload_stored_bytes, t, c.stored_blocks[tier] * nb),
+                   (metrics.kv_offload_loaded_blocks, t, c.loaded_blocks[tier]),
+                   (metrics.kv_offload_loaded_bytes, t, c.loaded_blocks[tier] * nb)]
+    totals += [(metrics.kv_offload_lookup_blocks, labels, c.lookup_blocks),
+               (metrics.kv_offload_hit_blocks, labels, c.hit_blocks),
+               (metrics.kv_offload_failures, {**labels, "kind": "dropped"}, c.dropped_blocks),
+               (metrics.kv_offload_failures, {**labels, "kind": "write"}, c.write_failures),
+               (metrics.kv_offload_failures, {**labels, "kind": "read"}, c.read_failures)]
+    for counter, counter_labels, total in totals:
+        metrics.advance(counter, counter_labels, total)
+    for tier, used, capacity in (("host", stats.host_blocks, stats.host_capacity),
+                                 ("disk", stats.disk_blocks, stats.disk_capacity)):
+        metrics.kv_offload_blocks.labels(**labels, tier=tier, state="used").set(used)
+        metrics.kv_offload_blocks.labels(**labels, tier=tier, state="capacity").set(capacity)
 
 
 def exported_metric_names() -> set[str]:

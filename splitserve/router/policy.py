@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from splitserve.cluster.messages import LoadReport
-from splitserve.router.tier_scoring import prefix_scores, reachable_blocks
+from splitserve.router.tier_scoring import prefix_scores, pull_source, reachable_blocks
 
 TIE_EPSILON = 1e-9
 
@@ -42,14 +42,18 @@ class PolicyConfig:
     imbalance_ratio: float = 1.5  # ... and max > ratio × min
     disagg_min_uncached_tokens: int = 256  # below this the decode worker prefills itself
     tier_credit: float = 0.5  # a block in a worker's host/disk tier, in device blocks (loaded back, not recomputed)
+    peer_credit: float = 0.25  # a block only a peer holds, in device blocks (pulled from it, not recomputed)
+    peer_pull_min_blocks: int = 4  # a pull hint needs the peer to hold this many more blocks (bench/experiments/kv_tiers.py)
 
     def __post_init__(self) -> None:
         if self.overlap_credit < 0 or self.requests_per_load_unit <= 0:
             raise ValueError("overlap_credit must be >= 0 and requests_per_load_unit > 0")
         if self.imbalance_abs < 0 or self.imbalance_ratio < 1:
             raise ValueError("imbalance_abs must be >= 0 and imbalance_ratio >= 1")
-        if not 0 <= self.tier_credit <= 1:
-            raise ValueError("tier_credit must be in [0, 1]")
+        if not 0 <= self.peer_credit <= self.tier_credit <= 1:
+            raise ValueError("need 0 <= peer_credit <= tier_credit <= 1")
+        if self.peer_pull_min_blocks < 1:
+            raise ValueError("peer_pull_min_blocks must be >= 1")
         if self.disagg_min_uncached_tokens < 0:
             raise ValueError("disagg_min_uncached_tokens must be >= 0")
 
@@ -65,6 +69,8 @@ class RouteDecision:
     reason: str  # why this decode worker
     prefill_reason: str  # why (not) disaggregated
     costs: dict[str, float] = field(default_factory=dict)  # decode candidates' costs
+    pull_worker: str | None = None  # a peer decode worker holding more of the prefix: pull from it
+    pull_blocks: int = 0  # ... the prompt's leading blocks it holds
 
     @property
     def path(self) -> str:
@@ -76,6 +82,8 @@ class RouteDecision:
         parts = [f"decode={self.decode_worker}", f"prefill={self.prefill_worker or '-'}",
                  f"cached={self.decode_cached_blocks}/{self.prompt_blocks}",
                  f"reason={self.reason}"]
+        if self.pull_worker:
+            parts.insert(2, f"pull={self.pull_worker}:{self.pull_blocks}")
         return "; ".join(parts).encode("ascii", "replace").decode()
 
     def log_fields(self) -> dict:
@@ -83,7 +91,8 @@ class RouteDecision:
                 "prompt_tokens": self.prompt_tokens, "prompt_blocks": self.prompt_blocks,
                 "decode_cached_blocks": self.decode_cached_blocks,
                 "prefill_cached_blocks": self.prefill_cached_blocks, "reason": self.reason,
-                "prefill_reason": self.prefill_reason,
+                "prefill_reason": self.prefill_reason, "pull_worker": self.pull_worker,
+                "pull_blocks": self.pull_blocks,
                 "costs": {w: round(c, 4) for w, c in self.costs.items()}}
 
 
@@ -112,7 +121,8 @@ def choose_decode(
     if not decode_workers:
         raise NoHealthyWorker("no healthy decode worker: check worker heartbeats on the cluster "
                               "bus and splitserve_workers_healthy{role=\"decode\"}")
-    get_report, get_matched = loads.get, prefix_scores(matched, decode_workers, config.tier_credit).get
+    get_report = loads.get
+    get_matched = prefix_scores(matched, decode_workers, config.tier_credit, config.peer_credit).get
     credit = config.overlap_credit / max(prompt_blocks, 1)
     per_unit = config.requests_per_load_unit
     queue: list[int] = []
@@ -182,17 +192,21 @@ def route(
     rng: random.Random,
     config: PolicyConfig = PolicyConfig(),
     pending: Mapping[str, int] | None = None,
+    peers: Sequence[str] | None = None,
 ) -> RouteDecision:
-    """Choose the decode worker, then whether (and where) to prefill remotely.
+    """Choose the decode worker, whether it pulls the prefix from a peer, then whether (and
+    where) to prefill the rest remotely.
 
     `matched` is `RadixIndex.match(prompt_hashes)`; the worker lists hold only live
     workers of each role. `pending` counts the requests this router sent to each decode
-    worker since its last load report (optional, keeps bursts spread)."""
+    worker since its last load report (optional, keeps bursts spread). `peers`: the live
+    decode workers a prefix may be pulled from (default: `decode_workers`)."""
     prompt_blocks = prompt_tokens // block_size
     decode, reason, costs = choose_decode(decode_workers, matched, prompt_blocks, loads, rng,
                                           config, pending)
     decode_cached = reachable_blocks(matched, decode)  # tier blocks are loaded back there, not prefilled
-    uncached = prompt_tokens - decode_cached * block_size
+    pull = pull_source(matched, decode, decode_workers if peers is None else peers, config.peer_pull_min_blocks)
+    uncached = prompt_tokens - max(decode_cached, pull[1] if pull else 0) * block_size
     prefill = None
     prefill_cached = 0
     if not prefill_workers:
@@ -206,7 +220,7 @@ def route(
         prefill_reason = (f"disaggregated: uncached {uncached} tokens >= "
                           f"{config.disagg_min_uncached_tokens}")
     return RouteDecision(decode, prefill, prompt_tokens, prompt_blocks, decode_cached,
-                         prefill_cached, reason, prefill_reason, costs)
+                         prefill_cached, reason, prefill_reason, costs, *(pull or (None, 0)))
 
 
 def _pick(candidates: list[str], rng: random.Random) -> str:

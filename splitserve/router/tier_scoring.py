@@ -29,11 +29,29 @@ def reachable_blocks(matched: Mapping[str, int], worker_id: str) -> int:
     return max(matched.get(worker_id, 0), matched.get(worker_id + TIER_SUFFIX, 0))
 
 
-def prefix_scores(matched: Mapping[str, int], workers: Iterable[str], tier_credit: float) -> dict[str, float]:
+def prefix_scores(matched: Mapping[str, int], workers: Iterable[str], tier_credit: float,
+                  peer_credit: float = 0.0) -> dict[str, float]:
     """Per worker, its cached prefix in device-block equivalents: a device block counts 1,
-    a block only in a tier `tier_credit` (0..1), a miss 0."""
+    a block only in its tiers `tier_credit`, a block only a peer holds (it can be pulled)
+    `peer_credit`, a miss 0 (credits in 0..1, peer below tier)."""
+    workers = list(workers)
+    reach = {w: reachable_blocks(matched, w) for w in workers}
+    best = max(reach.values(), default=0)
     scores = {}
     for w in workers:
         device = matched.get(w, 0)
-        scores[w] = device + tier_credit * (reachable_blocks(matched, w) - device)
+        scores[w] = device + tier_credit * (reach[w] - device) + peer_credit * (best - reach[w])
     return scores
+
+
+def pull_source(matched: Mapping[str, int], chosen: str, peers: Iterable[str],
+                min_blocks: int) -> tuple[str, int] | None:
+    """(peer, blocks) to pull the prompt's prefix from: the peer reaching the most leading
+    blocks (device blocks first on a tie, then by id), when that is at least `min_blocks`
+    more than `chosen` reaches itself; None otherwise."""
+    own = reachable_blocks(matched, chosen)
+    candidates = [(reachable_blocks(matched, w), matched.get(w, 0), w) for w in sorted(peers) if w != chosen]
+    best = max(candidates, key=lambda c: (c[0], c[1]), default=None)
+    if best is None or best[0] - own < max(min_blocks, 1):
+        return None
+    return best[2], best[0]

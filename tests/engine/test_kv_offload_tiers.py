@@ -194,3 +194,22 @@ def test_a_full_disk_drops_the_blocks_and_recomputes_the_same_tokens(ckpt, cold,
     assert result["cached"] == 0 and result["stored_disk"] == 0 and result["write_failures"] > 0
     assert result["files"] == [] and result["indexed"] == 0
     assert result["free"] == result["total"]
+
+
+def test_offload_counters_become_worker_metrics(ckpt):
+    from prometheus_client import generate_latest
+
+    from splitserve.metrics import Metrics, sync_kv_offload
+
+    with tiered(ckpt, host_blocks=64) as llm:
+        generate(llm, PREFIX)
+        evict_device(llm)
+        generate(llm, PREFIX)
+        metrics = Metrics()
+        for _ in range(2):  # synced twice: counters advance by the difference only
+            sync_kv_offload(metrics, "decode", "d0", llm.engine.stats().kv_offload)
+    text = generate_latest(metrics.registry).decode()
+    nb = block_nbytes(ckpt)
+    assert 'splitserve_kv_offload_loaded_blocks_total{role="decode",tier="host",worker="d0"} 6.0' in text
+    assert f'splitserve_kv_offload_loaded_bytes_total{{role="decode",tier="host",worker="d0"}} {6.0 * nb}' in text
+    assert 'splitserve_kv_offload_blocks{role="decode",state="capacity",tier="host",worker="d0"} 64.0' in text

@@ -63,9 +63,10 @@ def test_imbalance_guard_needs_both_absolute_and_relative_spread():
 
 
 def test_ties_are_broken_by_load_before_randomness():
-    # d1: load 0.5 and half the prompt cached (cost 0); d2: idle, nothing cached (cost 0)
+    # d1: load 0.5 and half the prompt cached (cost 0); d2: idle, nothing cached (cost 0,
+    # with no credit for pulling d1's blocks: tests/router/test_tier_scoring.py has that)
     loads = {"d1": load("d1", running=16), "d2": load("d2")}
-    d = decide({"d1": 64}, loads)
+    d = decide({"d1": 64}, loads, config=PolicyConfig(peer_credit=0.0))
     assert d.costs == {"d1": 0.0, "d2": 0.0}
     assert (d.decode_worker, d.reason) == ("d2", "tie-least-loaded")
 

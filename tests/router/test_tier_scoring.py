@@ -8,7 +8,7 @@ import pytest
 from splitserve.cluster.messages import LoadReport
 from splitserve.router.policy import PolicyConfig, route
 from splitserve.router.radix_index import RadixIndex
-from splitserve.router.tier_scoring import prefix_scores, reachable_blocks, tier_holder
+from splitserve.router.tier_scoring import prefix_scores, pull_source, reachable_blocks, tier_holder
 
 BS = 16
 CHAIN = list(range(100, 110))  # a 10-block prompt's chained hashes
@@ -49,12 +49,13 @@ def test_tier_credit_zero_ignores_tiers_and_one_equals_device():
     workers = ["m", "t"]
     for seed in range(5):  # a tie: either worker, at random
         assert route(170, BS, matched, workers, [], idle(*workers), random.Random(seed),
-                     PolicyConfig(tier_credit=0.0)).reason.startswith("tie")
+                     PolicyConfig(tier_credit=0.0, peer_credit=0.0)).reason.startswith("tie")
     d = route(170, BS, {"d": 10, tier_holder("t"): 10}, ["d", "t"], [], idle("d", "t"), random.Random(0),
               PolicyConfig(tier_credit=1.0))
     assert d.reason.startswith("tie")
-    with pytest.raises(ValueError, match="tier_credit"):
-        PolicyConfig(tier_credit=1.5)
+    for bad in (dict(tier_credit=1.5), dict(tier_credit=0.2, peer_credit=0.3), dict(peer_pull_min_blocks=0)):
+        with pytest.raises(ValueError, match="credit|min_blocks"):
+            PolicyConfig(**bad)
 
 
 def test_decode_worker_tier_blocks_count_as_cached_for_disaggregation():
@@ -64,3 +65,33 @@ def test_decode_worker_tier_blocks_count_as_cached_for_disaggregation():
                      PolicyConfig(disagg_min_uncached_tokens=64))
     assert decision.decode_cached_blocks == 10
     assert decision.prefill_worker is None and "uncached 8 tokens" in decision.prefill_reason
+
+
+def test_a_block_a_peer_holds_scores_above_a_miss_and_below_a_tier_block():
+    matched = {"holder": 10, tier_holder("tiered"): 10}
+    scores = prefix_scores(matched, ["holder", "tiered", "lacking"], tier_credit=0.5, peer_credit=0.25)
+    assert scores == {"holder": 10, "tiered": 5.0, "lacking": 2.5}
+    assert prefix_scores(matched, ["holder", "lacking"], 0.5, peer_credit=0.0)["lacking"] == 0
+
+
+@pytest.mark.parametrize("matched, chosen, expected", [
+    ({"a": 10}, "b", ("a", 10)),  # b lacks what a holds on device
+    ({tier_holder("a"): 10}, "b", ("a", 10)),  # ... or in a tier: a loads it back, then pushes
+    ({"a": 10, tier_holder("c"): 10}, "b", ("a", 10)),  # equal reach: the device holder
+    ({"a": 10, "b": 8}, "b", None),  # 2 more blocks < min 4: recompute them
+    ({"a": 10}, "a", None),  # the chosen worker holds it
+    ({}, "b", None),  # nobody does
+])
+def test_pull_source_names_the_peer_holding_the_most_more_than_the_minimum(matched, chosen, expected):
+    assert pull_source(matched, chosen, ["a", "b", "c"], min_blocks=4) == expected
+
+
+def test_round_robin_choice_without_the_prefix_gets_a_pull_hint():
+    """The decode worker is forced (round robin): the decision names the peer to pull from,
+    and the rest of the prompt is too short to be worth a prefill worker."""
+    matched = {"a": 10}
+    d = route(10 * BS + 8, BS, matched, ["b"], ["p"], idle("a", "b"), random.Random(0),
+              PolicyConfig(disagg_min_uncached_tokens=64), peers=["a", "b"])
+    assert (d.decode_worker, d.pull_worker, d.pull_blocks) == ("b", "a", 10)
+    assert d.decode_cached_blocks == 0 and d.prefill_worker is None
+    assert "pull=a:10" in d.header_value()
