@@ -48,6 +48,7 @@ from splitserve.engine.args import (
     tensor_parallel_problem,
 )
 from splitserve.engine.kv_offload.args import kv_offload_problem
+from splitserve.engine.lora.args import lora_problem
 from splitserve.logs import configure_logging, keep_output_lines_whole
 from splitserve.router.main import add_router_args, bind_http, start_router
 from splitserve.security.links import LinkSecurity, security_from_args
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     # checked before Ray or any process starts: one line, exit 2
     problem = checkpoint_problem(args.model, args.quantization) if args.model is not None else (
         None if (demo_dir() / "config.json").is_file() else cache_dir_problem(demo_dir()))
-    problem = problem or tensor_parallel_problem(args) or speculative_problem(args) or kv_offload_problem(args)
+    problem = problem or tensor_parallel_problem(args) or speculative_problem(args) or kv_offload_problem(args) or lora_problem(args)
     if problem:
         print(f"splitserve serve: {problem}", file=sys.stderr)
         return 2

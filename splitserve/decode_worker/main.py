@@ -26,6 +26,7 @@ from splitserve.engine.args import (
     tensor_parallel_problem,
 )
 from splitserve.engine.kv_offload.args import kv_offload_problem
+from splitserve.engine.lora.args import lora_problem
 from splitserve.logs import configure_logging
 from splitserve.security.links import add_security_args, security_from_args
 from splitserve.worker_base.config import ENGINE_LOOPS, add_worker_health_args
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     configure_logging()
     torch.set_num_threads(args.torch_threads or threads_per_worker(available_cpus()))
-    problem = tensor_parallel_problem(args) or speculative_problem(args) or kv_offload_problem(args)
+    problem = tensor_parallel_problem(args) or speculative_problem(args) or kv_offload_problem(args) or lora_problem(args)
     if problem:  # one line, before the model loads
         print(f"splitserve decode-worker: {problem}", file=sys.stderr)
         return 2

@@ -44,7 +44,7 @@ class RemotePrefill:
             return None, "this worker is tensor-parallel: it takes no KV transfer yet", 0
         slot = await self.engine.reserve_remote_prefill(rid, prompt, params, draws_done)
         if slot is None:
-            return None, "no free KV blocks for the whole prompt yet", 0
+            return None, "no free KV blocks for the whole prompt (or LoRA slot: --max-loras) yet", 0
         skip, dest, hashes = slot.skip_blocks, slot.block_ids, slot.block_hashes
         released = asyncio.Event()
         loop = asyncio.get_running_loop()

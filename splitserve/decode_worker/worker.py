@@ -33,6 +33,7 @@ from splitserve.proto.worker_pb2_grpc import (
     add_DecodeWorkerServicer_to_server,
 )
 from splitserve.worker_base.config import WorkerConfig
+from splitserve.worker_base.lora_service import LoRAService
 from splitserve.worker_base.worker import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class EngineFailed:
         self.reason = reason
 
 
-class DecodeWorker(RemotePrefill, WorkerBase, DecodeWorkerServicer):
+class DecodeWorker(RemotePrefill, LoRAService, WorkerBase, DecodeWorkerServicer):
     role = "decode"
 
     def __init__(self, config: DecodeWorkerConfig, metrics: Metrics | None = None, bus=None):

@@ -12,6 +12,7 @@ from splitserve.core.speculative import SpeculativeConfigError, parse_speculativ
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache import KV_CACHE_DTYPES
 from splitserve.engine.kv_offload.args import add_kv_offload_args, kv_offload_fields
+from splitserve.engine.lora.args import add_lora_args, lora_fields
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
@@ -54,6 +55,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--no-warm-up", action="store_true",
                    help="skip the start-up warm-up on CUDA (two throwaway requests that compile the kernels "
                         "before the first real one; off on CPU)")
+    add_lora_args(g)
 
 
 def speculative_problem(args: argparse.Namespace) -> str | None:
@@ -95,4 +97,4 @@ def engine_config_from_args(args: argparse.Namespace, model: str, served: str) -
                         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                         cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None,
                         warm_up=False if getattr(args, "no_warm_up", False) else None, **kv_offload_fields(args),
-                        speculative_config=getattr(args, "speculative_config", None))
+                        speculative_config=getattr(args, "speculative_config", None), **lora_fields(args))

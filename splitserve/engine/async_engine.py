@@ -158,6 +158,12 @@ class AsyncEngine:
     async def release_held(self, request_id: str) -> None:
         await self.call(self.engine.release_held, request_id)
 
+    async def add_lora(self, name: str, path: str) -> int:
+        return await self.call(self.engine.add_lora, name, path)
+
+    async def remove_lora(self, name: str) -> bool:
+        return await self.call(self.engine.remove_lora, name)
+
     async def held_summary(self) -> dict[str, int]:
         return await self.call(self.engine.held_summary)
 

@@ -242,6 +242,12 @@ class EngineProcess:
     async def release_held(self, request_id) -> None:
         await self._call("release_held", request_id, result=False)
 
+    async def add_lora(self, name, path) -> int:
+        return await self._call("add_lora", name, path)
+
+    async def remove_lora(self, name) -> bool:
+        return await self._call("remove_lora", name)
+
     async def held_summary(self):
         return await self._call("held_summary")
 

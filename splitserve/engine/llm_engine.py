@@ -26,7 +26,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.disaggregation import Disaggregation
 from splitserve.engine.grammar import GrammarCompiler, GrammarError, advance
 from splitserve.engine.kv_offload.offloader import build_offloader
-from splitserve.engine.lora.engine_setup import attach_lora, resolve_lora
+from splitserve.engine.lora.engine_setup import LoRAEngine, attach_lora, resolve_lora
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.parallel.group import TensorParallelGroup
@@ -45,7 +45,7 @@ class InvalidPromptError(ValueError):
     """The prompt cannot be served (empty, out-of-vocabulary ids, too long)."""
 
 
-class LLMEngine(Disaggregation):
+class LLMEngine(Disaggregation, LoRAEngine):
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
@@ -196,7 +196,7 @@ class LLMEngine(Disaggregation):
                            len(self.held), len(self.sequences), s.num_free_blocks,
                            s.num_blocks, s.prefix_query_tokens, s.prefix_hit_tokens,
                            s.num_preemptions, sum(len(q.block_table) for q in self.held.values()),
-                           s.prompt_tokens_computed, self.step_seconds,
+                           s.prompt_tokens_computed, self.step_seconds, loras=self.lora_state(),
                            spec_decode=self.speculator.stats.snapshot() if self.speculator is not None else None)
 
     # ---- the loop ---------------------------------------------------------------------

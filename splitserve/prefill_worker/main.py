@@ -25,6 +25,7 @@ from splitserve.engine.args import (
     resolve_model,
 )
 from splitserve.engine.kv_offload.args import kv_offload_problem
+from splitserve.engine.lora.args import lora_problem
 from splitserve.logs import configure_logging
 from splitserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
 from splitserve.security.links import add_security_args, security_from_args
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, worker_class: type[PrefillWorker] = PrefillWorker) -> int:
     args = build_parser().parse_args(argv)
     configure_logging()
-    problem = prefill_tensor_parallel_problem(args) or kv_offload_problem(args)
+    problem = prefill_tensor_parallel_problem(args) or kv_offload_problem(args) or lora_problem(args)
     if problem:
         print(f"splitserve prefill-worker: {problem}", file=sys.stderr)
         return 2

@@ -28,6 +28,7 @@ from splitserve.engine.args import (
     resolve_model,
 )
 from splitserve.engine.kv_offload.args import kv_offload_problem
+from splitserve.engine.lora.args import lora_problem
 from splitserve.logs import configure_logging, keep_output_lines_whole
 from splitserve.metrics import Metrics
 from splitserve.prefill_worker.worker import PrefillWorker, PrefillWorkerConfig
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     if args.replicas < 0:
         raise SystemExit("--replicas must be >= 0")
-    problem = prefill_tensor_parallel_problem(args) or kv_offload_problem(args)
+    problem = prefill_tensor_parallel_problem(args) or kv_offload_problem(args) or lora_problem(args)
     if problem:
         raise SystemExit(f"splitserve prefill-pool: {problem}")
     model, served = resolve_model(args)

@@ -31,6 +31,7 @@ from splitserve.proto.worker_pb2_grpc import (
     add_PrefillWorkerServicer_to_server,
 )
 from splitserve.worker_base.config import WorkerConfig
+from splitserve.worker_base.lora_service import LoRAService
 from splitserve.worker_base.worker import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class PrefillWorkerConfig(WorkerConfig):
     role = "prefill"
 
 
-class PrefillWorker(WorkerBase, PrefillWorkerServicer):
+class PrefillWorker(LoRAService, WorkerBase, PrefillWorkerServicer):
     role = "prefill"
 
     def __init__(self, config: PrefillWorkerConfig, metrics: Metrics | None = None, bus=None):

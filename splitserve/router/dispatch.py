@@ -22,6 +22,7 @@ from splitserve.proto.convert import logprob_from_proto, pb, sampling_to_proto
 from splitserve.proto.worker_pb2_grpc import DecodeWorkerStub
 from splitserve.router import errors
 from splitserve.router.index_sync import IndexSync
+from splitserve.router.lora import RouterLoRA
 from splitserve.router.policy import NoHealthyWorker, PolicyConfig, RouteDecision, route
 from splitserve.router.radix_index import RadixIndex
 from splitserve.security.links import NO_SECURITY, LinkSecurity
@@ -72,6 +73,7 @@ class Dispatcher:
                               block_size=config.block_size, on_departure=self._worker_left,
                               token=config.security.token)
         self.rng = random.Random(config.seed)
+        self.loras = RouterLoRA(self.sync, config.security, config.model_id)  # adapters, their hash salts
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._calls: dict[str, set] = {}  # decode worker -> its Generate calls in flight
         self._evicted: set = set()  # calls cancelled because their worker left: migrate them
@@ -92,9 +94,11 @@ class Dispatcher:
             await asyncio.gather(self._task, return_exceptions=True)
         for ch in self._channels.values():
             await ch.close()
+        await self.loras.close()
 
-    def prompt_hashes(self, prompt: list[int]) -> list[int]:
-        return block_hashes(prompt, self.config.block_size, self.seed)
+    def prompt_hashes(self, prompt: list[int], lora: str | None = None) -> list[int]:
+        """The workers' hashes of the prompt's blocks: under a LoRA adapter, salted by it."""
+        return block_hashes(prompt, self.config.block_size, self.seed ^ self.loras.salt(lora))
 
     def _pending(self, worker: str) -> int:
         report = self.sync.loads.get(worker)
@@ -103,7 +107,8 @@ class Dispatcher:
         self._sent[worker] = sent
         return len(sent)
 
-    async def decide_waiting(self, prompt: list[int], wait_s: float, on_wait=None) -> RouteDecision:
+    async def decide_waiting(self, prompt: list[int], wait_s: float, on_wait=None,
+                             lora: str | None = None) -> RouteDecision:
         """decide(), but with no healthy decode worker first wait up to `wait_s` for one to
         register (a lone worker's late heartbeat, a restart); then NoHealthyWorker as
         decide() raises it. `on_wait()` runs once if it has to wait."""
@@ -113,17 +118,23 @@ class Dispatcher:
                 on_wait()
                 on_wait = None
             await asyncio.sleep(0.1)
-        return self.decide(prompt)[0]
+        return self.decide(prompt, lora=lora)[0]
 
-    def decide(self, prompt: list[int], exclude: set[str] = frozenset()) -> tuple[RouteDecision, list[int]]:
+    def decide(self, prompt: list[int], exclude: set[str] = frozenset(),
+               lora: str | None = None) -> tuple[RouteDecision, list[int]]:
         start = time.perf_counter()
-        hashes = self.prompt_hashes(prompt)
+        hashes = self.prompt_hashes(prompt, lora)
         decode = [w for w in self.sync.live("decode") if w not in exclude]
+        if lora is not None:  # only workers that have the adapter loaded can serve it
+            decode = [w for w in decode if lora in getattr(self.sync.loads.get(w), "loras", {})] or decode
         if not decode:
             raise NoHealthyWorker("no healthy decode worker" + (f" (excluding failed {sorted(exclude)})"
                                                                  if exclude else ""))
         prefill = self.sync.live("prefill")
+        if lora is not None:  # a prefill worker without the adapter would compute the base model's KV
+            prefill = [w for w in prefill if lora in getattr(self.sync.loads.get(w), "loras", {})]
         workers = decode + prefill
+        peers = decode if lora is None else []  # a prefix pull moves base-model blocks only
         if self.config.mode != "prefix":  # baseline: ignore overlap and load for the decode choice
             decode = sorted(decode)
             if self.config.mode == "round-robin":
@@ -133,7 +144,7 @@ class Dispatcher:
                 decode = [self.rng.choice(decode)]
         decision = route(len(prompt), self.config.block_size, self.index.match(hashes), decode, prefill,
                          self.sync.loads, self.rng, self.config.policy,
-                         pending={w: self._pending(w) for w in workers})
+                         pending={w: self._pending(w) for w in workers}, peers=peers)
         now = time.time()
         for w in filter(None, (decision.decode_worker, decision.prefill_worker)):
             self._sent.setdefault(w, []).append(now)
@@ -194,6 +205,10 @@ class Dispatcher:
                     info = self.sync.workers.get(decision.prefill_worker)
                     if info is not None:
                         req.prefill_address, req.prefill_worker_id = info.info.address, decision.prefill_worker
+                peer = self.sync.workers.get(decision.pull_worker) if decision.pull_worker and not produced else None
+                if peer is not None:  # the peer holds more of the prefix: the worker pulls it (decode_worker/peer_pull.py)
+                    req.pull_worker_id, req.pull_address = decision.pull_worker, peer.info.address
+                    req.pull_blocks = decision.pull_blocks
                 stub = self._stub(decision.decode_worker)
                 if stub is None:
                     raise _Gone(decision.decode_worker)
@@ -250,7 +265,7 @@ class Dispatcher:
                 with tracing.span("migration", parent, attributes={
                         "splitserve.migration.from": decision.decode_worker, "splitserve.migration.reason": reason,
                         "splitserve.migration.tokens_so_far": len(produced)}) as moved:
-                    decision, _ = self.decide(prompt + produced, exclude=failed)
+                    decision, _ = self.decide(prompt + produced, exclude=failed, lora=params.lora_name)
                     moved.set_attribute("splitserve.migration.to", decision.decode_worker)
             except NoHealthyWorker as exc:
                 raise WorkerFailure(f"request {request_id}: decode worker {sorted(failed)} failed ({reason}) "

@@ -64,7 +64,7 @@ class RequestHolder:
         self.report_id = f"router-held-{uuid.uuid4().hex[:12]}"
         self._publisher: asyncio.Task | None = None
 
-    async def hold(self, dispatcher, prompt: list[int], rid: str, deadline_s: float | None):
+    async def hold(self, dispatcher, prompt: list[int], rid: str, deadline_s: float | None, lora: str | None = None):
         """The routing decision once a decode worker registers; HeldAtZero when full or past the
         hold timeout (or the request's own deadline, whichever is first)."""
         c = self.config
@@ -77,7 +77,7 @@ class RequestHolder:
         log.warning("request %s: no decode worker (scaled to zero?); holding it up to %.0f s for one to register "
                     "(%d held)", rid, wait, self.held)
         try:
-            return await dispatcher.decide_waiting(prompt, wait)
+            return await dispatcher.decide_waiting(prompt, wait, lora=lora)
         except NoHealthyWorker:
             raise HeldAtZero(f"request {rid}: held {wait:.0f}s (--hold-timeout) and no decode worker registered; "
                              f"the deployment is starting from zero: retry after {c.retry_after_s}s",

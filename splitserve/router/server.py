@@ -36,6 +36,7 @@ from splitserve.router.dispatch import Dispatcher, WorkerFailure
 from splitserve.router.errors import APIError
 from splitserve.router.hold_at_zero import HoldConfig, RequestHolder
 from splitserve.router.http_limits import HTTPLimits, client_request_id
+from splitserve.router.lora import parse_lora_body, runtime_updates_allowed
 from splitserve.router.openapi import openapi_document
 from splitserve.router.policy import NoHealthyWorker
 from splitserve.router.prompts import PromptTokenizer
@@ -73,6 +74,7 @@ class RouterServer:
         self.prompts = PromptTokenizer(self.tokenizer, self.max_model_len, content_as_text=config.content_as_text)
         self.created = int(time.time())
         self.admission = Admission(config.admission)
+        self.loras = dispatcher.loras  # LoRA adapters: served names, runtime load / unload (router/lora.py)
         self.holder = RequestHolder(config.hold, dispatcher.sync.bus, self.metrics.router_held_requests)
         self._openapi = json.dumps(openapi_document(config.served_model_name, self.max_model_len,
                                                     auth=bool(config.api_key))).encode()
@@ -84,6 +86,9 @@ class RouterServer:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model_id:.+}", self.model)  # served names may hold a "/"
+        if runtime_updates_allowed():  # vLLM's convention: off unless the operator turns it on
+            app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+            app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
@@ -143,11 +148,28 @@ class RouterServer:
 
     # ---- simple endpoints ------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(R.models_list([self.config.served_model_name], self.created))
+        listing = R.models_list([self.config.served_model_name], self.created)
+        listing["data"] += self.loras.model_objects(self.created)  # LoRA adapters, with `parent`
+        return web.json_response(listing)
 
     async def model(self, request: web.Request) -> web.Response:
-        return web.json_response(tokenization.model_object(self.config.served_model_name,
-                                                           request.match_info["model_id"], self.created))
+        requested = request.match_info["model_id"]
+        adapter = next((m for m in self.loras.model_objects(self.created) if m["id"] == requested), None)
+        if adapter is not None:
+            return web.json_response(adapter)
+        return web.json_response(tokenization.model_object(self.config.served_model_name, requested, self.created))
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        name, path = parse_lora_body(await self._body(request), need_path=True)
+        await self.loras.load(name, path)
+        log.info("LoRA adapter %s loaded from %s on every worker", name, path)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        name, _ = parse_lora_body(await self._body(request), need_path=False)
+        await self.loras.unload(name)
+        log.info("LoRA adapter %s unloaded from every worker", name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def tokenize(self, request: web.Request) -> web.Response:
         req = await self._parse(request, tokenization.parse_tokenize_request)
@@ -220,8 +242,8 @@ class RouterServer:
         parsing) is parsed in the prompt pool, not on the event loop."""
         raw = await self._body(request)
         if len(raw) <= INLINE_BODY_BYTES:
-            return parse(raw, [self.config.served_model_name])
-        return await self.prompts.offload(parse, raw, [self.config.served_model_name])
+            return parse(raw, self.loras.models())
+        return await self.prompts.offload(parse, raw, self.loras.models())
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = await self._parse(request, protocol.parse_completion_request)
@@ -251,7 +273,7 @@ class RouterServer:
                                                   "messages" if chat else "prompt")
         protocol.check_logit_bias(req.params, self.vocab_size)
         try:
-            params = replace(req.params, max_tokens=max_tokens)
+            params = replace(req.params, max_tokens=max_tokens, lora_name=self.loras.lora_name(req.model))
         except InvalidSamplingParams as exc:  # min_tokens beyond what the context leaves
             raise errors.invalid_request(f"{exc} (what the context leaves for the completion)", exc.param,
                                          "invalid_value") from None
@@ -263,23 +285,23 @@ class RouterServer:
         finally:  # also on client disconnect (the handler is cancelled) and deadline
             self.admission.leave(started)
 
-    async def _decide(self, prompt: list[int], rid: str):
+    async def _decide(self, prompt: list[int], rid: str, lora: str | None = None):
         """The routing decision; with no healthy worker, wait up to --no-worker-wait (within the
         request's deadline) for one, then 503. The client's disconnect cancels the wait."""
         limits = self.config.admission
         if self.holder.config.enabled and not self.dispatcher.sync.live("decode"):  # scaled to zero
-            return await self.holder.hold(self.dispatcher, prompt, rid, limits.request_timeout_s)
+            return await self.holder.hold(self.dispatcher, prompt, rid, limits.request_timeout_s, lora)
         wait = min(limits.no_worker_wait_s, limits.request_timeout_s or float("inf"))
         try:
             return await self.dispatcher.decide_waiting(prompt, wait, lambda: log.warning(
                 "request %s: no healthy decode worker; waiting up to %.0f s for one to register "
-                "(--no-worker-wait)", rid, wait))
+                "(--no-worker-wait)", rid, wait), lora=lora)
         except NoHealthyWorker as exc:
             raise APIError(503, f"{exc}; retry shortly", "service_unavailable", code="no_workers") from None
 
     async def _admitted(self, request: web.Request, req, prompt: list[int], params, rid: str,
                         chat: bool, output: ChatOutputConfig | None) -> web.StreamResponse:
-        decision = await self._decide(prompt, rid)
+        decision = await self._decide(prompt, rid, params.lora_name)
         client_id = client_request_id(request)
         log.info("request %s%s: %d prompt tokens -> %s", rid, f" (client id {client_id})" if client_id else "",
                  len(prompt), decision.header_value())

@@ -156,7 +156,8 @@ class WorkerBase(abc.ABC):
         m.num_requests_waiting.labels(**labels).set(waiting)
         m.num_requests_running.labels(**labels).set(s.running)
         m.kv_cache_usage.labels(**labels).set(s.kv_usage)
-        return LoadReport(self.worker_id, self.role, waiting, s.running, s.kv_usage, waiting_tokens=waiting_tokens)
+        return LoadReport(self.worker_id, self.role, waiting, s.running, s.kv_usage, waiting_tokens=waiting_tokens,
+                          loras={n: salt for n, salt, _ in s.loras}, resident_loras=[n for n, _, r in s.loras if r])
 
     def _load_numbers(self, s: EngineStats) -> tuple[int, int]:
         """(waiting requests, queued prompt tokens) as this role reports them."""

@@ -13,7 +13,8 @@ import shutil
 import pytest
 
 from splitserve.engine import LLM, LoRARequest, SamplingParams
-from splitserve.engine.lora import LoRAAdapterError, UnknownLoRAError
+from splitserve.engine.llm_engine import InvalidPromptError
+from splitserve.engine.lora import LoRAAdapterError
 from tests.helpers.lora_adapters import ADAPTERS, make_adapter, peft_greedy
 
 NEW_TOKENS = 12
@@ -107,7 +108,7 @@ def test_bad_adapters_are_refused_in_one_line_and_nothing_changes(base, adapters
     assert list(llm.engine.loras.adapters) == ["good"]
     with pytest.raises(LoRAAdapterError, match="already loaded with other weights"):
         llm.engine.loras.add("good", str(adapters["qv-r4-rslora"]))
-    with pytest.raises(UnknownLoRAError, match="The model `nope` does not exist"):
+    with pytest.raises(InvalidPromptError, match="The model `nope` does not exist"):
         llm.generate([1, 2, 3], SamplingParams(max_tokens=2, lora_name="nope"))
     assert not llm.engine.has_unfinished_requests()
 
@@ -133,5 +134,5 @@ def test_lora_needs_enable_lora(base, adapters):
     llm = LLM(str(base), num_kv_blocks=16)
     with pytest.raises(LoRAAdapterError, match="enable_lora=True"):
         llm.generate([1, 2, 3], greedy(), lora_request=LoRARequest("a", 1, str(adapters["all-r8"])))
-    with pytest.raises(UnknownLoRAError, match="not enabled"):
+    with pytest.raises(InvalidPromptError, match="not enabled"):
         llm.generate([1, 2, 3], SamplingParams(max_tokens=2, lora_name="a"))

@@ -25,11 +25,40 @@ def attach_lora(engine) -> LoRAManager | None:
 
 
 def resolve_lora(manager: LoRAManager | None, name: str | None) -> LoRAAdapter | None:
+    """The adapter a request names; an unknown one is a bad request (InvalidPromptError:
+    workers answer INVALID_ARGUMENT, never "this worker failed")."""
+    from splitserve.engine.llm_engine import InvalidPromptError  # (llm_engine imports this module)
+
     if name is None:
         return None
     if manager is None:
-        raise UnknownLoRAError(f"The model `{name}` does not exist (LoRA adapters are not enabled: --enable-lora).")
-    return manager.resolve(name)
+        raise InvalidPromptError(f"The model `{name}` does not exist (LoRA adapters are not enabled: --enable-lora).")
+    try:
+        return manager.resolve(name)
+    except UnknownLoRAError as exc:
+        raise InvalidPromptError(str(exc)) from None
 
 
-__all__ = ["LoRAAdapterError", "UnknownLoRAError", "attach_lora", "resolve_lora"]
+class LoRAEngine:
+    """LLMEngine's LoRA calls (workers reach them through AsyncEngine / EngineProcess)."""
+
+    loras: LoRAManager | None
+
+    def add_lora(self, name: str, path: str) -> int:
+        """Load an adapter at runtime; its block-hash salt (raises LoRAAdapterError)."""
+        if self.loras is None:
+            raise LoRAAdapterError("LoRA adapters are not enabled on this worker (--enable-lora)")
+        return self.loras.add(name, path).salt
+
+    def remove_lora(self, name: str) -> bool:
+        return self.loras is not None and self.loras.remove(name)
+
+    def lora_state(self) -> tuple[tuple[str, int, bool], ...]:
+        """(name, salt, holds a slot now) of every loaded adapter (load reports, metrics)."""
+        if self.loras is None:
+            return ()
+        resident = set(self.loras.resident())
+        return tuple((n, a.salt, n in resident) for n, a in self.loras.adapters.items())
+
+
+__all__ = ["LoRAAdapterError", "LoRAEngine", "UnknownLoRAError", "attach_lora", "resolve_lora"]

@@ -1,0 +1,133 @@
+"""LoRA adapters as the router sees them: the names requests may give as `model`, each
+adapter's block-hash salt (so the router's prefix index keys KV by adapter exactly as the
+workers do), and runtime loading fanned out to every worker.
+
+The workers are the source of truth: their load reports list the adapters they have loaded
+(name -> salt, the salt from the adapter's content). A runtime load or unload through the
+router is applied to every live decode and prefill worker, all or nothing, and patched into
+the router's copy of their reports at once, so the next request sees it without waiting
+for a heartbeat. A worker that registers later has only its --lora-modules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import grpc
+
+from splitserve.core.hashing import hash_seed
+from splitserve.proto.convert import pb
+from splitserve.proto.worker_pb2_grpc import DecodeWorkerStub, PrefillWorkerStub
+from splitserve.router import errors
+from splitserve.router.errors import APIError
+
+RUNTIME_ENV = "SPLITSERVE_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
+
+
+def runtime_updates_allowed() -> bool:
+    return os.environ.get(RUNTIME_ENV, "").strip().lower() in ("1", "true")
+
+
+class RouterLoRA:
+    def __init__(self, sync, security, served: str):
+        self.sync, self.security, self.served = sync, security, served
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    # ---- what is served -------------------------------------------------------------------
+    def adapters(self) -> dict[str, int]:
+        """name -> salt of every adapter a live decode worker has loaded."""
+        out: dict[str, int] = {}
+        for w in self.sync.live("decode"):
+            report = self.sync.loads.get(w)
+            if report is not None:
+                out.update(report.loras)
+        return out
+
+    def models(self) -> list[str]:
+        return [self.served, *sorted(self.adapters())]
+
+    def salt(self, name: str | None) -> int:
+        """What `name` mixes into block hashes, as its workers compute it (0: the base model).
+        An adapter no report lists yet gets a salt of its name: never the base model's blocks."""
+        if name is None:
+            return 0
+        return self.adapters().get(name) or hash_seed("lora:" + name)
+
+    def lora_name(self, model: str) -> str | None:
+        """The adapter a request's `model` names (None: the base model)."""
+        return None if model == self.served else model
+
+    def model_objects(self, created: int) -> list[dict]:
+        """/v1/models entries of the adapters, vLLM's shape (`parent`: the base model)."""
+        return [{"id": name, "object": "model", "created": created, "owned_by": "splitserve", "root": name,
+                 "parent": self.served} for name in sorted(self.adapters())]
+
+    # ---- runtime load / unload ----------------------------------------------------------------
+    def _workers(self) -> list[tuple[str, object]]:
+        stubs = []
+        for role, stub_class in (("decode", DecodeWorkerStub), ("prefill", PrefillWorkerStub)):
+            for w in self.sync.live(role):
+                address = self.sync.workers[w].info.address
+                if address not in self._channels:
+                    self._channels[address] = self.security.aio_channel(address, [])
+                stubs.append((w, stub_class(self._channels[address])))
+        return stubs
+
+    async def load(self, name: str, path: str) -> None:
+        """Load on every live worker; if any refuses, unload it where it loaded (nothing
+        changes) and raise the refusal as a 400."""
+        if name == self.served or name in self.adapters():
+            raise errors.invalid_request(f"The model '{name}' is already loaded (unload it first)", "lora_name")
+        workers = self._workers()
+        if not workers:
+            raise APIError(503, "no live worker to load the adapter on; retry shortly", "service_unavailable",
+                           code="no_workers")
+        request = pb.LoRAAdapterRequest(lora_name=name, lora_path=path)
+        results = await asyncio.gather(*(stub.LoadLoRA(request, timeout=120, metadata=self.security.metadata)
+                                         for _, stub in workers), return_exceptions=True)
+        failed = [(w, r) for (w, _), r in zip(workers, results, strict=True) if isinstance(r, BaseException)]
+        if failed:
+            await self._unload([(w, s) for (w, s), r in zip(workers, results, strict=True)
+                                if not isinstance(r, BaseException)], name)
+            worker, exc = failed[0]
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise errors.invalid_request(exc.details().partition(": ")[2] or exc.details(), "lora_path")
+            raise APIError(503, f"worker {worker} did not load the adapter ({exc!r}); nothing was loaded",
+                           "service_unavailable", code="worker_failure")
+        for (w, _), reply in zip(workers, results, strict=True):
+            if (report := self.sync.loads.get(w)) is not None:
+                report.loras[name] = reply.salt
+
+    async def unload(self, name: str) -> None:
+        if name not in self.adapters():
+            raise errors.model_not_found(name, self.models())
+        await self._unload(self._workers(), name)
+
+    async def _unload(self, workers, name: str) -> None:
+        request = pb.LoRAAdapterRequest(lora_name=name)
+        await asyncio.gather(*(stub.UnloadLoRA(request, timeout=30, metadata=self.security.metadata)
+                               for _, stub in workers), return_exceptions=True)
+        for w, _ in workers:
+            if (report := self.sync.loads.get(w)) is not None:
+                report.loras.pop(name, None)
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+
+
+def parse_lora_body(raw: bytes, need_path: bool) -> tuple[str, str]:
+    """(lora_name, lora_path) of a load / unload body, vLLM's fields; 400 in one line otherwise."""
+    try:
+        body = json.loads(raw or b"null")
+    except (ValueError, UnicodeDecodeError):
+        raise errors.invalid_request("the body must be a JSON object with lora_name (and lora_path)") from None
+    if not isinstance(body, dict):
+        raise errors.invalid_request("the body must be a JSON object with lora_name (and lora_path)")
+    fields = ("lora_name", "lora_path") if need_path else ("lora_name",)
+    for f in fields:
+        if not isinstance(body.get(f), str) or not body[f].strip():
+            raise errors.invalid_request(f"'{f}' must be a non-empty string", f)
+    return body["lora_name"], body.get("lora_path", "") if need_path else ""

@@ -1,0 +1,116 @@
+"""Multi-LoRA through `splitserve serve` for real (Ray, 1 prefill + 1 decode worker, gRPC KV
+transfer) and the OpenAI client: three PEFT adapters and the base model interleaved at
+concurrency 8 come back token for token as transformers + PeftModel make them, both on the
+disaggregated path (prompts of 40 tokens: prefilled on the prefill worker under the same
+adapter, KV moved under the adapter's block hashes) and colocated (short prompts prefilled on
+the decode worker); the same prompt under adapter B after adapter A gets B's tokens on each
+path; /v1/models lists the adapters with `parent`; runtime load, use, unload and
+use-after-unload (404 model_not_found); bad adapters refused with a 400 in one line and
+nothing changed."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from splitserve.core.tokenizer import Tokenizer
+from tests.helpers.lora_adapters import ADAPTERS, make_adapter, peft_greedy
+from tests.helpers.processes import SplitserveProcess
+
+SERVED = "lora-base"
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def stack(make_ckpt, tmp_path_factory):
+    base = make_ckpt("llama")
+    root = tmp_path_factory.mktemp("adapters")
+    adapters = {name: make_adapter(base, root / name, **spec) for name, spec in ADAPTERS.items()}
+    modules = [f"{name}={path}" for name, path in adapters.items() if name != "mlp-r16"]  # the third: at runtime
+    serve = SplitserveProcess("serve", [
+        "--model", str(base), "--served-model-name", SERVED, "--prefill-workers", "1", "--decode-workers", "1",
+        "--num-kv-blocks", "256", "--disagg-min-uncached-tokens", "24", "--enable-lora", "--max-loras", "3",
+        "--max-lora-rank", "16", "--lora-modules", *modules], env={"SPLITSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+    client = openai.OpenAI(base_url=serve.base_url + "/v1", api_key="unused", max_retries=0)
+    try:
+        yield base, adapters, root, serve, client
+    finally:
+        serve.stop()
+        log = serve.log()
+        assert "Traceback" not in log, log[max(0, log.find("Traceback") - 1500):][:6000]
+
+
+def complete(client, model: str, prompt: list[int]):
+    raw = client.completions.with_raw_response.create(model=model, prompt=prompt, max_tokens=NEW, temperature=0,
+                                                      extra_body={"ignore_eos": True})
+    workers = dict(p.split("=", 1) for p in raw.headers["x-splitserve-workers"].split("; "))
+    return raw.parse(), workers
+
+
+def load(client, name: str, path) -> str:
+    """vLLM's endpoint through the OpenAI client's own request path (errors raise its exceptions)."""
+    return client.post("/load_lora_adapter", body={"lora_name": name, "lora_path": str(path)}, cast_to=str)
+
+
+def unload(client, name: str) -> str:
+    return client.post("/unload_lora_adapter", body={"lora_name": name}, cast_to=str)
+
+
+def test_adapters_and_base_interleaved_match_peft_on_both_paths(stack):
+    base, adapters, _, serve, client = stack
+    assert load(client, "mlp-r16", adapters["mlp-r16"]) == "Success: LoRA adapter 'mlp-r16' added successfully."
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {SERVED, *ADAPTERS}
+    assert all(models[n].model_extra["parent"] == SERVED for n in ADAPTERS)
+    tok = Tokenizer(base)
+    rng = random.Random(3)
+    names = [*ADAPTERS, SERVED]
+    jobs = [(names[i % 4], [rng.randrange(5, 1000) for _ in range(40 if i < 8 else 15)]) for i in range(16)]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda job: complete(client, *job), jobs))
+    for (model, prompt), (out, workers) in zip(jobs, results, strict=True):
+        adapter = None if model == SERVED else adapters[model]
+        assert out.choices[0].text == tok.decode(peft_greedy(base, adapter, prompt, NEW)), (model, len(prompt))
+        assert workers["prefill"] == ("prefill-0" if len(prompt) == 40 else "decode-0"), (model, len(prompt), [(j[0], len(j[1]), w) for j, (_, w) in zip(jobs, results)])
+
+
+@pytest.mark.parametrize("length", [40, 15], ids=["disaggregated", "colocated"])
+def test_same_prompt_under_b_after_a_gets_b_tokens(stack, length):
+    base, adapters, _, serve, client = stack
+    tok = Tokenizer(base)
+    prompt = [random.Random(length).randrange(5, 1000) for _ in range(length)]
+    first, _ = complete(client, "all-r8", prompt)
+    assert complete(client, "all-r8", prompt)[0].usage.prompt_tokens_details.cached_tokens > 0 or length < 17
+    second, _ = complete(client, "qv-r4-rslora", prompt)
+    assert first.choices[0].text == tok.decode(peft_greedy(base, adapters["all-r8"], prompt, NEW))
+    assert second.choices[0].text == tok.decode(peft_greedy(base, adapters["qv-r4-rslora"], prompt, NEW))
+    assert second.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_runtime_load_use_unload_and_bad_adapters(stack, make_ckpt):
+    base, adapters, root, serve, client = stack
+    tok = Tokenizer(base)
+    prompt = list(range(30, 70))
+    assert load(client, "late", adapters["qv-r4-rslora"]).startswith("Success")
+    out, _ = complete(client, "late", prompt)
+    assert out.choices[0].text == tok.decode(peft_greedy(base, adapters["qv-r4-rslora"], prompt, NEW))
+    assert unload(client, "late") == "Success: LoRA adapter 'late' removed successfully."
+    with pytest.raises(openai.NotFoundError) as err:
+        complete(client, "late", prompt)
+    assert err.value.body["code"] == "model_not_found"
+    before = sorted(m.id for m in client.models.list().data)
+    too_big = make_adapter(base, root / "r32", seed=9, r=32, alpha=32)
+    other = make_adapter(make_ckpt("mistral"), root / "mistral", seed=10, r=4, alpha=8)
+    for name, path, why in [("big", too_big, "has rank 32, above --max-lora-rank 16"),
+                            ("other", other, "does not fit this model"),
+                            ("missing", root / "missing", "is not a directory")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            load(client, name, path)
+        message = err.value.body["message"]
+        assert why in message and "\n" not in message, message
+    assert sorted(m.id for m in client.models.list().data) == before
+    with pytest.raises(openai.NotFoundError):
+        unload(client, "never-loaded")
