@@ -56,10 +56,11 @@ def _positive(raw: dict, key: str, default: int | None) -> int | None:
     return value
 
 
-def parse_speculative_config(value: str | dict | SpeculativeConfig | None,
-                             target_model: str | None = None) -> SpeculativeConfig | None:
+def parse_speculative_config(value: str | dict | SpeculativeConfig | None, target_model: str | None = None,
+                             check_files: bool = True) -> SpeculativeConfig | None:
     """A checked config (None: no speculation). A draft model's vocabulary is compared with
-    the `target_model` checkpoint's (when given)."""
+    the `target_model` checkpoint's (when given); `check_files=False` checks the shape only
+    (the operator: the checkpoints are in the pods, not here)."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
     if isinstance(value, str):
@@ -84,10 +85,12 @@ def parse_speculative_config(value: str | dict | SpeculativeConfig | None,
     if method == "ngram" and lo > hi:
         raise SpeculativeConfigError(f"prompt_lookup_min {lo} is above prompt_lookup_max {hi}")
     model = value.get("model")
-    if method != "ngram":
-        _check_draft_model(method, model, target_model)
-    elif model is not None:
+    if method != "ngram" and (not isinstance(model, str) or not model):
+        raise SpeculativeConfigError(f"method {method} needs \"model\": a checkpoint directory")
+    if method == "ngram" and model is not None:
         raise SpeculativeConfigError("method ngram takes no model")
+    if method != "ngram" and check_files:
+        _check_draft_model(model, target_model)
     if method not in BUILT:
         raise SpeculativeConfigError(f"method {method!r} is not built yet (built: {', '.join(BUILT)}); "
                                      "docs/architecture.md, Speculative decoding")
@@ -105,9 +108,7 @@ def _vocab_size(model: str, what: str) -> int | None:
     return raw.get("vocab_size", raw.get("text_config", {}).get("vocab_size"))
 
 
-def _check_draft_model(method: str, model, target_model: str | None) -> None:
-    if not isinstance(model, str) or not model:
-        raise SpeculativeConfigError(f"method {method} needs \"model\": a checkpoint directory")
+def _check_draft_model(model: str, target_model: str | None) -> None:
     vocab = _vocab_size(model, "draft model")
     target = _vocab_size(target_model, "target model") if target_model is not None else vocab
     if vocab != target:

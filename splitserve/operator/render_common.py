@@ -164,4 +164,6 @@ def engine_args(spec: InferenceSpec, role: RoleSpec) -> list[str]:
         args += ["--tensor-parallel-size", str(role.tensor_parallel_size)]
     if spec.kv_cache_dtype != "auto":  # prefill and decode workers must agree: one field for both
         args += ["--kv-cache-dtype", spec.kv_cache_dtype]
+    if spec.speculative and role is spec.decode:  # drafts are verified where tokens are decoded
+        args += ["--speculative-config", spec.speculative]
     return args
