@@ -32,6 +32,7 @@ from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.parallel.group import TensorParallelGroup
 from splitserve.engine.parallel.kv_shards import ShardedKVPool
 from splitserve.engine.parallel.sharding import check_shardable
+from splitserve.engine.peer_prefix import PeerPrefix
 from splitserve.engine.sampler import sample
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sequence import Sequence
@@ -45,7 +46,7 @@ class InvalidPromptError(ValueError):
     """The prompt cannot be served (empty, out-of-vocabulary ids, too long)."""
 
 
-class LLMEngine(Disaggregation, LoRAEngine):
+class LLMEngine(Disaggregation, LoRAEngine, PeerPrefix):
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
@@ -197,6 +198,7 @@ class LLMEngine(Disaggregation, LoRAEngine):
                            s.num_blocks, s.prefix_query_tokens, s.prefix_hit_tokens,
                            s.num_preemptions, sum(len(q.block_table) for q in self.held.values()),
                            s.prompt_tokens_computed, self.step_seconds, loras=self.lora_state(),
+                           kv_offload=self.offloader.stats() if self.offloader is not None else None,
                            spec_decode=self.speculator.stats.snapshot() if self.speculator is not None else None)
 
     # ---- the loop ---------------------------------------------------------------------
