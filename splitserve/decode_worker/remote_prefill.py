@@ -40,8 +40,6 @@ class RemotePrefill:
         """(first output, "", prefill worker's cached tokens) on success; (None, why, 0) when
         the caller should prefill locally."""
         rid = request.request_id
-        if self.receiver is None:
-            return None, "this worker is tensor-parallel: it takes no KV transfer yet", 0
         slot = await self.engine.reserve_remote_prefill(rid, prompt, params, draws_done)
         if slot is None:
             return None, "no free KV blocks for the whole prompt (or LoRA slot: --max-loras) yet", 0

@@ -79,20 +79,19 @@ class DecodeWorker(RemotePrefill, LoRAService, WorkerBase, DecodeWorkerServicer)
             self._drain, self.drain_port = await start_admin(drain_app(self, cfg.drain_timeout_s), "127.0.0.1",
                                                              cfg.drain_port)
         engine = await self._start_engine()
-        kv_port = None
-        if cfg.engine.tensor_parallel_size == 1:  # tensor-parallel: no KV transfer in, prefills are local
-            self.receiver = KVReceiver(engine.kv_pool, KVTransferConfig(
-                backend=cfg.kv_backend, host=cfg.host, mooncake_protocol=cfg.kv_protocol,
-                mooncake_device=cfg.rdma_device or "", security=cfg.security), metrics=self.metrics,
-                worker_id=self.worker_id)
-            kv_port = (await asyncio.to_thread(self.receiver.start)).rsplit(":", 1)[1]
+        # tensor-parallel: the pool is every rank's heads (engine/parallel/kv_shards.py)
+        self.receiver = KVReceiver(engine.kv_pool, KVTransferConfig(
+            backend=cfg.kv_backend, host=cfg.host, mooncake_protocol=cfg.kv_protocol,
+            mooncake_device=cfg.rdma_device or "", security=cfg.security), metrics=self.metrics,
+            worker_id=self.worker_id)
+        kv_port = (await asyncio.to_thread(self.receiver.start)).rsplit(":", 1)[1]
         self.server = self._server(options=[("grpc.max_receive_message_length", 64 << 20)])
         add_DecodeWorkerServicer_to_server(self, self.server)
         await self._bind(self.server)
-        self.kv_address = f"{self.address.rsplit(':', 1)[0]}:{kv_port}" if kv_port else ""  # prefill workers dial it
+        self.kv_address = f"{self.address.rsplit(':', 1)[0]}:{kv_port}"  # prefill workers dial it
         await self._start_presence(engine)
         log.info("decode worker %s serving on %s (KV receiver %s, %s%s; links: %s)", self.worker_id,
-                 self.address, self.kv_address or "none (tensor-parallel)", self.kv_pool_description(),
+                 self.address, self.kv_address, self.kv_pool_description(),
                  f", admin {self.admin_url}" if self.admin_url else "", cfg.security.describe())
         return self.address
 

@@ -36,6 +36,7 @@ from splitserve.core.sampling_params import SamplingParams
 from splitserve.engine.faults import FaultPlan
 from splitserve.engine.llm_engine import LLMEngine, RequestOutput
 from splitserve.engine.outputs import Reservation
+from splitserve.engine.parallel.state import RankLost
 from splitserve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -243,7 +244,8 @@ class AsyncEngine:
         if self.on_step_failure is not None:
             self._deliver(self.on_step_failure, rids, exc)
         outputs = self.engine.fail_all(f"engine step failed on {self.name}: {exc!r}")
-        if in_a_row >= self.max_step_failures:
+        # a tensor-parallel rank that is gone fails every later step: dead now, not 3 requests later
+        if in_a_row >= self.max_step_failures or isinstance(exc, RankLost):
             if outputs:  # their callers hear of it before the engine is declared dead
                 self._deliver(self.on_outputs, outputs)
             raise EngineDeadError(f"{in_a_row} engine steps failed in a row, last: {exc!r}") from exc

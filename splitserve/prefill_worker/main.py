@@ -21,8 +21,8 @@ from splitserve.core.tracing_config import add_tracing_args, tracing_config_from
 from splitserve.engine.args import (
     add_engine_args,
     engine_config_from_args,
-    prefill_tensor_parallel_problem,
     resolve_model,
+    tensor_parallel_problem,
 )
 from splitserve.engine.kv_offload.args import kv_offload_problem
 from splitserve.engine.lora.args import lora_problem
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, worker_class: type[PrefillWorker] = PrefillWorker) -> int:
     args = build_parser().parse_args(argv)
     configure_logging()
-    problem = prefill_tensor_parallel_problem(args) or kv_offload_problem(args) or lora_problem(args)
+    problem = tensor_parallel_problem(args) or kv_offload_problem(args) or lora_problem(args)
     if problem:
         print(f"splitserve prefill-worker: {problem}", file=sys.stderr)
         return 2

@@ -24,8 +24,8 @@ from splitserve.core.tracing_config import add_tracing_args, tracing_config_from
 from splitserve.engine.args import (
     add_engine_args,
     engine_config_from_args,
-    prefill_tensor_parallel_problem,
     resolve_model,
+    tensor_parallel_problem,
 )
 from splitserve.engine.kv_offload.args import kv_offload_problem
 from splitserve.engine.lora.args import lora_problem
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     if args.replicas < 0:
         raise SystemExit("--replicas must be >= 0")
-    problem = prefill_tensor_parallel_problem(args) or kv_offload_problem(args) or lora_problem(args)
+    problem = tensor_parallel_problem(args) or kv_offload_problem(args) or lora_problem(args)
     if problem:
         raise SystemExit(f"splitserve prefill-pool: {problem}")
     model, served = resolve_model(args)

@@ -83,6 +83,8 @@ class WorkerBase(abc.ABC):
             self.engine = engine = await asyncio.to_thread(proc.launch)
         else:
             engine = await asyncio.to_thread(LLMEngine, self.config.engine)
+            if self.config.engine.tensor_parallel_size > 1:  # the ranks' pools, before the engine thread steps
+                await asyncio.to_thread(engine.share_kv_pool)
             self.engine = AsyncEngine(engine, loop, self._on_outputs, self._on_block_events, **callbacks)
         freeze_startup_heap()  # engine/heap.py: full collections stop walking the start-up heap
         self.engine.start()

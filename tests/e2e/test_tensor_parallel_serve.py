@@ -1,8 +1,8 @@
 """`splitserve serve --tensor-parallel-size 2` colocated (Ray, one decode worker whose engine
 runs two rank processes over gloo): greedy completions answer the tokens of a TP=1
-in-process engine, again as a prefix-cache hit; disaggregated serving with TP is refused
-in one line before anything starts, and so are TP prefill workers (KV transfer between TP
-workers is not built)."""
+in-process engine, again as a prefix-cache hit. TP over the mooncake KV backend is refused
+in one line before anything starts (disaggregated TP over grpc:
+tests/chaos/test_tensor_parallel_disaggregated.py)."""
 
 from __future__ import annotations
 
@@ -53,19 +53,13 @@ def test_tp2_served_colocated_answers_as_a_tp1_engine():
     assert "Traceback" not in log, log[max(0, log.find("Traceback") - 1500):][:6000]
 
 
-def test_tp_with_prefill_workers_is_refused_in_one_line():
-    r = subprocess.run([sys.executable, "-m", "splitserve.cli", "serve", "--tensor-parallel-size", "2",
-                        "--prefill-workers", "1"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2
-    assert r.stderr.strip() == ("splitserve serve: --tensor-parallel-size 2 runs colocated only (--prefill-workers 0): "
-                                "KV transfer between tensor-parallel workers is not built yet")
-
-
-@pytest.mark.parametrize("command", ["prefill-worker", "prefill-pool"])
-def test_a_tp_prefill_worker_is_refused_in_one_line(command):
+@pytest.mark.parametrize("command", ["serve", "decode-worker", "prefill-pool"])
+def test_tp_over_the_mooncake_backend_is_refused_in_one_line(command):
+    """grpc carries every KV head and re-shards on arrival; mooncake writes one-sided into one
+    registered pool, which a tensor-parallel worker's (split over its ranks) is not."""
     r = subprocess.run([sys.executable, "-m", "splitserve.cli", command, "--redis-url", "redis://127.0.0.1:1",
-                        "-tp", "2"], capture_output=True, text=True, timeout=60)
+                        "-tp", "2", "--kv-backend", "mooncake"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
-    assert r.stderr.strip() == (f"splitserve {command}: --tensor-parallel-size 2: a prefill worker pushes its KV, "
-                                "and KV transfer between tensor-parallel workers is not built yet (serve TP models "
-                                "colocated)")
+    assert r.stderr.strip() == (f"splitserve {command}: --tensor-parallel-size 2 with --kv-backend mooncake: one-sided "
+                                "writes need one registered KV pool, and a tensor-parallel worker's is split over its "
+                                "ranks (use --kv-backend grpc)")

@@ -1,9 +1,9 @@
 """A tensor-parallel decode worker (`decode-worker -tp 2`, two rank processes over gloo) in a
 disaggregated cluster of real processes (redis-server, a TP=1 prefill worker, a TP=1 decode
-worker, a router): a request the router sends through the prefill worker is prefilled
-locally on the TP worker (it takes no KV transfer) with the same tokens; SIGKILLed
-mid-stream, its streams migrate to the TP=1 worker token for token, and its rank process
-goes with it."""
+worker, a router): a request the router sends through the prefill worker is prefilled there
+and its KV pushed TP=1 -> TP=2 (re-sharded by KV heads on arrival) with the same tokens;
+SIGKILLed mid-stream, its streams migrate to the TP=1 worker token for token, and its rank
+process goes with it."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def rank_pids(parent_group: int) -> list[int]:
 def test_tp_decode_worker_prefills_locally_and_its_streams_migrate(tp_cluster, reference):
     c = tp_cluster
     log = c.decode["decode-tp"].log()
-    assert "tensor-parallel engine: 2 ranks over gloo" in log and "KV receiver none" in log, log[-2000:]
+    assert "tensor-parallel engine: 2 ranks over gloo" in log and "KV receiver 127.0.0.1:" in log, log[-2000:]
     long_prompt = prompts(61, 1, 40)[0]  # >= 24 uncached tokens: the router asks the prefill worker
 
     async def one():
@@ -69,9 +69,9 @@ def test_tp_decode_worker_prefills_locally_and_its_streams_migrate(tp_cluster, r
 
     status, body, headers = asyncio.run(one())
     assert status == 200, body
-    # routed through prefill-0, prefilled where it decodes: the TP worker takes no KV transfer
+    # routed through prefill-0 and prefilled there: its KV pushed into the TP worker's ranks
     assert headers["X-Splitserve-Route"].startswith("decode=decode-tp; prefill=prefill-0;"), headers
-    assert headers["X-Splitserve-Workers"].startswith("decode=decode-tp; prefill=decode-tp;"), headers
+    assert headers["X-Splitserve-Workers"].startswith("decode=decode-tp; prefill=prefill-0;"), headers
     assert body["choices"][0]["text"] == reference([long_prompt], 24)[0][1]
 
     c.start_decode("decode-1")

@@ -43,6 +43,10 @@ OWN_BUDGETS = {
                                                "deriving both directories on a cold cache adds ~50 s"),
     "tests/security/test_fuzz_http.py": (400.0, "schemathesis and hypothesis against a whole stack; the "
                                                 "example counts are what the fuzzing is worth"),
+    "tests/chaos/test_tensor_parallel_disaggregated.py": (240.0, "two serves of TP=2 workers (a serve holds one "
+                                                                  "model: a dense and a MoE checkpoint), 4-6 rank "
+                                                                  "processes on the CPUs, and a Ray restart of a "
+                                                                  "worker whose rank was killed: 150 s here"),
 }
 TOP = 12
 

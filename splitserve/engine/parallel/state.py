@@ -7,6 +7,7 @@ torch.distributed. Gloo on the CPU, NCCL on CUDA."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -47,7 +48,8 @@ def destroy_tensor_parallel() -> None:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum over ranks of each rank's partial `x` (in place); x itself at tp=1."""
     if _state.size > 1:
-        dist.all_reduce(x)
+        with _peers_alive():
+            dist.all_reduce(x)
     return x
 
 
@@ -56,7 +58,8 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if _state.size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(_state.size)]
-    dist.all_gather(parts, x.contiguous())
+    with _peers_alive():
+        dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=dim)
 
 
@@ -64,11 +67,21 @@ class RankLost(RuntimeError):
     """Another rank's process is gone: this engine cannot run another step."""
 
 
+@contextmanager
+def _peers_alive():
+    """A collective that fails means a peer is gone (gloo: "Connection reset/closed by peer"
+    within milliseconds): RankLost, which ends the engine at once (async_engine.py)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if isinstance(exc, RankLost):
+            raise
+        raise RankLost(f"tensor parallelism: a rank process is gone ({str(exc).splitlines()[0][:200]})") from exc
+
+
 def broadcast_object(obj=None):
     """Rank 0's `obj` on every rank (the per-step description)."""
     box = [obj]
-    try:
+    with _peers_alive():
         dist.broadcast_object_list(box, src=0)
-    except RuntimeError as exc:  # gloo: "Connection closed by peer" within milliseconds, no hang
-        raise RankLost(f"tensor parallelism: a rank process is gone ({str(exc).splitlines()[0][:200]})") from exc
     return box[0]
