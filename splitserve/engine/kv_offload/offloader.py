@@ -136,9 +136,10 @@ class KVOffloader:
             c = self.counters
             counters = OffloadCounters(dict(c.stored_blocks), dict(c.loaded_blocks), c.lookup_blocks, c.hit_blocks,
                                        c.dropped_blocks, c.write_failures, c.read_failures)
-            return OffloadStats(self.block_nbytes, len(self.host) if self.host else 0,
-                                self.host.capacity if self.host else 0, len(self.disk) if self.disk else 0,
-                                self.disk.capacity if self.disk else 0, len(self.pending), counters)
+            host, disk = self.host, self.disk  # (an empty tier is falsy: it has a length)
+            return OffloadStats(self.block_nbytes, len(host) if host is not None else 0,
+                                host.capacity if host is not None else 0, len(disk) if disk is not None else 0,
+                                disk.capacity if disk is not None else 0, len(self.pending), counters)
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """True once every noted block was written down (tests, benchmarks)."""
