@@ -66,8 +66,7 @@ def host_regions(pool: KVCachePool, block_ids: Sequence[int], layout: RegionLayo
     """One read-only view of host memory per block region, in block_ids order."""
     n = layout.region_nbytes
     if isinstance(pool, ShardedKVPool):  # tensor parallelism: every rank's heads, gathered (one copy)
-        host = pool.read(block_ids, layout.layer_start, layout.layer_end).view(-1).view(torch.uint8).numpy()
-        flat = memoryview(host)
+        flat = memoryview(pool.read_bytes(block_ids, layout.layer_start, layout.layer_end))
         return [flat[i * n:(i + 1) * n] for i in range(len(block_ids))]
     if pool.data.device.type == "cpu":
         flat = memoryview(pool_bytes(pool).numpy())
