@@ -104,17 +104,23 @@ def cpu_plan(args: argparse.Namespace, engine_process: bool | None, threads: int
     return pin_plan(affinity, args.prefill_workers + args.decode_workers, threads)
 
 
-def gpus_per_worker(device: str, workers: int, gpus: float) -> float:
+def gpus_per_worker(device: str, workers: int, gpus: float, tp: int = 1) -> float:
     """The GPUs each worker actor asks Ray for. Ray hides every GPU from an actor that asks
     for none (CUDA_VISIBLE_DEVICES=""), so a CUDA worker must ask: one GPU each where there
     are enough, else an equal share with as few workers on one GPU as the count allows
-    (one GPU, a prefill and a decode worker: half each). CPU workers ask for none. main()
-    has already refused a device index (--device cuda:N)."""
+    (one GPU, a prefill and a decode worker: half each). A tensor-parallel worker asks for
+    one whole GPU per rank (its ranks take cuda:0..tp-1 of the ones Ray gives it), never a
+    share. CPU workers ask for none. main() has already refused a device index (--device cuda:N)."""
     if device != "cuda":
         return 0.0
     whole = int(gpus)
     if whole < 1:
         raise ValueError("--device cuda, but Ray sees no GPU on this machine (nvidia-smi; CUDA_VISIBLE_DEVICES)")
+    if tp > 1:
+        if whole < workers * tp:
+            raise ValueError(f"--tensor-parallel-size {tp}: {workers} workers need {workers * tp} GPUs (one per "
+                             f"rank), Ray sees {whole}")
+        return float(tp)
     return 1.0 if whole >= workers else 1.0 / -(-workers // whole)
 
 
@@ -176,7 +182,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
 
     try:
         share = gpus_per_worker(engine.device, args.prefill_workers + args.decode_workers,
-                                ray.cluster_resources().get("GPU", 0))
+                                ray.cluster_resources().get("GPU", 0), args.tensor_parallel_size)
     except ValueError as exc:
         raise SystemExit(f"splitserve serve: {exc}") from None
     opts = {"num_cpus": 0, "num_gpus": share}  # CPUs shared; torch threads are set per worker

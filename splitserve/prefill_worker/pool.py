@@ -87,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     problem = tensor_parallel_problem(args) or kv_offload_problem(args) or lora_problem(args)
     if problem:
         raise SystemExit(f"splitserve prefill-pool: {problem}")
+    tp = args.tensor_parallel_size
+    if args.device.startswith("cuda") and tp > 1 and args.gpus_per_worker < tp:  # its ranks take cuda:0..tp-1
+        raise SystemExit(f"splitserve prefill-pool: --tensor-parallel-size {tp} needs --gpus-per-worker {tp} "
+                         f"(one GPU per rank), got {args.gpus_per_worker:g}")
     model, served = resolve_model(args)
     engine = engine_config_from_args(args, model, served)
     security = security_from_args(args)  # TLS files / token must exist at the same paths on every Ray node

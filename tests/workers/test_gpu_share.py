@@ -21,6 +21,14 @@ def test_cuda_workers_share_the_gpus_ray_sees(workers, gpus, share):
     assert per_gpu * share <= 1.0 + 1e-9  # Ray can place them: no GPU over-asked
 
 
+def test_a_tensor_parallel_worker_asks_for_a_whole_gpu_per_rank():
+    assert gpus_per_worker("cuda", 2, 4, tp=2) == 2.0
+    assert gpus_per_worker("cpu", 2, 0, tp=2) == 0.0
+    with pytest.raises(ValueError, match=r"^--tensor-parallel-size 2: 3 workers need 6 GPUs \(one per rank\), "
+                                         r"Ray sees 4$"):
+        gpus_per_worker("cuda", 3, 4, tp=2)
+
+
 def test_cpu_workers_ask_for_no_gpu():
     assert gpus_per_worker("cpu", 2, 8) == 0.0
 
