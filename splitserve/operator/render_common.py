@@ -166,4 +166,4 @@ def engine_args(spec: InferenceSpec, role: RoleSpec) -> list[str]:
         args += ["--kv-cache-dtype", spec.kv_cache_dtype]
     if spec.speculative and role is spec.decode:  # drafts are verified where tokens are decoded
         args += ["--speculative-config", spec.speculative]
-    return args
+    return args + spec.loras.flags()  # both roles: a remote prefill applies the request's adapter too

@@ -17,6 +17,7 @@ from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
 from .cert_manager import IssuerRef, parse_tls
 from .labels import label_problems
 from .spec_fields import float_field, int_field, object_field
+from .spec_lora import LoRASpec, parse_loras
 from .spec_model import ModelSpec, SecretRef, parse_model, parse_secret_ref
 from .spec_pod import PodSettings, parse_pod_settings
 from .spec_speculative import speculative_flag
@@ -101,6 +102,7 @@ class InferenceSpec:
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_dtype: str = "auto"  # spec.engine.kvCacheDtype: every worker's --kv-cache-dtype
     speculative: str = ""  # spec.engine.speculative as the decode workers' --speculative-config JSON; "": off
+    loras: LoRASpec = field(default_factory=LoRASpec)  # spec.loras: adapters both worker roles load (spec_lora.py)
     kv_backend: str = "grpc"
     rdma_device: str = ""
     redis_url: str = ""  # empty and no redis_url_secret: the operator deploys an in-cluster Redis
@@ -246,13 +248,14 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         problems.append(f"spec.engine.kvCacheDtype must be auto, fp8 or fp8_e4m3, got {kv_cache_dtype!r}")
     speculative = speculative_flag(object_field(spec, "engine", problems).get("speculative"), problems)
+    loras = parse_loras(spec, model, problems)
     if problems:
         raise SpecError(problems)
     return InferenceSpec(
         name=name, namespace=namespace, image=image,
         image_pull_policy=str(image_d.get("pullPolicy", "IfNotPresent")), model=model, router=router,
         prefill=prefill, decode=decode, autoscaling=autoscaling, block_size=block_size,
-        kv_cache_dtype=kv_cache_dtype, speculative=speculative,
+        kv_cache_dtype=kv_cache_dtype, speculative=speculative, loras=loras,
         kv_backend=kv_backend, rdma_device=rdma_device, redis_url=redis_url, redis_url_secret=redis_url_secret,
         tls_issuer=tls_issuer, redis_image=str(redis.get("image", "redis:7.4-alpine")),
         service_monitor=bool(monitoring.get("serviceMonitor", False)),
