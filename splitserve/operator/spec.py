@@ -158,10 +158,7 @@ def _role(d: dict, where: str, problems: list[str], replicas: int, maximum: int,
         problems.append(f"{where}.resources nvidia.com/gpu must be a whole number")
     else:
         tp = role.tensor_parallel_size
-        if tp > 1 and where.endswith("prefill"):
-            problems.append(f"{where}.tensorParallelSize must be 1: prefill workers push KV, and KV transfer "
-                            "between tensor-parallel workers is not built yet")
-        elif tp > 1 and role.gpus % tp:
+        if tp > 1 and role.gpus % tp:
             problems.append(f"{where}.resources nvidia.com/gpu ({role.gpus}) must be a multiple of "
                             f"{where}.tensorParallelSize ({tp}): one GPU per rank")
     # The CRD's CEL rules, repeated (see module docstring).
@@ -224,6 +221,9 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
         problems.append(f"spec.kvTransfer.backend must be grpc or mooncake, got {kv_backend!r}")
     if rdma_device and kv_backend != "mooncake":
         problems.append("spec.kvTransfer.rdmaDevice is only used by the mooncake backend; set backend: mooncake")
+    if kv_backend == "mooncake" and max(prefill.tensor_parallel_size, decode.tensor_parallel_size) > 1:
+        problems.append("spec.kvTransfer.backend mooncake needs tensorParallelSize 1 on both roles: one-sided writes "
+                        "need one registered KV pool, and a tensor-parallel worker's is split over its ranks")
     redis = object_field(spec, "redis", problems)
     redis_url = str(redis.get("url", ""))
     redis_url_secret = parse_secret_ref(redis, "urlSecretRef", "spec.redis", problems)

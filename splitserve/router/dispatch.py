@@ -77,7 +77,8 @@ class Dispatcher:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._calls: dict[str, set] = {}  # decode worker -> its Generate calls in flight
         self._evicted: set = set()  # calls cancelled because their worker left: migrate them
-        self._sent: dict[str, list[float]] = {}  # worker -> send times since its last load report
+        # worker -> (send time, prompt tokens it is to compute) of requests since its last load report
+        self._sent: dict[str, list[tuple[float, int]]] = {}
         self._task: asyncio.Task | None = None
         self._rr = 0
         if config.mode not in ROUTING_MODES:
@@ -100,12 +101,13 @@ class Dispatcher:
         """The workers' hashes of the prompt's blocks: under a LoRA adapter, salted by it."""
         return block_hashes(prompt, self.config.block_size, self.seed ^ self.loras.salt(lora))
 
-    def _pending(self, worker: str) -> int:
+    def _pending(self, worker: str) -> list[tuple[float, int]]:
+        """What this router sent `worker` that its last load report cannot show yet."""
         report = self.sync.loads.get(worker)
         since = report.timestamp if report is not None else 0.0
-        sent = [t for t in self._sent.get(worker, []) if t > since]
+        sent = [(t, n) for t, n in self._sent.get(worker, []) if t > since]
         self._sent[worker] = sent
-        return len(sent)
+        return sent
 
     async def decide_waiting(self, prompt: list[int], wait_s: float, on_wait=None,
                              lora: str | None = None) -> RouteDecision:
@@ -142,12 +144,17 @@ class Dispatcher:
                 decode = [decode[self._rr % len(decode)]]
             else:
                 decode = [self.rng.choice(decode)]
+        pending = {w: self._pending(w) for w in workers}
         decision = route(len(prompt), self.config.block_size, self.index.match(hashes), decode, prefill,
                          self.sync.loads, self.rng, self.config.policy,
-                         pending={w: self._pending(w) for w in workers}, peers=peers)
+                         pending={w: len(sent) for w, sent in pending.items()}, peers=peers,
+                         pending_tokens={w: sum(n for _, n in sent) for w, sent in pending.items()})
         now = time.time()
+        computes = decision.prefill_worker or decision.decode_worker  # who computes the uncached prompt
+        cached = decision.prefill_cached_blocks if decision.prefill_worker else decision.decode_cached_blocks
         for w in filter(None, (decision.decode_worker, decision.prefill_worker)):
-            self._sent.setdefault(w, []).append(now)
+            tokens = max(0, len(prompt) - cached * self.config.block_size) if w == computes else 0
+            self._sent.setdefault(w, []).append((now, tokens))
             self.sync.record_routed(w, hashes)
         self.metrics.router_decision_seconds.observe(time.perf_counter() - start)
         self.metrics.router_requests.labels(worker=decision.decode_worker, path=decision.path).inc()

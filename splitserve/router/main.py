@@ -52,6 +52,10 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
                     help="read the API key from this file (default: $SPLITSERVE_API_KEY_FILE)")
     ap.add_argument("--disagg-min-uncached-tokens", type=int, default=256,
                     help="prompts with fewer uncached tokens are prefilled by the decode worker")
+    ap.add_argument("--strict-disaggregation", action="store_true",
+                    help="always send prompts above --disagg-min-uncached-tokens to a prefill worker, even when "
+                         "the prefill pool is so backed up that the decode worker would finish the prompt first "
+                         "(by default it then prefills locally; docs/architecture.md, conditional disaggregation)")
     ap.add_argument("--max-migrations", type=int, default=2)
     ap.add_argument("--routing-seed", type=int, help="seed the router's tie-breaking (reproducible routing)")
     ap.add_argument("--routing-mode", choices=["prefix", "round-robin", "random"], default="prefix",
@@ -116,7 +120,8 @@ async def start_router(args: argparse.Namespace, model: str, served: str, bus: C
     dispatcher = Dispatcher(DispatchConfig(
         model_id=served, block_size=block_size, seed=args.routing_seed, max_migrations=args.max_migrations,
         mode=args.routing_mode, security=security or security_from_args(args), stream_interval=args.stream_interval,
-        policy=PolicyConfig(disagg_min_uncached_tokens=args.disagg_min_uncached_tokens)), bus, metrics)
+        policy=PolicyConfig(disagg_min_uncached_tokens=args.disagg_min_uncached_tokens,
+                            strict_disaggregation=args.strict_disaggregation)), bus, metrics)
     await dispatcher.start()
     gc.freeze()  # the index is long-lived: keep it out of collections (routing-latency spikes)
     server = RouterServer(ServerConfig(model, served, api_key=api_key_from_args(args), max_model_len=max_model_len,

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from splitserve.cluster.messages import LoadReport
+from splitserve.router.prefill_placement import PlacementInputs, prefill_locally
 from splitserve.router.tier_scoring import prefix_scores, pull_source, reachable_blocks
 
 TIE_EPSILON = 1e-9
@@ -41,6 +42,7 @@ class PolicyConfig:
     imbalance_abs: int = 16  # guard trips when max−min outstanding requests exceeds this
     imbalance_ratio: float = 1.5  # ... and max > ratio × min
     disagg_min_uncached_tokens: int = 256  # below this the decode worker prefills itself
+    strict_disaggregation: bool = False  # never prefill locally because the prefill pool is backed up (prefill_placement.py)
     tier_credit: float = 0.5  # a block in a worker's host/disk tier, in device blocks (loaded back, not recomputed)
     peer_credit: float = 0.25  # a block only a peer holds, in device blocks (pulled from it, not recomputed)
     peer_pull_min_blocks: int = 4  # a pull hint needs the peer to hold this many more blocks (bench/experiments/kv_tiers.py)
@@ -193,6 +195,7 @@ def route(
     config: PolicyConfig = PolicyConfig(),
     pending: Mapping[str, int] | None = None,
     peers: Sequence[str] | None = None,
+    pending_tokens: Mapping[str, int] | None = None,
 ) -> RouteDecision:
     """Choose the decode worker, whether it pulls the prefix from a peer, then whether (and
     where) to prefill the rest remotely.
@@ -200,7 +203,9 @@ def route(
     `matched` is `RadixIndex.match(prompt_hashes)`; the worker lists hold only live
     workers of each role. `pending` counts the requests this router sent to each decode
     worker since its last load report (optional, keeps bursts spread). `peers`: the live
-    decode workers a prefix may be pulled from (default: `decode_workers`)."""
+    decode workers a prefix may be pulled from (default: `decode_workers`). `pending_tokens`:
+    prompt tokens this router sent each worker to compute since its last load report (the
+    backlogs prefill_placement.py weighs)."""
     prompt_blocks = prompt_tokens // block_size
     decode, reason, costs = choose_decode(decode_workers, matched, prompt_blocks, loads, rng,
                                           config, pending)
@@ -215,10 +220,16 @@ def route(
         prefill_reason = (f"local: uncached {uncached} tokens < "
                           f"{config.disagg_min_uncached_tokens}")
     else:
-        prefill = choose_prefill(prefill_workers, matched, prompt_tokens, block_size, loads, rng)
-        prefill_cached = reachable_blocks(matched, prefill)
-        prefill_reason = (f"disaggregated: uncached {uncached} tokens >= "
-                          f"{config.disagg_min_uncached_tokens}")
+        candidate = choose_prefill(prefill_workers, matched, prompt_tokens, block_size, loads, rng)
+        backlogs = (_backlog(w, loads, pending_tokens) for w in (decode, candidate))
+        local = prefill_locally(PlacementInputs(uncached, *backlogs), config.strict_disaggregation)
+        if local is not None:
+            prefill_reason = local
+        else:
+            prefill = candidate
+            prefill_cached = reachable_blocks(matched, prefill)
+            prefill_reason = (f"disaggregated: uncached {uncached} tokens >= "
+                              f"{config.disagg_min_uncached_tokens}")
     return RouteDecision(decode, prefill, prompt_tokens, prompt_blocks, decode_cached,
                          prefill_cached, reason, prefill_reason, costs, *(pull or (None, 0)))
 
@@ -227,3 +238,9 @@ def _pick(candidates: list[str], rng: random.Random) -> str:
     """Sorted first, so that replicas given the same seed pick the same worker whatever
     order their registries listed the workers in."""
     return candidates[0] if len(candidates) == 1 else rng.choice(sorted(candidates))
+
+
+def _backlog(worker: str, loads: Mapping[str, LoadReport], pending_tokens: Mapping[str, int] | None) -> int:
+    """Prompt tokens `worker` has still to compute: its last report's, plus what was sent since."""
+    report = loads.get(worker)
+    return (report.waiting_tokens if report is not None else 0) + (pending_tokens or {}).get(worker, 0)

@@ -56,7 +56,8 @@ class Serve:
         args = ["--model", str(model), "--served-model-name", SERVED, "--prefill-workers", "1",
                 "--cluster-token-file", str(self.token_file),
                 "--decode-workers", "2", "--num-kv-blocks", "384", "--disagg-min-uncached-tokens", str(DISAGG_MIN),
-                "--routing-seed", "5", "--max-model-len", "2048", *extra_args]
+                "--routing-seed", "5", "--max-model-len", "2048",
+                "--strict-disaggregation", *extra_args]  # bursts too: the chaos aims at the disaggregated path
         self.proc = SplitserveProcess("serve", args, env=env)
         self.base_url = self.proc.base_url
 

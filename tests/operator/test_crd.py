@@ -115,8 +115,12 @@ INVALID_BY_CEL = [
     ("gpus not a multiple of tp", {"decode": {"tensorParallelSize": 4, "resources": {"limits": {"nvidia.com/gpu": 2}}}},
      "nvidia.com/gpu must be a multiple of tensorParallelSize",
      "spec.decode.resources nvidia.com/gpu (2) must be a multiple of spec.decode.tensorParallelSize (4)"),
-    ("tensor-parallel prefill", {"prefill": {"tensorParallelSize": 2}}, "prefill.tensorParallelSize must be 1",
-     "spec.prefill.tensorParallelSize must be 1"),
+    ("prefill gpus not a multiple of tp", {"prefill": {"tensorParallelSize": 2, "resources": {"limits": {
+        "nvidia.com/gpu": 3}}}}, "nvidia.com/gpu must be a multiple of tensorParallelSize",
+     "spec.prefill.resources nvidia.com/gpu (3) must be a multiple of spec.prefill.tensorParallelSize (2)"),
+    ("mooncake with a tensor-parallel role", {"kvTransfer": {"backend": "mooncake"}, "decode": {"tensorParallelSize": 2}},
+     "kvTransfer.backend mooncake needs tensorParallelSize 1 on both roles",
+     "spec.kvTransfer.backend mooncake needs tensorParallelSize 1 on both roles"),
     ("batched tokens below seqs", {"decode": {"maxNumSeqs": 512, "maxNumBatchedTokens": 256}},
      "maxNumBatchedTokens must be >= maxNumSeqs", "maxNumBatchedTokens (256) must be >= spec.decode.maxNumSeqs (512)"),
 ]

@@ -153,6 +153,20 @@ def test_decode_tensor_parallel_size_requests_its_gpus_and_passes_the_flag(minim
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 4  # one GPU per rank, in the one pod
 
 
+def test_prefill_tensor_parallel_size_requests_its_gpus_and_passes_the_flag(minimal_spec):
+    """The prefill pool's Ray worker pods hold each TP worker's ranks: 4 GPUs a pod, 4 per
+    actor (--gpus-per-worker), and the flag on the pool's command line."""
+    prefill = {"tensorParallelSize": 4, "resources": {"limits": {"nvidia.com/gpu": 4}}}
+    ray = by_kind_name(render(parse_spec("q", "ns", {**minimal_spec, "prefill": prefill}, "img:1")))[
+        ("RayCluster", "q-prefill")]
+    command = ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["args"][0].split()
+    assert command[command.index("--tensor-parallel-size") + 1] == "4"
+    assert command[command.index("--gpus-per-worker") + 1] == "4"
+    assert command[command.index("--device") + 1] == "cuda"
+    worker = ray["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 4  # one GPU per rank, in the one pod
+
+
 def test_rdma_and_image_source():
     m = by_kind_name(render(SPECS["mistral-image-rdma.yaml"]))
     decode_pod = m[("Deployment", "mistral-7b-decode")]["spec"]["template"]["spec"]

@@ -159,7 +159,8 @@ class Cluster:
     def start_router(self, extra: list[str] = ()) -> Proc:
         port = free_port()
         p = Proc("router", [*_module("splitserve.cli"), "router", *self.common(), "--port", str(port),
-                            "--routing-seed", "7", "--disagg-min-uncached-tokens", "24", *extra],
+                            "--routing-seed", "7", "--disagg-min-uncached-tokens", "24",
+                            "--strict-disaggregation", *extra],  # bursts too: these tests aim at the KV transfer
                  r"splitserve router: serving .* on (http://\S+)/v1")
         p.base_url = f"http://127.0.0.1:{port}"
         self.routers.append(p)

@@ -114,6 +114,31 @@ def test_no_healthy_prefill_worker_means_local_prefill():
     assert d.prefill_reason == "local: no healthy prefill worker"
 
 
+def test_a_backed_up_prefill_pool_sends_the_prompt_to_the_decode_worker():
+    """Conditional disaggregation (router/prefill_placement.py): the decode worker prefills when
+    it would finish the prompt before the prefill worker could start it."""
+    # 1,888 uncached tokens; the decode worker has 100 queued, the prefill worker 1,988: even
+    d = decide({"d1": 10}, {"d1": load("d1", waiting_tokens=100), "p1": load("p1", waiting_tokens=1988, role="prefill")},
+               decode=["d1"], prefill=["p1"])
+    assert d.prefill_worker is None and d.path == "local" and d.prefill_cached_blocks == 0
+    assert d.prefill_reason == ("local: the prefill worker has 1988 prompt tokens queued; the decode worker "
+                                "finishes these 1888 (after its 100 queued) first")
+    # one token less behind the prefill worker: it starts first, so it takes the prompt
+    d = decide({"d1": 10}, {"d1": load("d1", waiting_tokens=100), "p1": load("p1", waiting_tokens=1987, role="prefill")},
+               decode=["d1"], prefill=["p1"])
+    assert d.prefill_worker == "p1" and d.path == "disaggregated"
+    # what this router sent since the last reports counts too
+    loads = {"d1": load("d1"), "p1": load("p1", role="prefill")}
+    assert decide({}, loads, decode=["d1"], prefill=["p1"], pending_tokens={"p1": 2048}).path == "local"
+    assert decide({}, loads, decode=["d1"], prefill=["p1"], pending_tokens={"p1": 2048, "d1": 1}).path == "disaggregated"
+
+
+def test_strict_disaggregation_waits_for_the_prefill_worker_whatever_its_queue():
+    loads = {"d1": load("d1"), "p1": load("p1", waiting_tokens=50_000, role="prefill")}
+    d = decide({}, loads, decode=["d1"], prefill=["p1"], config=PolicyConfig(strict_disaggregation=True))
+    assert d.prefill_worker == "p1" and d.prefill_reason == "disaggregated: uncached 2048 tokens >= 256"
+
+
 def test_prefill_choice_credits_its_cache_against_its_queue():
     loads = {"p1": load("p1", waiting_tokens=1000, role="prefill"),
              "p2": load("p2", waiting_tokens=1500, role="prefill")}

@@ -1,0 +1,50 @@
+"""Conditional disaggregation through the dispatcher (router/prefill_placement.py): a burst of
+long prompts arriving between two load reports is split between the prefill worker and the
+decode worker by the prompt tokens this router already sent each, not all queued behind the
+prefill worker; --strict-disaggregation sends every one there."""
+
+from __future__ import annotations
+
+from splitserve.cluster.inproc_bus import InProcBus
+from splitserve.cluster.messages import LoadReport, WorkerInfo
+from splitserve.router.dispatch import DispatchConfig, Dispatcher
+from splitserve.router.index_sync import WorkerState
+from splitserve.router.policy import PolicyConfig
+
+BS = 16
+
+
+def dispatcher(strict: bool = False) -> Dispatcher:
+    d = Dispatcher(DispatchConfig(model_id="m", block_size=BS, seed=0,
+                                  policy=PolicyConfig(strict_disaggregation=strict)), InProcBus())
+    for worker, role in (("d1", "decode"), ("p1", "prefill")):
+        d.sync.workers[worker] = WorkerState(WorkerInfo(worker, role, f"{worker}:1", "m", BS, 1024))
+        d.sync.loads[worker] = LoadReport(worker, role, 0, 0, 0.0, waiting_tokens=0)  # an idle report
+    return d
+
+
+def prompt(i: int, length: int = 600) -> list[int]:
+    return [1000 * i + t for t in range(length)]  # distinct: no prefix is shared
+
+
+def test_a_burst_alternates_between_the_prefill_worker_and_a_local_prefill():
+    d = dispatcher()
+    paths = [d.decide(prompt(i))[0] for i in range(5)]
+    # p1 queue 600 -> the next would wait 600 at p1 and finish locally after 600: local; and so on
+    assert [(x.path, x.prefill_worker) for x in paths] == [
+        ("disaggregated", "p1"), ("local", None), ("disaggregated", "p1"), ("local", None), ("disaggregated", "p1")]
+    assert paths[1].prefill_reason == ("local: the prefill worker has 600 prompt tokens queued; the decode worker "
+                                       "finishes these 600 (after its 0 queued) first")
+
+
+def test_a_new_load_report_replaces_what_was_counted_since_the_last():
+    d = dispatcher()
+    assert d.decide(prompt(0))[0].path == "disaggregated"
+    # p1 reports its queue empty again (the prompt is done): the next goes there too
+    d.sync.loads["p1"] = LoadReport("p1", "prefill", 0, 0, 0.0, waiting_tokens=0)
+    assert d.decide(prompt(1))[0].path == "disaggregated"
+
+
+def test_strict_disaggregation_queues_the_whole_burst_on_the_prefill_worker():
+    d = dispatcher(strict=True)
+    assert {d.decide(prompt(i))[0].prefill_worker for i in range(5)} == {"p1"}
