@@ -16,6 +16,7 @@ from splitserve.core.ports import (  # noqa: F401 - the renderers use them as c.
 
 from . import cert_manager as tls
 from .spec import InferenceSpec, RoleSpec
+from .spec_kv_offload import kv_offload_args
 
 MODEL_MOUNT = "/models"
 RUN_AS_USER = 1000
@@ -162,6 +163,7 @@ def engine_args(spec: InferenceSpec, role: RoleSpec) -> list[str]:
         args += ["--kv-cache-memory", f"{role.kv_cache_memory_gib:g}"]
     if role.tensor_parallel_size > 1:  # the worker's engine starts its rank processes in the same pod
         args += ["--tensor-parallel-size", str(role.tensor_parallel_size)]
+    args += kv_offload_args(role.kv_offload)  # its disk tier's volume: the role's pods mount it (kv_offload_mounts)
     if spec.kv_cache_dtype != "auto":  # prefill and decode workers must agree: one field for both
         args += ["--kv-cache-dtype", spec.kv_cache_dtype]
     if spec.speculative and role is spec.decode:  # drafts are verified where tokens are decoded

@@ -15,6 +15,7 @@ from . import render_common as c
 from .render_pod import pod_template
 from .render_workloads import kv_args
 from .spec import InferenceSpec
+from .spec_kv_offload import kv_offload_mounts, kv_offload_volumes
 
 PREFILL_GROUP = "prefill"
 WORKER_METRICS_PORT = PREFILL_ADMIN_PORT  # each prefill actor's /metrics, on the Ray worker pods
@@ -68,6 +69,9 @@ def render_prefill(spec: InferenceSpec, replicas: int, ray_version: str) -> list
     worker["args"] = ['ulimit -n 65536 || true; exec $KUBERAY_GEN_RAY_START_CMD']
     worker["ports"] = [{"name": "grpc", "containerPort": c.PREFILL_GRPC_PORT, "protocol": "TCP"},
                        {"name": "actor-metrics", "containerPort": WORKER_METRICS_PORT, "protocol": "TCP"}]
+    worker["volumeMounts"] += kv_offload_mounts(p.kv_offload)  # the prefill actors' disk KV tier
+    worker_template = _pod_template(spec, "worker", worker)
+    worker_template["spec"]["volumes"] += kv_offload_volumes(p.kv_offload)
     metadata = c.metadata(spec, "prefill")
     metadata["annotations"] = {"ray.io/overwrite-container-cmd": "true"}
     return [{
@@ -85,7 +89,7 @@ def render_prefill(spec: InferenceSpec, replicas: int, ray_version: str) -> list
                 "groupName": PREFILL_GROUP, "replicas": replicas,
                 "minReplicas": p.min_replicas, "maxReplicas": p.max_replicas,
                 "rayStartParams": {},
-                "template": _pod_template(spec, "worker", worker),
+                "template": worker_template,
             }],
         },
     }]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from . import render_common as c
 from .render_pod import pod_template
 from .spec import InferenceSpec
+from .spec_kv_offload import kv_offload_mounts, kv_offload_volumes
 
 
 def _probe(path: str, port: int, period: int, failures: int) -> dict:
@@ -99,9 +100,10 @@ def render_decode(spec: InferenceSpec, replicas: int) -> list[dict]:
             "splitserve", "drain", "--port", str(c.DRAIN_PORT),
             "--timeout", str(spec.drain_timeout_seconds + 30)]}}},
         "resources": d.resources, "securityContext": c.container_security_context(),
-        "volumeMounts": c.volume_mounts(spec, shm=True),
+        "volumeMounts": c.volume_mounts(spec, shm=True) + kv_offload_mounts(d.kv_offload),
     }
     pod = pod_template(spec, "decode", d.pod, [container], shm=True)
+    pod["spec"]["volumes"] += kv_offload_volumes(d.kv_offload)  # the disk KV tier's, when it has one
     pod["spec"]["terminationGracePeriodSeconds"] = spec.drain_timeout_seconds + 30
     # maxSurge 0 for GPU pods: a surge pod would wait for a GPU the old pod holds.
     deployment = _deployment(spec, "decode", replicas, pod, max_surge=0)

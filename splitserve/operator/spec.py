@@ -17,6 +17,7 @@ from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
 from .cert_manager import IssuerRef, parse_tls
 from .labels import label_problems
 from .spec_fields import float_field, int_field, object_field
+from .spec_kv_offload import KVOffloadSpec, parse_kv_offload
 from .spec_lora import LoRASpec, parse_loras
 from .spec_model import ModelSpec, SecretRef, parse_model, parse_secret_ref
 from .spec_pod import PodSettings, parse_pod_settings
@@ -52,6 +53,7 @@ class RoleSpec:
     pod: PodSettings = field(default_factory=PodSettings)
     kv_cache_memory_gib: float | None = None  # None: the engine's default
     tensor_parallel_size: int = 1  # ranks each worker shards the model over (--tensor-parallel-size)
+    kv_offload: KVOffloadSpec = field(default_factory=KVOffloadSpec)  # host / disk KV tiers (spec_kv_offload.py)
 
     @property
     def gpus(self) -> int:
@@ -149,6 +151,7 @@ def _role(d: dict, where: str, problems: list[str], replicas: int, maximum: int,
         pod=parse_pod_settings(d, where, problems),
         kv_cache_memory_gib=float_field(d, "kvCacheMemoryGiB", 0.0, where, problems) or None,
         tensor_parallel_size=int_field(d, "tensorParallelSize", 1, where, problems, minimum=1),
+        kv_offload=parse_kv_offload(d, where, problems),
     )
     if role.kv_cache_memory_gib is not None and role.kv_cache_memory_gib <= 0:
         problems.append(f"{where}.kvCacheMemoryGiB must be > 0")
