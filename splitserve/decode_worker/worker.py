@@ -15,6 +15,7 @@ import grpc
 
 from splitserve.core import tracing
 from splitserve.core.sampling_params import InvalidSamplingParams
+from splitserve.decode_worker.peer_pull import PeerPull
 from splitserve.decode_worker.prefill_timeout import DEFAULT_PREFILL_TIMEOUT_S
 from splitserve.decode_worker.remote_prefill import RemotePrefill
 from splitserve.engine.async_engine import EngineDeadError
@@ -54,7 +55,7 @@ class EngineFailed:
         self.reason = reason
 
 
-class DecodeWorker(RemotePrefill, LoRAService, WorkerBase, DecodeWorkerServicer):
+class DecodeWorker(RemotePrefill, PeerPull, LoRAService, WorkerBase, DecodeWorkerServicer):
     role = "decode"
 
     def __init__(self, config: DecodeWorkerConfig, metrics: Metrics | None = None, bus=None):
@@ -104,6 +105,7 @@ class DecodeWorker(RemotePrefill, LoRAService, WorkerBase, DecodeWorkerServicer)
             await channel.close()
         if self.receiver is not None:
             self.receiver.stop()
+        self._close_peer_senders()
         await self._stop_common()
         if self._drain is not None:
             await self._drain.cleanup()
@@ -170,6 +172,8 @@ class DecodeWorker(RemotePrefill, LoRAService, WorkerBase, DecodeWorkerServicer)
         produced = 0
         try:
             first: RequestOutput | None = None
+            if request.pull_blocks and not resume:  # a peer holds the prefix: pulled, not recomputed
+                await self._pull_prefix(request, prompt, params)
             if request.prefill_address and resume and params.seed is not None and not params.greedy:
                 fallback = "a migrated seeded request is prefilled here (the prefill worker cannot resume its RNG)"
             elif request.prefill_address and resume and params.structured is not None:
