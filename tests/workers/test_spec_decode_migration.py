@@ -1,0 +1,51 @@
+"""A speculating request migrated mid-stream resumes token-exact: two real decode workers with
+--speculative-config (ngram) on 127.0.0.1 behind the router's Dispatcher, the first failing a
+step (fault injection) after drafts were accepted; the stream the client gets, greedy and
+seeded, equals an in-process engine's without speculation, and the second worker
+speculated on the resumed request."""
+
+import json
+
+import pytest
+
+from splitserve.cluster.inproc_bus import InProcBus
+from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
+from splitserve.engine import LLM, EngineConfig, SamplingParams
+from splitserve.engine.faults import ENV
+from splitserve.router.dispatch import DispatchConfig, Dispatcher
+from splitserve.router.policy import RouteDecision
+from tests.engine.test_spec_decode_exact import NGRAM, copy_heavy
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+    SamplingParams(temperature=1.0, top_k=4, seed=77, max_tokens=48, ignore_eos=True),
+])
+async def test_a_migrated_speculating_stream_resumes_token_exact(make_ckpt, monkeypatch, params):
+    monkeypatch.setenv(ENV, json.dumps([{"engine": "d-fail", "fault": "raise", "at_step": 4}]))
+    path = str(make_ckpt("llama"))
+    prompt = copy_heavy(61, 20, 3)
+    want = LLM(path, num_kv_blocks=64).generate(prompt, params)[0].token_ids
+    bus = InProcBus()
+    workers = [DecodeWorker(DecodeWorkerConfig(EngineConfig(model=path, num_kv_blocks=64, model_id="test-model",
+                                                            speculative_config=NGRAM), worker_id=w), bus=bus)
+               for w in ("d-fail", "d-ok")]
+    for w in workers:
+        await w.start()
+    dispatcher = Dispatcher(DispatchConfig(model_id="test-model"), bus)
+    await dispatcher.start()
+    try:
+        await dispatcher.sync.refresh()
+        decision = RouteDecision("d-fail", None, 4, 0, 0, 0, "test", "test")
+        events = [e async for e in dispatcher.generate("r", prompt, params, decision)]
+        resumed = workers[1].stats.spec_decode
+    finally:
+        await dispatcher.stop()
+        for w in workers:
+            await w.stop()
+    assert [e.decode_worker for e in events if e.decode_worker] == ["d-fail", "d-ok"]  # it did migrate
+    moved = next(i for i, e in enumerate(events) if e.decode_worker == "d-ok")
+    first_part = sum(len(e.token_ids) for e in events[:moved])
+    assert 0 < first_part < len(want)
+    assert [t for e in events for t in e.token_ids] == want
+    assert resumed.num_accepted_tokens > 0  # the new worker speculated on the resumed request
