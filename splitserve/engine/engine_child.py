@@ -212,7 +212,9 @@ def child_main(config: EngineConfig, conn, step_clock, name: str, torch_threads:
             os._exit(0)
         kind = msg[0]
         if kind == "ping":  # answered by this thread, whatever the engine thread is doing
-            send([("pong",)])
+            # a tensor-parallel rank gone while the engine idles: dead now, not at the next request
+            lost = engine.tp_group.lost_rank() if engine.tp_group is not None else None
+            send([("dead", lost)] if lost is not None else [("pong",)])
         elif kind == "call":
             _, call_id, method, args, wanted = msg
             try:

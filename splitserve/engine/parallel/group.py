@@ -119,6 +119,15 @@ class TensorParallelGroup:
                                ) from None
         return pools
 
+    def lost_rank(self) -> RankLost | None:
+        """A rank process that ended while the group runs (the engine may be idle and not
+        know yet): the engine cannot run another step."""
+        dead = next((p for p in self.procs if not p.is_alive()), None) if self.running else None
+        if dead is None:
+            return None
+        return RankLost(f"tensor parallelism: rank process {dead.pid} ({dead.name}) is gone "
+                        f"(exit code {dead.exitcode})")
+
     def close(self) -> None:
         """Stop the other ranks (a None step) and leave the group. Idempotent."""
         if self.running:
