@@ -1,7 +1,7 @@
 """Speculation on every path a request takes: structured outputs (a draft the grammar forbids
 is rejected, the grammar never runs ahead of the accepted tokens), a prefill on another
 engine whose KV is handed over, a migration that resumes token-exact (greedy and seeded),
-and bad configs refused in one line."""
+tensor parallelism, and bad configs refused in one line."""
 
 import json
 import subprocess
@@ -137,3 +137,13 @@ def test_serve_and_the_decode_worker_refuse_a_bad_config_before_starting(path, c
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
         f"splitserve {command}: --speculative-config: num_speculative_tokens must be a positive integer, got -2"]
+
+
+def test_tensor_parallel_ranks_verify_the_same_chunks(path, base):
+    """TP=2 (gloo): rank 0 broadcasts the step with its 1 + k rows; tokens equal TP=1's without speculation."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = [copy_heavy(1, 12, 3), copy_heavy(2, 20, 2)]
+    want = [o.token_ids for o in base.generate(prompts, params)]
+    with LLM(path, num_kv_blocks=64, tensor_parallel_size=2, speculative_config=NGRAM) as tp:
+        assert [o.token_ids for o in tp.generate(prompts, params)] == want
+        assert accepted(tp) > 0
