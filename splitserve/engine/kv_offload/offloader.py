@@ -3,8 +3,9 @@
 Write-down happens when a cached block goes idle (its last user left; it stays cached on
 the device's free list), not when it is evicted: the engine thread only notes the block
 (`on_cached_free`, a dict insert) and a background writer copies its bytes to the host
-tier while the block sits unused, off the step's critical path. The device block cannot
-change before it is reused, so the one fence is `before_reuse`: the engine thread, about
+tier while the block sits unused, off the step's critical path (outside the lock: the
+engine thread never waits for a copy unless it reuses that very block). The device block
+cannot change before it is reused, so the one fence is `before_reuse`: the engine thread, about
 to hand the block out, takes its pending write from the writer; on a CPU pool it copies
 the block itself when a host slot is free (a memcpy, no I/O), otherwise the write is
 dropped (counted; the block is a miss later, never wrong). When the host tier is full the
@@ -51,6 +52,9 @@ class KVOffloader:
         self.disk = DiskTier(disk_dir, disk_bytes, self.block_nbytes, layout_tag(pool)) if disk_dir else None
         self.sync_copy_ok = not on_gpu  # a device-to-host copy on the engine thread would stall the GPU
         self.lock = threading.Lock()
+        # The writer copies a block outside the lock; only a reuse of that very block waits for it.
+        self._copying: int | None = None
+        self._copied = threading.Condition(self.lock)
         self.pending: dict[int, int] = {}  # device block -> hash, waiting for the writer
         self.counters = OffloadCounters()
         self._events: list[BlockEvent] = []
@@ -73,6 +77,8 @@ class KVOffloader:
     def before_reuse(self, block_id: int) -> None:
         """The device block is about to be overwritten: its pending write happens now or never."""
         with self.lock:
+            while self._copying == block_id:  # the writer is copying it now: a few tens of microseconds
+                self._copied.wait()
             h = self.pending.pop(block_id, None)
             if h is None:
                 return
@@ -171,12 +177,16 @@ class KVOffloader:
                 self._queue.task_done()
 
     def _write_down(self, block_id: int) -> None:
-        if self.host is None:  # disk only: copy out under the lock, write outside it
+        if self.host is None:  # disk only: copy the block out, then write the file
             with self.lock:
                 h = self.pending.pop(block_id, None)
                 if h is None or h in self.disk:
                     return
+                self._copying = block_id
+            try:
                 payload = bytes(memoryview(self._device_block(block_id).cpu().numpy()))
+            finally:
+                self._copy_done()
             self._to_disk(h, memoryview(payload), newly_tiered=True)
             return
         slot = self._free_host_slot()
@@ -185,7 +195,23 @@ class KVOffloader:
             if h is None or h in self.host:
                 self.host.give_back(slot)
                 return
-            self._copy_to_host(block_id, h, slot)
+            self._copying = block_id
+        try:
+            self.host.slot(slot).copy_(self._device_block(block_id))  # the slot is only this thread's
+        except BaseException:
+            self._copy_done()
+            with self.lock:
+                self.host.give_back(slot)
+            raise
+        with self.lock:
+            self._copying = None
+            self._copied.notify_all()
+            self._publish_host(h, slot)
+
+    def _copy_done(self) -> None:
+        with self.lock:
+            self._copying = None
+            self._copied.notify_all()
 
     def _free_host_slot(self) -> int:
         """A host slot to fill; when all are taken, the least recently used block goes to disk."""
@@ -223,6 +249,9 @@ class KVOffloader:
 
     def _copy_to_host(self, block_id: int, h: int, slot: int) -> None:
         self.host.slot(slot).copy_(self._device_block(block_id))
+        self._publish_host(h, slot)
+
+    def _publish_host(self, h: int, slot: int) -> None:
         self.host.publish(h, slot)
         self.counters.stored_blocks["host"] += 1
         if self.disk is None or h not in self.disk:
