@@ -200,7 +200,10 @@ def quantized_linear(x, qw, bias=None):
 
 def linear(x, weight, bias=None):
     """x @ weight.T (+ bias): F.linear, except float32 on a CPU under the native backend: one
-    row through the native gemv, several through oneDNN (kernels/cpu_linear.py says why)."""
+    row through the native gemv, several through oneDNN; a weight the loader packed for oneDNN
+    always through oneDNN (kernels/cpu_linear.py says why)."""
+    if weight.is_mkldnn:
+        return cpu_linear.packed_linear(x, weight, bias)
     if x.device.type == "cpu" and backend_for(x) == "native":
         if x.shape[0] >= cpu_linear.MIN_ROWS:
             if cpu_linear.eligible(x, weight):

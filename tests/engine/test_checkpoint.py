@@ -41,25 +41,46 @@ def test_tied_embeddings_share_one_tensor(make_ckpt):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cpu_float32_linear_weights_are_stored_input_major(make_ckpt, dtype):
-    """float32 on a CPU: every Linear weight lies as [in, out] rows (a plain GEMM for x @ W.T),
-    holding the checkpoint's values; bf16 and the tied lm_head keep the [out, in] rows."""
+@pytest.mark.parametrize("backend", ["native", "reference"])
+def test_cpu_float32_linear_weights_are_packed_or_stored_input_major(make_ckpt, dtype, backend, monkeypatch):
+    """float32 on a CPU: under the native kernels every Linear weight (of PACK_MIN_BYTES or more)
+    is packed for oneDNN (kernels/cpu_linear.py: one opaque copy, no dense one left); otherwise it lies as [in, out]
+    rows (a plain GEMM for x @ W.T). Both hold the checkpoint's values; bf16 and the tied
+    lm_head keep the [out, in] rows."""
     from safetensors.torch import load_file
 
+    from splitserve.kernels import cpu_linear, ops
+
+    if backend == "native" and not cpu_linear.available():
+        pytest.skip("this torch build has no oneDNN linear")
     path = make_ckpt("qwen2")
-    model = LLM(str(path), dtype=dtype, num_kv_blocks=8).engine.runner.model
+    monkeypatch.setattr(cpu_linear, "PACK_MIN_BYTES", 0)  # the test model's weights are small
+    ops.set_backend(backend)
+    try:
+        llm = LLM(str(path), dtype=dtype, num_kv_blocks=8)
+    finally:
+        ops.set_backend(None)
+    model = llm.engine.runner.model
     weights = load_file(path / "model.safetensors")
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert "layers.0.mlp.down_proj" in linears
+    packed = dtype == "float32" and backend == "native"
     for name, layer in linears.items():
         w = layer.weight
         if name == "lm_head":  # tied to the embedding in this checkpoint
             assert w.data_ptr() == model.embed_tokens.weight.data_ptr() and w.is_contiguous()
             continue
-        assert w.is_contiguous() == (dtype == "bfloat16"), name
-        assert w.t().is_contiguous() == (dtype == "float32"), name
-    down = weights["model.layers.0.mlp.down_proj.weight"]
-    assert torch.equal(linears["layers.0.mlp.down_proj"].weight.float(), down.to(getattr(torch, dtype)).float())
+        assert w.is_mkldnn == packed, name
+        assert ("weight" in dict(layer.named_parameters())) == (not packed), name
+        if not packed:
+            assert w.is_contiguous() == (dtype == "bfloat16"), name
+            assert w.t().is_contiguous() == (dtype == "float32"), name
+    down = linears["layers.0.mlp.down_proj"].weight
+    down = down.to_dense() if packed else down
+    assert torch.equal(down.float(), weights["model.layers.0.mlp.down_proj.weight"].to(getattr(torch, dtype)).float())
+    # and computes with them: transformers' greedy tokens whichever layout it holds
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(path, PROMPT, 8, dtype=dtype)
 
 
 def copy_ckpt(src, dst):

@@ -125,3 +125,36 @@ def test_a_refusing_onednn_falls_back_to_mkl_for_the_rest_of_the_process(monkeyp
     assert torch.equal(ops.linear(x, w), F.linear(x, w))
     assert cpu_linear._available is False and "float32 CPU linears use MKL" in caplog.text
     assert not cpu_linear.eligible(x, w)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_packed_weight_gives_f_linears_result_at_every_row_count_and_backend(rows, with_bias):
+    """The loader's packed weights (models/loader.py) go through oneDNN whatever the backend:
+    nothing else can read them."""
+    g = torch.Generator().manual_seed(rows + 10)
+    w, x = torch.randn(960, 576, generator=g), torch.randn(rows, 576, generator=g)
+    bias = torch.randn(960, generator=g) if with_bias else None
+    packed = cpu_linear.pack(w)
+    assert packed is not None and packed.is_mkldnn and torch.equal(packed.to_dense(), w)
+    for backend in ("native", "reference"):
+        ops.set_backend(backend)
+        try:
+            got = ops.linear(x, packed, bias)
+        finally:
+            ops.set_backend(None)
+        torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_a_build_that_cannot_pack_keeps_the_dense_weight(monkeypatch, caplog):
+    def refuse(weight, batch):
+        raise RuntimeError("no reorder for this CPU")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse, raising=False)
+    assert cpu_linear.pack(torch.randn(1024, 1024)) is None and "they stay dense" in caplog.text
+
+
+def test_a_small_weight_is_not_packed():
+    """Below PACK_MIN_BYTES oneDNN's per-call cost outweighs the layout's gain (the demo model)."""
+    assert cpu_linear.pack(torch.randn(768, 256)) is None
+    assert cpu_linear.pack(torch.randn(512, 1024)).is_mkldnn  # exactly 2 MiB

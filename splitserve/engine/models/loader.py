@@ -24,10 +24,16 @@ from splitserve.core.quantization import quantization_from_config
 from splitserve.engine.checkpoint import iter_weights
 from splitserve.engine.models.quant_linear import QuantizedLinear, move_weight
 from splitserve.engine.models.registry import model_class
-from splitserve.engine.parallel.linear import quantized_replacement
+from splitserve.engine.parallel.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    quantized_replacement,
+)
 from splitserve.engine.parallel.sharding import ShardOf, checkpoint_shard, sharded
 from splitserve.engine.parallel.state import tp
 from splitserve.engine.quant import iter_quantized_weights
+from splitserve.kernels import cpu_linear, ops
 from splitserve.kernels.quant_weight import QuantizedWeight
 
 Weights = Iterable[tuple[str, "torch.Tensor | QuantizedWeight"]]
@@ -125,7 +131,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
         linear.finish()
     model.eval()
     if torch.device(device).type == "cpu" and dtype == torch.float32:
-        store_linear_weights_input_major(model)
+        pack_linear_weights(model)
+        store_linear_weights_input_major(model)  # what stayed dense
     return model
 
 
@@ -159,6 +166,26 @@ def swap_linear(model: nn.Module, param_name: str, model_dir) -> QuantizedLinear
     return quantized
 
 
+def pack_linear_weights(model: nn.Module) -> None:
+    """Replace each float32 linear weight of ours (not one tied to the embedding; plain
+    nn.Linear layers, as a MoE router, call F.linear and stay dense) by its oneDNN-packed
+    form where it is large enough to gain (kernels/cpu_linear.py: 10% faster prefill GEMMs,
+    20% faster decode at batch 8); the dense tensor is dropped, so the model holds one copy.
+    Nothing changes when the native kernel backend is not the one in use or this torch build
+    cannot pack.
+    The packed weight is a plain attribute, not a Parameter: nothing trains or saves it."""
+    if ops.backend_for(torch.empty(0)) != "native":
+        return
+    tied = {id(p) for name, p in model.named_parameters() if "embed" in name}
+    ours = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)  # those computing through ops.linear
+    for module in [m for m in model.modules() if isinstance(m, ours) and id(m.weight) not in tied]:
+        packed = cpu_linear.pack(module.weight.data)
+        if packed is None:  # small, or this build cannot: it stays dense
+            continue
+        del module._parameters["weight"]
+        module.weight = packed
+
+
 def store_linear_weights_input_major(model: nn.Module) -> None:
     """Keep each Linear's weight in memory as [in, out] rows (still the [out, in] tensor, with
     swapped strides), so F.linear's x @ W.T is a plain, non-transposed GEMM.
@@ -171,5 +198,5 @@ def store_linear_weights_input_major(model: nn.Module) -> None:
     A weight tied to the embedding keeps its layout: the lookup reads its rows."""
     tied = {id(p) for name, p in model.named_parameters() if "embed" in name}
     for module in model.modules():
-        if isinstance(module, nn.Linear) and id(module.weight) not in tied:
+        if isinstance(module, nn.Linear) and id(module.weight) not in tied and not module.weight.is_mkldnn:
             module.weight.data = module.weight.data.t().contiguous().t()
