@@ -1,8 +1,9 @@
 """`splitserve serve` with two decode workers, `--routing-mode round-robin` and host KV tiers
-(`--kv-offload-gib`): the second request sharing a 2,000-token prefix lands on the worker
-without it, which pulls the prefix blocks from its peer over the KV transfer (the router's
-pull hint, the worker's metric counts the blocks) and answers the tokens of an in-process
-engine; the tiers' sizes reach the workers' metrics; every pool is back at idle."""
+(`--kv-offload-gib`): the first request's blocks, once idle, reach the holder's host tier and
+the router's index (under the holder's tier holder); the second request, sharing a
+2,000-token prefix, lands on the worker without it, which pulls the prefix blocks from its
+peer over the KV transfer (the router's pull hint; the worker's metric counts the blocks)
+and answers the tokens of an in-process engine; every pool is back at idle."""
 
 from __future__ import annotations
 
@@ -62,6 +63,12 @@ def test_round_robin_second_request_pulls_the_prefix_from_its_peer():
         holder = workers["decode"]
         assert out["choices"][0]["text"] and out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         wait_indexed(serve.base_url, PREFIX_BLOCKS)
+        # its idle blocks were written down to its host tier: the router indexes them under its tier holder
+        deadline = time.monotonic() + 30
+        while requests.get(serve.base_url + "/health", timeout=10).json()["index"]["per_worker"].get(
+                f"{holder}@offload", 0) < PREFIX_BLOCKS:
+            assert time.monotonic() < deadline, "the holder's host-tier blocks never reached the router's index"
+            time.sleep(0.1)
         out, workers, route = complete(serve.base_url, served, second)
         puller = workers["decode"]
         assert puller != holder  # round robin
