@@ -47,6 +47,9 @@ class KVOffloader:
         self.pool = pool
         self.block_nbytes = pool.spec.block_nbytes
         on_gpu = pool.data.device.type != "cpu"
+        if host_bytes and host_bytes < self.block_nbytes:
+            raise ValueError(f"--kv-offload-gib {host_bytes / 2**30:g} holds no KV block "
+                             f"(a block is {self.block_nbytes} bytes)")
         self.host = HostTier(host_bytes // self.block_nbytes, self.block_nbytes, pin_memory=on_gpu) \
             if host_bytes else None
         self.disk = DiskTier(disk_dir, disk_bytes, self.block_nbytes, layout_tag(pool)) if disk_dir else None
