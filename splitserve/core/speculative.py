@@ -5,10 +5,12 @@ the workers and the operator refuse a bad one before anything starts).
 
 - ngram (prompt lookup): the drafts are the tokens that followed the latest earlier occurrence
   of the sequence's last n tokens (prompt_lookup_max >= n >= prompt_lookup_min).
+- draft_model: a second checkpoint with the target's vocabulary ("model": its directory)
+  proposes the drafts (engine/spec/draft_model.py).
 - disable_by_batch_size: no drafts in a step whose running batch holds more sequences than
   this (speculation costs compute that a full batch no longer has to spare).
-- draft_model and eagle are recognised and checked (a draft model must exist and share the
-  target's vocabulary) but not built yet: they are refused at start, never silently ignored.
+- eagle is recognised and checked (its model must exist and share the target's vocabulary)
+  but not built yet: it is refused at start, never silently ignored.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 METHODS = ("ngram", "draft_model", "eagle")
-BUILT = ("ngram",)
+BUILT = ("ngram", "draft_model")
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
          "model"}
 

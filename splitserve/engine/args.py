@@ -61,9 +61,11 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
 def speculative_problem(args: argparse.Namespace) -> str | None:
     """Why --speculative-config cannot be served (one line), or None; checked before any process starts."""
     try:
-        parse_speculative_config(getattr(args, "speculative_config", None), args.model)
+        config = parse_speculative_config(getattr(args, "speculative_config", None), args.model)
     except SpeculativeConfigError as exc:
         return f"--speculative-config: {exc}"
+    if config is not None and config.method == "draft_model" and getattr(args, "tensor_parallel_size", 1) > 1:
+        return "--speculative-config: method draft_model is not supported with --tensor-parallel-size > 1 yet"
     return None
 
 

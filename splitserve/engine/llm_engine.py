@@ -36,7 +36,7 @@ from splitserve.engine.peer_prefix import PeerPrefix
 from splitserve.engine.sampler import sample
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.sequence import Sequence
-from splitserve.engine.spec.speculator import Speculator
+from splitserve.engine.spec.speculator import build_speculator
 from splitserve.engine.spec.step import speculative_step
 from splitserve.engine.stats import EngineStats
 from splitserve.engine.warmup import warm_up
@@ -75,8 +75,7 @@ class LLMEngine(Disaggregation, LoRAEngine, PeerPrefix):
         self.grammars = GrammarCompiler((Path(config.model) / "tokenizer.json").read_text(),
                                         self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.long_rope_after = self.model_config.rope.long_after  # longrope: see engine/models/rope.py
-        self.speculator = (Speculator(config.speculative_config, self.long_rope_after)
-                           if config.speculative_config is not None else None)
+        self.speculator = build_speculator(self) if config.speculative_config is not None else None
         self.scheduler.speculator = self.speculator  # it asks for drafts as it schedules (engine/spec/)
         self.sequences: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # finished, blocks kept for a KV push

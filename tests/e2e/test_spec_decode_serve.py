@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import requests
 
@@ -69,6 +70,35 @@ def test_speculative_serve_colocated_and_disaggregated_answers_as_an_engine_with
         assert drafted >= kept > 0 and steps > 0 and 0 < first <= steps, decode
         assert counter(decode, "splitserve_spec_decode_num_accepted_tokens_per_pos_total") == kept
         assert not re.search(r"splitserve_spec_decode_num_drafts_total\{[^}]*\} [1-9]", metrics["prefill-0"])
+    finally:
+        serve.stop()
+    log = serve.log()
+    assert serve.proc.returncode == 0, log[-3000:]
+    assert "Traceback" not in log, log[max(0, log.find("Traceback") - 1500):][:6000]
+
+
+def test_speculative_serve_with_a_draft_model_answers_as_an_engine_without_it():
+    """method draft_model, the demo model as its own draft (every draft is kept), colocated."""
+    model = ensure_demo_checkpoint()
+    config = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
+    serve = SplitserveProcess("serve", ["--speculative-config", json.dumps(config), "--prefill-workers", "0",
+                                        "--decode-workers", "1", "--num-kv-blocks", str(KV_BLOCKS)])
+    try:
+        engine = LLM(str(model), num_kv_blocks=KV_BLOCKS)
+        prompt = copy_heavy(44, 20, 2)
+        want = Tokenizer(model).decode(engine.generate(prompt, SamplingParams(temperature=0, max_tokens=NEW,
+                                                                                ignore_eos=True))[0].token_ids)
+        out, _ = complete(serve.base_url, model.name, prompt)
+        assert out["choices"][0]["text"] == want
+        admins = serve_admins(serve.log())
+        deadline = time.monotonic() + 10  # the counters follow the engine's stats at the next load report
+        while True:
+            decode = requests.get(admins["decode-0"] + "/metrics", timeout=10).text
+            drafted = counter(decode, "splitserve_spec_decode_num_draft_tokens_total", worker="decode-0")
+            if drafted or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert counter(decode, "splitserve_spec_decode_num_accepted_tokens_total", worker="decode-0") == drafted > 0
     finally:
         serve.stop()
     log = serve.log()

@@ -124,8 +124,11 @@ def test_a_draft_model_with_another_vocabulary_is_refused(path, make_ckpt, tmp_p
     with pytest.raises(SpeculativeConfigError, match=f"vocab_size {vocab + 7}, the target model {vocab}"):
         parse_speculative_config({"method": "draft_model", "model": str(other), "num_speculative_tokens": 3}, path)
     (other / "config.json").write_text(json.dumps({"vocab_size": vocab}))
-    with pytest.raises(SpeculativeConfigError, match="'draft_model' is not built yet"):
-        parse_speculative_config({"method": "draft_model", "model": str(other), "num_speculative_tokens": 3}, path)
+    config = parse_speculative_config({"method": "draft_model", "model": str(other), "num_speculative_tokens": 3},
+                                      path)
+    assert (config.method, config.model) == ("draft_model", str(other))
+    with pytest.raises(SpeculativeConfigError, match="'eagle' is not built yet"):
+        parse_speculative_config({"method": "eagle", "model": str(other), "num_speculative_tokens": 3}, path)
 
 
 @pytest.mark.parametrize("command", ["serve", "decode-worker"])

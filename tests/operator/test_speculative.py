@@ -51,8 +51,8 @@ def test_the_config_reaches_the_decode_workers_only(minimal_spec):
 @pytest.mark.parametrize("speculative, message", [
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer, got 0"),
     ({"method": "lookahead", "num_speculative_tokens": 2}, "unknown method 'lookahead'"),
-    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/models/draft"},
-     "method 'draft_model' is not built yet"),
+    ({"method": "eagle", "num_speculative_tokens": 2, "model": "/models/eagle"}, "method 'eagle' is not built yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, 'method draft_model needs "model"'),
     ("ngram", "spec.engine.speculative must be an object, got str"),
 ])
 def test_a_config_the_engine_refuses_is_refused(minimal_spec, speculative, message):

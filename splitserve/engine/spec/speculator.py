@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from splitserve.core.speculative import SpeculativeConfig
 from splitserve.engine.sequence import Sequence
+from splitserve.engine.spec.draft_model import DraftModel
 from splitserve.engine.spec.ngram import propose_ngram
 
 
@@ -43,9 +46,12 @@ class SpecDecodeStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, long_rope_after: int | None = None):
+    def __init__(self, config: SpeculativeConfig, long_rope_after: int | None = None,
+                 draft: DraftModel | None = None, generator: torch.Generator | None = None):
         self.config = config
         self.long_rope_after = long_rope_after
+        self.draft = draft  # method draft_model: the second model and its KV pool
+        self.generator = generator  # the engine's, for unseeded sampled drafts
         self.stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
 
     def propose(self, seq: Sequence, room: int, batch_size: int) -> list[int]:
@@ -54,7 +60,18 @@ class Speculator:
         cap = self.config.disable_by_batch_size
         if limit <= 0 or (cap is not None and batch_size > cap):
             return []
+        if self.draft is not None:
+            return self.draft.propose(seq, limit, self.generator)
         return propose_ngram(seq.token_ids, limit, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+
+    def release_finished(self) -> None:
+        """The draft model's KV of sequences that ended goes back to its pool."""
+        if self.draft is not None:
+            self.draft.release_finished()
+
+    def draft_probs(self, seq: Sequence) -> torch.Tensor | None:
+        """q [k, vocab] of `seq`'s last drafts (draft_model), None for n-gram (a point mass)."""
+        return self.draft.probs.pop(seq, None) if self.draft is not None else None
 
     def _limit(self, seq: Sequence) -> int:
         """Drafts this sequence can use: it gains at most 1 + k tokens, never past max_tokens,
@@ -68,3 +85,16 @@ class Speculator:
         if self.long_rope_after is not None and not seq.long_rope:
             limit = min(limit, self.long_rope_after - seq.num_tokens)
         return limit
+
+
+def build_speculator(engine) -> Speculator:
+    """The engine's speculator for its --speculative-config (draft_model: loads the draft model,
+    with a KV pool of as many blocks as the target's)."""
+    config = engine.config.speculative_config
+    draft = None
+    if config.method == "draft_model":
+        if engine.config.tensor_parallel_size > 1:
+            raise ValueError("speculative method draft_model is not supported with tensor_parallel_size > 1 yet")
+        draft = DraftModel(engine.config, config.model, engine.runner.kv_pool.num_blocks, int(engine.max_model_len),
+                           engine.eos_token_ids)
+    return Speculator(config, engine.long_rope_after, draft, engine.generator)

@@ -1,0 +1,106 @@
+"""The "draft_model" method: a second, smaller model with the target's vocabulary proposes k
+tokens autoregressively, from its own KV pool.
+
+Each sequence's draft KV lives in blocks of the draft pool (engine/block_manager.py, no
+prefix cache), keyed by the Sequence; the token ids whose KV is there are kept with it, so
+validity is the common prefix with the sequence's tokens: rejected drafts are simply
+recomputed over, a preempted or migrated sequence catches up with one chunk (on a
+decode worker after a remote prefill, the draft model prefills the prompt itself: its KV
+is rebuilt there, not transferred). Finished sequences' blocks go back after each step with
+drafts (and before each proposal).
+
+Drafts are sampled from q, the draft model's distribution under the request's own
+sampling transforms (penalties, temperature, top-k/p, min-p; greedy: the argmax, a point
+mass). q is kept per sequence for verification (verify_draft.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from splitserve.core.model_config import ModelConfig
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.logits_processors import apply_logits_processors
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.sampler import _filter_logits
+from splitserve.engine.sequence import Sequence, SequenceStatus
+from splitserve.engine.spec.verify import _with_tokens
+from splitserve.engine.step_inputs import StepInputs
+
+
+@dataclass
+class _DraftKV:
+    block_table: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # whose KV is in the draft pool, in order
+
+
+class DraftModel:
+    def __init__(self, config: EngineConfig, draft_dir: str, num_blocks: int, max_model_len: int,
+                 eos_token_ids: set[int]):
+        model_config = ModelConfig.from_dir(draft_dir)
+        if model_config.rope.long_after is not None:
+            raise ValueError(f"draft model {draft_dir}: longrope draft models are not supported")
+        cfg = replace(config, model=draft_dir, num_kv_blocks=num_blocks, quantization=None, cuda_graphs=False,
+                      speculative_config=None, model_id=None)
+        self.runner = ModelRunner(model_config, cfg, max_model_len)
+        self.blocks = BlockManager(self.runner.kv_pool.num_blocks, cfg.block_size, enable_prefix_caching=False)
+        self.block_size = cfg.block_size
+        self.eos_token_ids = eos_token_ids
+        self.kv: dict[Sequence, _DraftKV] = {}
+        self.probs: dict[Sequence, torch.Tensor] = {}  # q of the last drafts, [k, vocab], for verification
+
+    def propose(self, seq: Sequence, k: int, generator: torch.Generator) -> list[int]:
+        self.release_finished()
+        kv = self.kv.setdefault(seq, _DraftKV())
+        tokens = seq.token_ids
+        valid = 0
+        while valid < min(len(kv.tokens), len(tokens)) and kv.tokens[valid] == tokens[valid]:
+            valid += 1
+        valid = min(valid, len(tokens) - 1)  # the last token is run again: its logits are needed
+        needed = -(-(len(tokens) + k - 1) // self.block_size) - len(kv.block_table)
+        if needed > self.blocks.num_free_blocks:
+            return []  # the draft pool is full: this step goes without drafts
+        if needed > 0:
+            kv.block_table += self.blocks.allocate_blocks(needed)
+        logits = self._forward(kv.block_table, tokens[valid:], valid)
+        kv.tokens = list(tokens)
+        drafts: list[int] = []
+        rows: list[torch.Tensor] = []
+        for i in range(k):
+            q = self._distribution(logits, seq, drafts)
+            gen = seq.generator if seq.generator is not None else generator
+            token = int(q.argmax()) if seq.params.greedy else int(
+                (q / torch.empty_like(q).exponential_(generator=gen)).argmax())
+            drafts.append(token)
+            rows.append(q)
+            if i < k - 1:
+                logits = self._forward(kv.block_table, [token], len(tokens) + i)
+                kv.tokens.append(token)
+        self.probs[seq] = torch.stack(rows)
+        return drafts
+
+    def _distribution(self, logits: torch.Tensor, seq: Sequence, drafts: list[int]) -> torch.Tensor:
+        """q for the next draft: the request's sampling transforms on the draft's logits."""
+        processed = apply_logits_processors(logits, [_with_tokens(seq, drafts)], self.eos_token_ids)[0]
+        p = seq.params
+        if p.greedy:
+            return torch.nn.functional.one_hot(processed.argmax(), processed.shape[-1]).to(torch.float32)
+        return _filter_logits(processed / p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
+
+    def _forward(self, table: list[int], token_ids: list[int], start: int) -> torch.Tensor:
+        """Logits [1, vocab] after `token_ids` at positions start.. (one chunk of one sequence)."""
+        n, bs = len(token_ids), self.block_size
+        positions = list(range(start, start + n))
+        step = StepInputs(input_ids=list(token_ids), positions=positions,
+                          slots=[table[p // bs] * bs + p % bs for p in positions], logits_rows=[n - 1],
+                          prefill_lens=[n], prefill_seq_lens=[start + n], prefill_block_tables=[list(table)],
+                          decode_seq_lens=[], decode_block_tables=[], long_rope=None)
+        return self.runner.execute(step).float()
+
+    def release_finished(self) -> None:
+        for seq in [s for s in self.kv if s.status == SequenceStatus.FINISHED]:
+            self.blocks.release_blocks(self.kv.pop(seq).block_table)
+            self.probs.pop(seq, None)
