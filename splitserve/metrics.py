@@ -202,6 +202,19 @@ class Metrics:
         self.request_migrations = Counter(
             "splitserve_request_migrations_total",
             "Requests moved to another decode worker mid-stream.", ["reason"], registry=r)
+        # LoRA adapters (engine/lora/): per adapter, at the router and on each worker.
+        self.lora_requests = Counter(
+            "splitserve_lora_requests_total", "Finished requests that ran under a LoRA adapter.", ["adapter"],
+            registry=r)
+        self.lora_generation_tokens = Counter(
+            "splitserve_lora_generation_tokens_total", "Output tokens generated under a LoRA adapter.",
+            ["adapter"], registry=r)
+        self.lora_resident = Gauge(
+            "splitserve_lora_resident", "1 while a loaded adapter holds one of the worker's --max-loras slots, "
+            "else 0.", ["role", "worker", "adapter"], registry=r)
+        self.lora_slot_loads = Counter(
+            "splitserve_lora_slot_loads_total", "Times an adapter was copied into a slot (swaps in).",
+            ["role", "worker", "adapter"], registry=r)
         self.prefill_pool_actors = Gauge(
             "splitserve_prefill_pool_actors", "Prefill actors the prefill-pool driver keeps alive.", registry=r)
         self.worker_registrations_refused = Counter(
@@ -262,6 +275,14 @@ class Metrics:
             if delta > 0:
                 counter.labels(**labels).inc(delta)
             self._engine_totals[key] = total
+
+
+def sync_lora(metrics: Metrics, role: str, worker: str, loras) -> None:
+    """A worker's adapters (EngineStats.loras: name, salt, resident, slot loads) into its metrics."""
+    for name, _, resident, loads in loras:
+        labels = {"role": role, "worker": worker, "adapter": name}
+        metrics.lora_resident.labels(**labels).set(1 if resident else 0)
+        metrics.advance(metrics.lora_slot_loads, labels, loads)
 
 
 def sync_kv_offload(metrics: Metrics, role: str, worker: str, stats) -> None:

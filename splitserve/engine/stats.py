@@ -27,7 +27,7 @@ class EngineStats:
     held_blocks: int = 0  # prefill side: KV blocks of the held_for_push sequences
     prompt_tokens_computed: int = 0  # prefill tokens run so far
     step_seconds: float = 0.0  # wall time of steps so far
-    loras: tuple[tuple[str, int, bool], ...] = ()  # (name, block-hash salt, holds a slot) per loaded adapter
+    loras: tuple[tuple[str, int, bool, int], ...] = ()  # per loaded adapter: name, block-hash salt, holds a slot, swaps in
     kv_offload: object = None  # OffloadStats of the host/disk tiers (engine/kv_offload/stats.py); None: no tiers
     spec_decode: object = None  # SpecDecodeStats (engine/spec/speculator.py); None: no speculation
 

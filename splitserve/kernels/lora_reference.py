@@ -26,6 +26,20 @@ def sgmv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, perm: torch.Tensor
     return out
 
 
+def lora_delta_padded(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
+                      first_slot: int) -> torch.Tensor:
+    """The same delta for steps of short segments (decode): `rows` [slots, L] lists each slot's
+    tokens from `first_slot` on, padded with x.shape[0] (a zero row); two batched matmuls over
+    the slots' stacked weights (views, no copy) replace two matmuls per segment, so a decode
+    step's cost does not grow with the number of distinct adapters in it."""
+    n, count = x.shape[0], rows.shape[0]
+    padded = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, rows.flatten()).view(count, -1, x.shape[1])
+    delta = torch.bmm(torch.bmm(padded, a[first_slot:first_slot + count].transpose(1, 2)),
+                      b[first_slot:first_slot + count].transpose(1, 2))
+    summed = out.new_zeros(n + 1, out.shape[1]).index_add_(0, rows.flatten(), delta.flatten(0, 1).to(out.dtype))
+    return out.add_(summed[:n])
+
+
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, perm: torch.Tensor,
                seg_starts: list[int], seg_slots: list[int]) -> torch.Tensor:
     """out[rows] += (x[rows] @ a[slot].T) @ b[slot].T per segment: shrink and expand fused

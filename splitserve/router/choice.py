@@ -56,6 +56,9 @@ class ChoiceRun:
                 m.request_success.labels(model=model, finish_reason=finish).inc()
                 m.generation_tokens.labels(model=model).inc(len(self.text.token_ids))
                 m.prompt_tokens.labels(model=model).inc(len(self.prompt))
+                if self.params.lora_name is not None:  # per adapter (router/lora.py)
+                    m.lora_requests.labels(adapter=self.params.lora_name).inc()
+                    m.lora_generation_tokens.labels(adapter=self.params.lora_name).inc(len(self.text.token_ids))
                 return  # a stop string ends the stream here; the worker call is cancelled
 
     async def run_to_end(self) -> None:

@@ -22,7 +22,7 @@ from splitserve.proto.convert import logprob_from_proto, pb, sampling_to_proto
 from splitserve.proto.worker_pb2_grpc import DecodeWorkerStub
 from splitserve.router import errors
 from splitserve.router.index_sync import IndexSync
-from splitserve.router.lora import RouterLoRA
+from splitserve.router.lora import RouterLoRA, lora_candidates
 from splitserve.router.policy import NoHealthyWorker, PolicyConfig, RouteDecision, route
 from splitserve.router.radix_index import RadixIndex
 from splitserve.security.links import NO_SECURITY, LinkSecurity
@@ -127,14 +127,14 @@ class Dispatcher:
         start = time.perf_counter()
         hashes = self.prompt_hashes(prompt, lora)
         decode = [w for w in self.sync.live("decode") if w not in exclude]
-        if lora is not None:  # only workers that have the adapter loaded can serve it
-            decode = [w for w in decode if lora in getattr(self.sync.loads.get(w), "loras", {})] or decode
+        if lora is not None:  # workers that have the adapter; resident first
+            decode = lora_candidates(decode, self.loras.have(decode, lora), self.sync.loads, lora)
         if not decode:
             raise NoHealthyWorker("no healthy decode worker" + (f" (excluding failed {sorted(exclude)})"
                                                                  if exclude else ""))
         prefill = self.sync.live("prefill")
         if lora is not None:  # a prefill worker without the adapter would compute the base model's KV
-            prefill = [w for w in prefill if lora in getattr(self.sync.loads.get(w), "loras", {})]
+            prefill = self.loras.have(prefill, lora)
         workers = decode + prefill
         peers = decode if lora is None else []  # a prefix pull moves base-model blocks only
         if self.config.mode != "prefix":  # baseline: ignore overlap and load for the decode choice

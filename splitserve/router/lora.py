@@ -3,10 +3,12 @@ adapter's block-hash salt (so the router's prefix index keys KV by adapter exact
 workers do), and runtime loading fanned out to every worker.
 
 The workers are the source of truth: their load reports list the adapters they have loaded
-(name -> salt, the salt from the adapter's content). A runtime load or unload through the
-router is applied to every live decode and prefill worker, all or nothing, and patched into
-the router's copy of their reports at once, so the next request sees it without waiting
-for a heartbeat. A worker that registers later has only its --lora-modules.
+(name -> salt, the salt from the adapter's content). The router keeps each registered
+worker's last listed adapters even while its report has expired (a worker too busy to
+report on time still has them). A runtime load or unload through the router is applied to
+every live decode and prefill worker, all or nothing, and recorded here at once, so the next
+request sees it without waiting for a report. A worker that registers later has only its
+--lora-modules.
 """
 
 from __future__ import annotations
@@ -34,16 +36,30 @@ class RouterLoRA:
     def __init__(self, sync, security, served: str):
         self.sync, self.security, self.served = sync, security, served
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._known: dict[str, dict[str, int]] = {}  # worker -> its adapters (name -> salt)
+        self._seen: dict[str, object] = {}  # worker -> the report _known was last taken from
 
     # ---- what is served -------------------------------------------------------------------
+    def worker_loras(self) -> dict[str, dict[str, int]]:
+        """Each registered worker's adapters, from its latest report."""
+        for w, report in self.sync.loads.items():
+            if self._seen.get(w) is not report:
+                self._seen[w], self._known[w] = report, dict(report.loras)
+        for w in [w for w in self._known if w not in self.sync.workers]:
+            del self._known[w], self._seen[w]
+        return self._known
+
     def adapters(self) -> dict[str, int]:
         """name -> salt of every adapter a live decode worker has loaded."""
-        out: dict[str, int] = {}
+        known, out = self.worker_loras(), {}
         for w in self.sync.live("decode"):
-            report = self.sync.loads.get(w)
-            if report is not None:
-                out.update(report.loras)
+            out.update(known.get(w, {}))
         return out
+
+    def have(self, workers: list[str], lora: str) -> list[str]:
+        """Those of `workers` that have `lora` loaded."""
+        known = self.worker_loras()
+        return [w for w in workers if lora in known.get(w, {})]
 
     def models(self) -> list[str]:
         return [self.served, *sorted(self.adapters())]
@@ -96,9 +112,9 @@ class RouterLoRA:
                 raise errors.invalid_request(exc.details().partition(": ")[2] or exc.details(), "lora_path")
             raise APIError(503, f"worker {worker} did not load the adapter ({exc!r}); nothing was loaded",
                            "service_unavailable", code="worker_failure")
+        known = self.worker_loras()
         for (w, _), reply in zip(workers, results, strict=True):
-            if (report := self.sync.loads.get(w)) is not None:
-                report.loras[name] = reply.salt
+            known.setdefault(w, {})[name] = reply.salt
 
     async def unload(self, name: str) -> None:
         if name not in self.adapters():
@@ -109,13 +125,34 @@ class RouterLoRA:
         request = pb.LoRAAdapterRequest(lora_name=name)
         await asyncio.gather(*(stub.UnloadLoRA(request, timeout=30, metadata=self.security.metadata)
                                for _, stub in workers), return_exceptions=True)
+        known = self.worker_loras()
         for w, _ in workers:
-            if (report := self.sync.loads.get(w)) is not None:
-                report.loras.pop(name, None)
+            known.get(w, {}).pop(name, None)
 
     async def close(self) -> None:
         for ch in self._channels.values():
             await ch.close()
+
+
+def lora_candidates(workers: list[str], having: list[str], loads: dict, lora: str | None,
+                    slack: int = 4) -> list[str]:
+    """The workers a request under `lora` may go to: those `having` it loaded (all of
+    `workers` if none is known to yet); among them those with it in a slot already (their
+    load reports, `loads`: no swap, no other adapter evicted), unless even the least busy of
+    those has `slack` more requests than the least busy of the rest: a hot adapter then
+    spreads to another worker instead of queueing behind one."""
+    if lora is None:
+        return workers
+    loaded = [w for w in workers if w in having] or workers
+    resident = [w for w in loaded if w in loads and lora in loads[w].resident_loras]
+    if not resident or len(resident) == len(loaded):
+        return loaded
+
+    def busy(w: str) -> int:
+        return loads[w].running + loads[w].waiting if w in loads else 0
+
+    others = min(busy(w) for w in loaded if w not in resident)
+    return resident if min(busy(w) for w in resident) <= others + slack else loaded
 
 
 def parse_lora_body(raw: bytes, need_path: bool) -> tuple[str, str]:

@@ -4,6 +4,9 @@ with the engine's one-line reason; the worker's adapters are then unchanged."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import grpc
 
 from splitserve.engine.lora.adapter import LoRAAdapterError
@@ -18,7 +21,18 @@ class LoRAService:
             salt = await self.engine.add_lora(request.lora_name, request.lora_path)
         except LoRAAdapterError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.worker_id}: {exc}")
+        await self._stats_show(request.lora_name, loaded=True)
         return pb.LoRAAdapterReply(salt=salt)
 
     async def UnloadLoRA(self, request: pb.LoRAAdapterRequest, context) -> pb.LoRAAdapterReply:  # noqa: N802
-        return pb.LoRAAdapterReply(found=await self.engine.remove_lora(request.lora_name))
+        found = await self.engine.remove_lora(request.lora_name)
+        await self._stats_show(request.lora_name, loaded=False)
+        return pb.LoRAAdapterReply(found=found)
+
+    async def _stats_show(self, name: str, loaded: bool, timeout_s: float = 5.0) -> None:
+        """Reply once the engine's stats (what load reports are built from) show the change:
+        the router patches its copy of this worker's report when we reply, and a heartbeat
+        built from older stats would undo that."""
+        deadline = time.monotonic() + timeout_s
+        while any(a[0] == name for a in self.stats.loras) != loaded and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)

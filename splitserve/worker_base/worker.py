@@ -28,7 +28,7 @@ from splitserve.engine.engine_process import EngineProcess, use_engine_process
 from splitserve.engine.heap import freeze_startup_heap
 from splitserve.engine.llm_engine import LLMEngine, RequestOutput
 from splitserve.engine.stats import EngineStats
-from splitserve.metrics import Metrics
+from splitserve.metrics import Metrics, sync_lora
 from splitserve.proto.convert import pb
 from splitserve.worker_base.config import WorkerConfig, advertised_host
 
@@ -153,13 +153,14 @@ class WorkerBase(abc.ABC):
         waiting, waiting_tokens = self._load_numbers(s)
         m, labels = self.metrics, {"role": self.role, "worker": self.worker_id}
         m.sync_engine_counters(self.role, self.worker_id, s.prefix_query_tokens, s.prefix_hit_tokens, s.preemptions)
+        sync_lora(m, self.role, self.worker_id, s.loras)  # adapters resident, swaps in (engine/lora/)
         if s.spec_decode is not None:  # speculative decoding (engine/spec/)
             m.sync_spec_decode(self.role, self.worker_id, s.spec_decode)
         m.num_requests_waiting.labels(**labels).set(waiting)
         m.num_requests_running.labels(**labels).set(s.running)
         m.kv_cache_usage.labels(**labels).set(s.kv_usage)
         return LoadReport(self.worker_id, self.role, waiting, s.running, s.kv_usage, waiting_tokens=waiting_tokens,
-                          loras={n: salt for n, salt, _ in s.loras}, resident_loras=[n for n, _, r in s.loras if r])
+                          loras={a[0]: a[1] for a in s.loras}, resident_loras=[a[0] for a in s.loras if a[2]])
 
     def _load_numbers(self, s: EngineStats) -> tuple[int, int]:
         """(waiting requests, queued prompt tokens) as this role reports them."""

@@ -1,9 +1,9 @@
 """Multi-LoRA through `splitserve serve` for real (Ray, 1 prefill + 1 decode worker, gRPC KV
 transfer) and the OpenAI client: three PEFT adapters and the base model interleaved at
 concurrency 8 come back token for token as transformers + PeftModel make them, both on the
-disaggregated path (prompts of 40 tokens: prefilled on the prefill worker under the same
-adapter, KV moved under the adapter's block hashes) and colocated (short prompts prefilled on
-the decode worker); the same prompt under adapter B after adapter A gets B's tokens on each
+disaggregated path (prompts of 40 tokens, --strict-disaggregation: prefilled on the prefill
+worker under the same adapter, KV moved under the adapter's block hashes) and colocated
+(short prompts prefilled on the decode worker); the same prompt under adapter B after adapter A gets B's tokens on each
 path; /v1/models lists the adapters with `parent`; runtime load, use, unload and
 use-after-unload (404 model_not_found); bad adapters refused with a 400 in one line and
 nothing changed."""
@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+import requests
 
 from splitserve.core.tokenizer import Tokenizer
 from tests.helpers.lora_adapters import ADAPTERS, make_adapter, peft_greedy
@@ -32,7 +33,7 @@ def stack(make_ckpt, tmp_path_factory):
     modules = [f"{name}={path}" for name, path in adapters.items() if name != "mlp-r16"]  # the third: at runtime
     serve = SplitserveProcess("serve", [
         "--model", str(base), "--served-model-name", SERVED, "--prefill-workers", "1", "--decode-workers", "1",
-        "--num-kv-blocks", "256", "--disagg-min-uncached-tokens", "24", "--enable-lora", "--max-loras", "3",
+        "--num-kv-blocks", "256", "--disagg-min-uncached-tokens", "24", "--strict-disaggregation", "--enable-lora", "--max-loras", "3",
         "--max-lora-rank", "16", "--lora-modules", *modules], env={"SPLITSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1"})
     client = openai.OpenAI(base_url=serve.base_url + "/v1", api_key="unused", max_retries=0)
     try:
@@ -47,6 +48,7 @@ def complete(client, model: str, prompt: list[int]):
     raw = client.completions.with_raw_response.create(model=model, prompt=prompt, max_tokens=NEW, temperature=0,
                                                       extra_body={"ignore_eos": True})
     workers = dict(p.split("=", 1) for p in raw.headers["x-splitserve-workers"].split("; "))
+    workers["route"] = raw.headers["x-splitserve-route"]
     return raw.parse(), workers
 
 
@@ -74,7 +76,12 @@ def test_adapters_and_base_interleaved_match_peft_on_both_paths(stack):
     for (model, prompt), (out, workers) in zip(jobs, results, strict=True):
         adapter = None if model == SERVED else adapters[model]
         assert out.choices[0].text == tok.decode(peft_greedy(base, adapter, prompt, NEW)), (model, len(prompt))
-        assert workers["prefill"] == ("prefill-0" if len(prompt) == 40 else "decode-0"), (model, len(prompt), [(j[0], len(j[1]), w) for j, (_, w) in zip(jobs, results)])
+        # --strict-disaggregation: the path follows the uncached length alone (not the backlogs)
+        assert workers["prefill"] == ("prefill-0" if len(prompt) == 40 else "decode-0"), (model, workers["route"])
+    metrics = requests.get(serve.base_url + "/metrics", timeout=10).text
+    for name in ADAPTERS:  # 4 requests each, 12 tokens each
+        assert f'splitserve_lora_requests_total{{adapter="{name}"}} 4.0' in metrics, name
+        assert f'splitserve_lora_generation_tokens_total{{adapter="{name}"}} 48.0' in metrics, name
 
 
 @pytest.mark.parametrize("length", [40, 15], ids=["disaggregated", "colocated"])
@@ -84,7 +91,8 @@ def test_same_prompt_under_b_after_a_gets_b_tokens(stack, length):
     prompt = [random.Random(length).randrange(5, 1000) for _ in range(length)]
     first, _ = complete(client, "all-r8", prompt)
     assert complete(client, "all-r8", prompt)[0].usage.prompt_tokens_details.cached_tokens > 0 or length < 17
-    second, _ = complete(client, "qv-r4-rslora", prompt)
+    second, workers = complete(client, "qv-r4-rslora", prompt)
+    assert workers["prefill"] == ("prefill-0" if length == 40 else "decode-0"), workers  # prefilled there
     assert first.choices[0].text == tok.decode(peft_greedy(base, adapters["all-r8"], prompt, NEW))
     assert second.choices[0].text == tok.decode(peft_greedy(base, adapters["qv-r4-rslora"], prompt, NEW))
     assert second.usage.prompt_tokens_details.cached_tokens == 0

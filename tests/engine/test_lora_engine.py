@@ -53,6 +53,9 @@ def test_three_adapters_and_base_interleaved_match_peft(base, adapters):
         assert out.token_ids == want, (lora and lora.lora_name, len(prompt))
         seen[lora and lora.lora_name] = (prompt, out.token_ids)
     assert llm.engine.loras.slots.num_loads >= 3  # the third adapter took a slot another had
+    state = llm.engine.lora_state()  # what load reports and metrics read: 2 of 3 hold a slot, swaps counted
+    assert sorted(n for n, *_ in state) == sorted(ADAPTERS) and sum(r for _, _, r, _ in state) == 2
+    assert sum(loads for *_, loads in state) == llm.engine.loras.slots.num_loads
     # the adapters really change the tokens: each differs from the base on the same prompt
     for name in ADAPTERS:
         prompt, tokens = seen[name]

@@ -87,3 +87,24 @@ def test_triton_lora_delta_matches_the_torch_path(device, dtype):
     got = triton_lora.lora_delta(x, a, b, base.clone(), perm.to(device), starts, seg_slots)
     want = lora_reference.lora_delta(x, a, b, base.clone(), perm.to(device), starts, seg_slots)
     assert (got.float() - want.float()).abs().max() <= TOLERANCE[dtype] * want.float().abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_padded_decode_path_matches_a_loop_over_tokens(dtype):
+    """The engine's path for steps of short segments: slots 1..3 of 5 in use, slot 2 unused
+    (an all-padding row), base-model tokens in no row."""
+    from splitserve.engine.lora.apply import LoRAStep
+
+    gen = torch.Generator().manual_seed(4)
+    token_slots = [1, -1, 3, 3, 1, -1, 1, 3]
+    x = torch.randn(8, 72, generator=gen).to(dtype)
+    a = (torch.randn(5, 24, 72, generator=gen) / 8).to(dtype)
+    b = (torch.randn(5, 40, 24, generator=gen) / 5).to(dtype)
+    step = LoRAStep()
+    step.set(token_slots, torch.device("cpu"))
+    assert step.first_slot == 1 and step.padded_rows.tolist() == [[0, 4, 6], [8, 8, 8], [2, 3, 7]]
+    base = torch.randn(8, 40, generator=gen).to(dtype)
+    out = lora_reference.lora_delta_padded(x, a, b, base.clone(), step.padded_rows, step.first_slot)
+    want = base.double() + loop_reference(x, a, b, token_slots)
+    assert (out.double() - want).abs().max() < TOLERANCE[dtype] * want.abs().max()
+    assert torch.equal(out[[1, 5]], base[[1, 5]])

@@ -17,6 +17,10 @@ from torch import nn
 from splitserve.kernels import lora_reference
 from splitserve.kernels.ops import backend_for
 
+# Segments of at most this many tokens (decode steps, short chunks) take the padded batched
+# path: its padding costs less than one matmul call per segment would.
+PADDED_MAX_ROWS = 16
+
 
 @dataclass
 class LoRAStep:
@@ -24,6 +28,8 @@ class LoRAStep:
     seg_starts: list[int] = field(default_factory=list)
     seg_slots: list[int] = field(default_factory=list)
     whole_slot: int | None = None  # every token of the step under this one slot: no gather needed
+    padded_rows: torch.Tensor | None = None  # short segments (decode): [slots, L] for the batched path
+    first_slot: int = 0
 
     def set(self, token_slots: list[int], device: torch.device) -> None:
         """token_slots: each token's slot in step order, -1 for the base model."""
@@ -38,6 +44,15 @@ class LoRAStep:
             self.seg_starts.append(len(perm))
         self.perm = torch.tensor(perm, dtype=torch.int64, device=device) if perm else None
         self.whole_slot = self.seg_slots[0] if len(self.seg_slots) == 1 and len(perm) == len(token_slots) else None
+        self.padded_rows = None
+        longest = max((len(rows) for rows in by_slot.values()), default=0)
+        if len(self.seg_slots) > 1 and longest <= PADDED_MAX_ROWS:
+            self.first_slot = self.seg_slots[0]
+            width = self.seg_slots[-1] - self.first_slot + 1
+            pad = len(token_slots)  # the zero row appended to x
+            table = [by_slot.get(self.first_slot + s, []) for s in range(width)]
+            self.padded_rows = torch.tensor([r + [pad] * (longest - len(r)) for r in table], dtype=torch.int64,
+                                            device=device)
 
 
 def _lora_delta(x, a, b, out, step: LoRAStep):
@@ -47,6 +62,8 @@ def _lora_delta(x, a, b, out, step: LoRAStep):
         return triton_lora.lora_delta(x, a, b, out, step.perm, step.seg_starts, step.seg_slots)
     if step.whole_slot is not None:
         return out.add_((x @ a[step.whole_slot].T) @ b[step.whole_slot].T)
+    if step.padded_rows is not None:
+        return lora_reference.lora_delta_padded(x, a, b, out, step.padded_rows, step.first_slot)
     return lora_reference.lora_delta(x, a, b, out, step.perm, step.seg_starts, step.seg_slots)
 
 

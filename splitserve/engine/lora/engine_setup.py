@@ -53,12 +53,13 @@ class LoRAEngine:
     def remove_lora(self, name: str) -> bool:
         return self.loras is not None and self.loras.remove(name)
 
-    def lora_state(self) -> tuple[tuple[str, int, bool], ...]:
-        """(name, salt, holds a slot now) of every loaded adapter (load reports, metrics)."""
+    def lora_state(self) -> tuple[tuple[str, int, bool, int], ...]:
+        """(name, salt, holds a slot now, times swapped in) of every loaded adapter (load
+        reports, metrics)."""
         if self.loras is None:
             return ()
-        resident = set(self.loras.resident())
-        return tuple((n, a.salt, n in resident) for n, a in self.loras.adapters.items())
+        resident, loads = set(self.loras.resident()), self.loras.slots.loads
+        return tuple((n, a.salt, n in resident, loads[a.key]) for n, a in self.loras.adapters.items())
 
 
 __all__ = ["LoRAAdapterError", "LoRAEngine", "UnknownLoRAError", "attach_lora", "resolve_lora"]

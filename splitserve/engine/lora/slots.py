@@ -11,7 +11,7 @@ the adapter was loaded (adapter.py), not here.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ class LoRASlots:
             self.b[name] = torch.zeros(max_loras, linear.out_features, width, dtype=dtype, device=device)
         self.resident: OrderedDict[tuple[str, int], int] = OrderedDict()  # adapter key -> slot, LRU first
         self.num_loads = 0
+        self.loads: Counter[tuple[str, int]] = Counter()  # swaps in, per adapter (metrics)
 
     def assign(self, adapters: list[LoRAAdapter]) -> dict[tuple[str, int], int]:
         """A slot for each of `adapters` (at most max_loras distinct), loading the ones not
@@ -69,3 +70,4 @@ class LoRASlots:
                 self.b[name][slot, part.rows[0]:part.rows[1], cols].copy_(part.b, non_blocking=True)
         self.resident[adapter.key] = slot
         self.num_loads += 1
+        self.loads[adapter.key] += 1
