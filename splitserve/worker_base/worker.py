@@ -28,7 +28,7 @@ from splitserve.engine.engine_process import EngineProcess, use_engine_process
 from splitserve.engine.heap import freeze_startup_heap
 from splitserve.engine.llm_engine import LLMEngine, RequestOutput
 from splitserve.engine.stats import EngineStats
-from splitserve.metrics import Metrics, sync_lora
+from splitserve.metrics import Metrics, sync_kv_offload, sync_lora
 from splitserve.proto.convert import pb
 from splitserve.worker_base.config import WorkerConfig, advertised_host
 
@@ -156,6 +156,8 @@ class WorkerBase(abc.ABC):
         sync_lora(m, self.role, self.worker_id, s.loras)  # adapters resident, swaps in (engine/lora/)
         if s.spec_decode is not None:  # speculative decoding (engine/spec/)
             m.sync_spec_decode(self.role, self.worker_id, s.spec_decode)
+        if s.kv_offload is not None:  # host / disk tiers (engine/kv_offload/)
+            sync_kv_offload(m, self.role, self.worker_id, s.kv_offload)
         m.num_requests_waiting.labels(**labels).set(waiting)
         m.num_requests_running.labels(**labels).set(s.running)
         m.kv_cache_usage.labels(**labels).set(s.kv_usage)
