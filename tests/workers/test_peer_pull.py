@@ -1,4 +1,5 @@
-"""Peer prefix pull between two real decode workers on 127.0.0.1 (gRPC, KV receiver): the
+"""Peer prefix pull between two real decode workers on 127.0.0.1 (gRPC; the KV over the grpc or
+the mooncake backend): the
 worker told that a peer holds the prompt's prefix pulls those blocks instead of recomputing
 them, token-exact; a peer that lacks them or is gone ends in a recompute with the same
 tokens; every block and lease is back at idle."""
@@ -22,9 +23,9 @@ PREFIX = [rng.randrange(5, 1000) for _ in range(96)]  # 6 blocks
 FIRST, SECOND = PREFIX + [7, 8, 9], PREFIX + [rng.randrange(5, 1000) for _ in range(11)]
 
 
-def config(path, worker_id):
+def config(path, worker_id, kv_backend="grpc"):
     return DecodeWorkerConfig(EngineConfig(model=str(path), num_kv_blocks=64, model_id="test-model"),
-                              worker_id=worker_id, prefill_timeout_s=10)
+                              worker_id=worker_id, prefill_timeout_s=10, kv_backend=kv_backend)
 
 
 async def generate(worker, rid, prompt, pull_from=None, pull_blocks=6):
@@ -60,9 +61,10 @@ def expected(make_ckpt):
                                                       strict=True)}
 
 
-async def test_the_prefix_is_pulled_from_the_peer_token_exact(make_ckpt, expected):
+@pytest.mark.parametrize("kv_backend", ["grpc", "mooncake"])
+async def test_the_prefix_is_pulled_from_the_peer_token_exact(make_ckpt, expected, kv_backend):
     path, bus = make_ckpt("llama"), InProcBus()
-    d0, d1 = DecodeWorker(config(path, "d0"), bus=bus), DecodeWorker(config(path, "d1"), bus=bus)
+    d0, d1 = (DecodeWorker(config(path, w, kv_backend), bus=bus) for w in ("d0", "d1"))
     await asyncio.gather(d0.start(), d1.start())
     try:
         assert await generate(d0, "a", FIRST) == (expected[tuple(FIRST)], 0)
