@@ -1,8 +1,7 @@
-"""Peer prefix pull between two real decode workers on 127.0.0.1 (gRPC; the KV over the grpc or
-the mooncake backend): the
-worker told that a peer holds the prompt's prefix pulls those blocks instead of recomputing
-them, token-exact; a peer that lacks them or is gone ends in a recompute with the same
-tokens; every block and lease is back at idle."""
+"""Peer prefix pull between two real decode workers on 127.0.0.1 (gRPC; the KV over the grpc
+or the mooncake backend): the worker told that a peer holds the prompt's prefix pulls those
+blocks instead of recomputing them, token-exact; a peer that lacks them or is gone ends in a
+recompute with the same tokens; every block and lease is back at idle."""
 
 import asyncio
 import random
