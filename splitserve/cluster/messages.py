@@ -46,9 +46,9 @@ class LoadReport:
     running: int  # requests in the running batch
     kv_usage: float  # fraction of KV blocks in use, 0..1
     waiting_tokens: int = 0  # prompt tokens still to prefill (prefill workers' queue)
+    timestamp: float = field(default_factory=time.time)
     loras: dict[str, int] = field(default_factory=dict)  # loaded LoRA adapter -> its block-hash salt
     resident_loras: list[str] = field(default_factory=list)  # those holding a slot now (routing prefers them)
-    timestamp: float = field(default_factory=time.time)
 
 
 @dataclass
