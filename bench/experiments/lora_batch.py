@@ -5,9 +5,10 @@ and MLP projection spread over the batch (4 sequences per adapter at 8, one each
 Each measurement prefills the batch (not timed), then times its decode steps.
 
     python -m bench.experiments.lora_batch [--model smollm2|DIR] [--rank 16] [--steps 8] [--rounds 3] [--threads 1]
+        [--device cuda --dtype bfloat16]   # on a GPU: the Triton kernel
 
 SmolLM2 is ~/.cache/splitserve/smollm2-135m-instruct (bench/experiments/smollm2_checkpoint.py
-writes it), float32, on the CPU. The adapters are random, written in PEFT's format (the
+writes it), float32 on the CPU by default. The adapters are random, written in PEFT's format (the
 engine reads them as it reads PEFT's; tests/engine/test_lora_engine.py checks PEFT-written
 ones against PeftModel). Results: bench/results/lora_batch.json. The configurations take
 turns, round after round, in this process, so the machine's load drifts over all alike.
@@ -82,6 +83,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed per measurement")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="cuda: the Triton LoRA kernel (kernels/triton_lora.py) runs")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: on a shared, oversubscribed machine every parallel region "
                          "of a small op waits for a descheduled thread, which measures the machine, not the engine)")
@@ -92,7 +95,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, cfg.vocab_size, (PROMPT,), generator=g).tolist() for _ in range(BATCH)]
     common = dict(num_kv_blocks=BATCH * 4 + 8, max_num_seqs=BATCH, max_num_batched_tokens=BATCH * PROMPT,
-                  enable_prefix_caching=False)  # every round prefills afresh (not timed)
+                  enable_prefix_caching=False, device=args.device, dtype=args.dtype)  # prefills afresh, not timed
     started = time.perf_counter()
     plain = LLM(model, **common).engine
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,15 +112,16 @@ def main() -> None:
             print(name, round(rates[name][-1], 1), flush=True)
     base = statistics.median(rates["base, no --enable-lora"])
     result = {
-        "model": Path(model).name, "dtype": "float32", "device": "cpu", "batch": BATCH, "prompt_tokens": PROMPT,
+        "model": Path(model).name, "dtype": args.dtype, "device": args.device, "batch": BATCH, "prompt_tokens": PROMPT,
         "decode_steps": args.steps, "rounds": args.rounds, "rank": args.rank, "targets": "q,k,v,o,gate,up,down",
         "torch_threads": torch.get_num_threads(), "load_avg_1min_at_end": os.getloadavg()[0],
-        "note": "shared 2-core machine: other sessions' jobs ran at the same time",
+        "note": "shared 2-core machine: other sessions' jobs ran at the same time" if args.device == "cpu" else "",
         "decode_tok_s": {k: {"median": round(statistics.median(v), 1), "runs": [round(r, 1) for r in v],
                              "relative_to_base": round(statistics.median(v) / base, 3)} for k, v in rates.items()},
         "seconds": round(time.perf_counter() - started, 1),
     }
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    out = RESULTS if args.device == "cpu" else RESULTS.with_name(f"lora_batch_{args.device.split(':')[0]}.json")
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 

@@ -49,6 +49,9 @@ class LoRAManager:
         old = self.adapters.get(name)
         if old is not None and old.salt != adapter.salt:
             raise LoRAAdapterError(f"LoRA adapter {name!r} is already loaded with other weights; unload it first")
+        if old is None and self.device.type == "cuda":  # pinned: a swap into a slot copies asynchronously
+            for part in (p for parts in adapter.modules.values() for p in parts):
+                part.a, part.b = part.a.pin_memory(), part.b.pin_memory()
         self.adapters[name] = old or adapter
         return self.adapters[name]
 
