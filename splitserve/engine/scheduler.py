@@ -86,11 +86,13 @@ class Scheduler:
             budget -= n
             i += 1
         # Admit new work only when nothing had to be preempted this step.
+        passed_over: list[Sequence] = []  # LoRA: adapters with no free slot wait; the rest go ahead
         while (self.waiting and budget > 0 and not batch.preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
             if not self.admits(seq):
-                break
+                passed_over.append(self.waiting.popleft())
+                continue
             cached = self.bm.match_prefix(seq)
             n = min(seq.num_tokens - len(cached) * self.bm.block_size, budget)
             if not self.bm.can_admit(seq, cached, n):
@@ -103,6 +105,7 @@ class Scheduler:
             self.running.append(seq)
             self._add_to_batch(batch, seq, n)
             budget -= n
+        self.waiting.extendleft(reversed(passed_over))  # back at the front, in their order
         return batch
 
     def _admit(self, seq: Sequence, cached: list[int], n: int) -> None:

@@ -139,3 +139,23 @@ def test_lora_needs_enable_lora(base, adapters):
         llm.generate([1, 2, 3], greedy(), lora_request=LoRARequest("a", 1, str(adapters["all-r8"])))
     with pytest.raises(InvalidPromptError, match="not enabled"):
         llm.generate([1, 2, 3], SamplingParams(max_tokens=2, lora_name="a"))
+
+
+def test_a_request_waiting_for_a_slot_does_not_hold_back_the_base_model(base, adapters):
+    llm = LLM(str(base), num_kv_blocks=64, enable_lora=True, max_loras=1)
+    engine = llm.engine
+    for name in ("all-r8", "mlp-r16"):
+        engine.loras.add(name, str(adapters[name]))
+    engine.add_request("a", list(range(10, 30)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, lora_name="all-r8"))
+    engine.step()  # "a" holds the one slot
+    engine.add_request("b", list(range(40, 60)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                                     lora_name="mlp-r16"))
+    engine.add_request("base", list(range(70, 90)), greedy(8))
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.running] == ["a", "base"]
+    assert [s.request_id for s in engine.scheduler.waiting] == ["b"]  # its adapter needs the slot "a" holds
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert done["b"] == peft_greedy(base, adapters["mlp-r16"], list(range(40, 60)), 8)
+    assert done["base"] == peft_greedy(base, None, list(range(70, 90)), 8)
