@@ -174,7 +174,8 @@ def openapi_document(served_model: str, max_model_len: int, auth: bool) -> dict:
     text_out = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
     model_object = {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
         "id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
-        "owned_by": {"type": "string"}}}
+        "owned_by": {"type": "string"},
+        "root": {"type": "string"}, "parent": {"type": "string", "description": "a LoRA adapter's base model"}}}
     plain = {"200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}
     return {
         "openapi": "3.1.0",
