@@ -89,9 +89,14 @@ def test_same_prompt_under_b_after_a_gets_b_tokens(stack, length):
     base, adapters, _, serve, client = stack
     tok = Tokenizer(base)
     prompt = [random.Random(length).randrange(5, 1000) for _ in range(length)]
+    blocks = length // 16
     first, _ = complete(client, "all-r8", prompt)
-    assert complete(client, "all-r8", prompt)[0].usage.prompt_tokens_details.cached_tokens > 0 or length < 17
+    again, routed = complete(client, "all-r8", prompt)
+    # the router's index hashes the prompt with the adapter's salt, as the workers do: a hit
+    assert f"cached={blocks}/{blocks}" in routed["route"], routed["route"]
+    assert again.usage.prompt_tokens_details.cached_tokens > 0 or length < 17
     second, workers = complete(client, "qv-r4-rslora", prompt)
+    assert f"cached=0/{blocks}" in workers["route"], workers["route"]  # nothing cached under B
     assert workers["prefill"] == ("prefill-0" if length == 40 else "decode-0"), workers  # prefilled there
     assert first.choices[0].text == tok.decode(peft_greedy(base, adapters["all-r8"], prompt, NEW))
     assert second.choices[0].text == tok.decode(peft_greedy(base, adapters["qv-r4-rslora"], prompt, NEW))
