@@ -61,7 +61,7 @@ def _lora_delta(x, a, b, out, step: LoRAStep):
 
         return triton_lora.lora_delta(x, a, b, out, step.perm, step.seg_starts, step.seg_slots)
     if step.whole_slot is not None:
-        return out.add_((x @ a[step.whole_slot].T) @ b[step.whole_slot].T)
+        return out.addmm_(x @ a[step.whole_slot].T, b[step.whole_slot].T)  # the add fused into the expand
     if step.padded_rows is not None:
         return lora_reference.lora_delta_padded(x, a, b, out, step.padded_rows, step.first_slot)
     return lora_reference.lora_delta(x, a, b, out, step.perm, step.seg_starts, step.seg_slots)
