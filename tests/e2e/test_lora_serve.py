@@ -3,10 +3,10 @@ transfer) and the OpenAI client: three PEFT adapters and the base model interlea
 concurrency 8 come back token for token as transformers + PeftModel make them, both on the
 disaggregated path (prompts of 40 tokens, --strict-disaggregation: prefilled on the prefill
 worker under the same adapter, KV moved under the adapter's block hashes) and colocated
-(short prompts prefilled on the decode worker); the same prompt under adapter B after adapter A gets B's tokens on each
-path; /v1/models lists the adapters with `parent`; runtime load, use, unload and
-use-after-unload (404 model_not_found); bad adapters refused with a 400 in one line and
-nothing changed."""
+(short prompts prefilled on the decode worker); the same prompt under adapter B after
+adapter A gets B's tokens on each path; /v1/models lists the adapters with `parent`;
+runtime load, use, unload and use-after-unload (404 model_not_found), behind the API key
+(401 without it); bad adapters refused with a 400 in one line and nothing changed."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from tests.helpers.lora_adapters import ADAPTERS, make_adapter, peft_greedy
 from tests.helpers.processes import SplitserveProcess
 
 SERVED = "lora-base"
+KEY = "lora-test-key"  # with an API key on, loading and unloading adapters need it too
 NEW = 12
 
 
@@ -34,8 +35,9 @@ def stack(make_ckpt, tmp_path_factory):
     serve = SplitserveProcess("serve", [
         "--model", str(base), "--served-model-name", SERVED, "--prefill-workers", "1", "--decode-workers", "1",
         "--num-kv-blocks", "256", "--disagg-min-uncached-tokens", "24", "--strict-disaggregation", "--enable-lora", "--max-loras", "3",
-        "--max-lora-rank", "16", "--lora-modules", *modules], env={"SPLITSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1"})
-    client = openai.OpenAI(base_url=serve.base_url + "/v1", api_key="unused", max_retries=0)
+        "--max-lora-rank", "16", "--lora-modules", *modules],
+        env={"SPLITSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1", "SPLITSERVE_API_KEY": KEY})
+    client = openai.OpenAI(base_url=serve.base_url + "/v1", api_key=KEY, max_retries=0)
     try:
         yield base, adapters, root, serve, client
     finally:
@@ -78,7 +80,7 @@ def test_adapters_and_base_interleaved_match_peft_on_both_paths(stack):
         assert out.choices[0].text == tok.decode(peft_greedy(base, adapter, prompt, NEW)), (model, len(prompt))
         # --strict-disaggregation: the path follows the uncached length alone (not the backlogs)
         assert workers["prefill"] == ("prefill-0" if len(prompt) == 40 else "decode-0"), (model, workers["route"])
-    metrics = requests.get(serve.base_url + "/metrics", timeout=10).text
+    metrics = requests.get(serve.base_url + "/metrics", timeout=10).text  # (/metrics takes no key)
     for name in ADAPTERS:  # 4 requests each, 12 tokens each
         assert f'splitserve_lora_requests_total{{adapter="{name}"}} 4.0' in metrics, name
         assert f'splitserve_lora_generation_tokens_total{{adapter="{name}"}} 48.0' in metrics, name
@@ -107,6 +109,9 @@ def test_runtime_load_use_unload_and_bad_adapters(stack, make_ckpt):
     base, adapters, root, serve, client = stack
     tok = Tokenizer(base)
     prompt = list(range(30, 70))
+    anonymous = requests.post(serve.base_url + "/v1/load_lora_adapter", timeout=10,
+                              json={"lora_name": "late", "lora_path": str(adapters["qv-r4-rslora"])})
+    assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == "invalid_api_key"
     assert load(client, "late", adapters["qv-r4-rslora"]).startswith("Success")
     out, _ = complete(client, "late", prompt)
     assert out.choices[0].text == tok.decode(peft_greedy(base, adapters["qv-r4-rslora"], prompt, NEW))
