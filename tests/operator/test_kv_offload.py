@@ -87,3 +87,22 @@ def test_a_valid_offload_is_admitted_with_its_default_volume(minimal_spec):
     stored, errors = admit(crd_schema(load_crd(), "v1alpha1"), obj)
     assert errors == []
     assert stored["spec"]["decode"]["kvOffload"]["disk"]["volume"] == "emptyDir"
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_the_worker_cli_accepts_the_rendered_tier_flags(minimal_spec, role):
+    """The real CLI parses them and passes its own check, stopping at the model (absent here)."""
+    import shlex
+    import subprocess
+    import sys
+
+    offload = {"hostGiB": 2, "disk": {"sizeGiB": 10}}
+    command = worker_commands(parse_spec("x", "ns", with_offload(minimal_spec, role, offload), "img:1"))[role]
+    if role == "prefill":
+        command = command.split("exec splitserve ", 1)[1].replace('"$SPLITSERVE_REDIS_URL"', "redis://127.0.0.1:1/0")
+    args = [a.replace("$(SPLITSERVE_REDIS_URL)", "redis://127.0.0.1:1/0") for a in shlex.split(command)]
+    assert "--kv-offload-dir-gib" in args
+    proc = subprocess.run([sys.executable, "-m", "splitserve.cli", *args], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 2 and "kv-offload" not in proc.stderr, proc.stderr[-2000:]
+    assert "config.json not found" in proc.stderr + proc.stdout, proc.stderr[-2000:]
