@@ -20,7 +20,10 @@ def parse(*argv: str) -> argparse.Namespace:
 
 @pytest.fixture
 def adapter_dir(tmp_path):
+    from safetensors.torch import save_file
+
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 32, "lora_alpha": 16}))
+    save_file({}, str(tmp_path / "adapter_model.safetensors"))
     return tmp_path
 
 
@@ -48,3 +51,15 @@ def test_rank_and_duplicates_are_refused_before_start(adapter_dir):
         "LoRA adapter 'a' has rank 32, above --max-lora-rank 16"
     assert lora_problem(parse("--enable-lora", "--max-lora-rank", "32", "--lora-modules", f"a={adapter_dir}",
                               f"a={adapter_dir}")) == "--lora-modules names 'a' twice"
+
+
+def test_shapes_are_checked_against_the_model_before_start(make_ckpt, tmp_path):
+    from tests.helpers.lora_adapters import ADAPTERS, make_adapter
+
+    llama, mistral = make_ckpt("llama"), make_ckpt("mistral")
+    good = make_adapter(llama, tmp_path / "good", **ADAPTERS["all-r8"])
+    other = make_adapter(mistral, tmp_path / "other", seed=4, r=4, alpha=8)
+    assert lora_problem(parse("--model", str(llama), "--enable-lora", "--lora-modules", f"good={good}")) is None
+    problem = lora_problem(parse("--model", str(llama), "--enable-lora", "--lora-modules", f"other={other}"))
+    assert problem.startswith("LoRA adapter 'other' does not fit this model: model.layers.0.self_attn.k_proj has "
+                              "lora_A (4, 128) and lora_B (32, 4), this model's k_proj is 128 -> 64"), problem
