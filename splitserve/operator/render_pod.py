@@ -14,6 +14,7 @@ import posixpath
 from copy import deepcopy
 
 from . import render_common as c
+from .render_lora import add_lora_downloads, fetch_lora_containers
 from .spec import InferenceSpec
 from .spec_pod import PodSettings
 
@@ -77,6 +78,8 @@ def pod_template(spec: InferenceSpec, role: str, pod: PodSettings, containers: l
     }
     if spec.model.source_type == "uri":
         podspec["initContainers"] = [fetch_model_container(spec, pod, weights)]
+    add_lora_downloads(podspec, spec, role, [with_pod_settings(x, pod) for x in
+                                             fetch_lora_containers(spec, FETCH_RESOURCES)])  # spec.loras uris
     if placement:
         for key, value in (("nodeSelector", pod.node_selector), ("tolerations", pod.tolerations),
                            ("affinity", pod.affinity),

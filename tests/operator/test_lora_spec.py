@@ -42,7 +42,9 @@ def test_both_roles_load_every_adapter_and_the_workers_parse_the_flags(minimal_s
 
 
 @pytest.mark.parametrize("loras, rank, message", [
-    ([{"name": "a"}], None, r"spec.loras\[0\] needs name and path"),
+    ([{"name": "a"}], None, r"spec.loras\[0\] needs a name and one of path or uri"),
+    ([{"name": "a", "path": "x", "uri": "hf://o/a"}], None, r"spec.loras\[0\] needs a name and one of path or uri"),
+    ([{"name": "a", "uri": "s3://bucket/a"}], None, r"spec.loras\[0\].uri: "),
     ([{"name": "a", "path": "x"}, {"name": "a", "path": "y"}], None, "'a' is listed twice"),
     ([{"name": "a", "path": "../etc"}], None, "without '..'"),
     ([{"name": "llama-3-8b", "path": "x"}], None, "not the served model name"),
@@ -54,14 +56,36 @@ def test_bad_entries_are_refused(minimal_spec, loras, rank, message):
         parse_spec("x", "ns", with_loras(minimal_spec, loras, rank), "img:1")
 
 
-def test_a_uri_model_takes_no_adapters(minimal_spec):
+def test_a_downloaded_model_takes_downloaded_adapters_only(minimal_spec):
     spec = with_loras(minimal_spec, LORAS)
     spec["model"]["source"] = {"type": "uri", "uri": "hf://org/model"}
-    with pytest.raises(SpecError, match="spec.loras needs spec.model.source.type pvc, hostPath or image"):
+    with pytest.raises(SpecError, match=r"spec.loras\[0\].path: the model is downloaded"):
         parse_spec("x", "ns", spec, "img:1")
+    spec["loras"] = [{"name": "sql", "uri": "hf://org/sql-lora@v2"}]
+    assert parse_spec("x", "ns", spec, "img:1").loras.modules == (("sql", "/loras/sql"),)
+
+
+def test_uri_adapters_are_fetched_by_init_containers_of_the_engine_pods(minimal_spec):
+    from splitserve.operator.render import Replicas, render_all
+
+    spec = with_loras(minimal_spec, [*LORAS, {"name": "hub", "uri": "hf://org/hub-lora"}])
+    pods = {}
+    for m in render_all(parse_spec("x", "ns", spec, "img:1"), Replicas(1, 1), "2.60.0"):
+        if m["kind"] == "Deployment":
+            pods[m["metadata"]["name"].rsplit("-", 1)[-1]] = m["spec"]["template"]["spec"]
+        if m["kind"] == "RayCluster":
+            pods["prefill"] = m["spec"]["headGroupSpec"]["template"]["spec"]
+    for role in ("decode", "prefill"):
+        fetch = [x for x in pods[role]["initContainers"] if x["name"].startswith("fetch-lora")]
+        assert [x["args"] for x in fetch] == [["fetch-model", "hf://org/hub-lora", "/loras/hub"]], role
+        assert {"name": "loras", "emptyDir": {}} in pods[role]["volumes"]
+        assert {"name": "loras", "mountPath": "/loras", "readOnly": True} in pods[role]["containers"][0]["volumeMounts"]
+        assert "hub=/loras/hub" in " ".join(pods[role]["containers"][0]["args"])
+    assert not any(v["name"] == "loras" for v in pods["router"]["volumes"])  # the router loads no weights
 
 
 def test_the_crd_knows_the_fields():
     spec = crd_schema(load_crd(), "v1alpha1")["properties"]["spec"]["properties"]
-    assert spec["loras"]["items"]["required"] == ["name", "path"]
+    assert spec["loras"]["items"]["required"] == ["name"]
+    assert set(spec["loras"]["items"]["properties"]) == {"name", "path", "uri"}
     assert spec["engine"]["properties"]["maxLoraRank"]["default"] == 16
