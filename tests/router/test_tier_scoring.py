@@ -95,3 +95,12 @@ def test_round_robin_choice_without_the_prefix_gets_a_pull_hint():
     assert (d.decode_worker, d.pull_worker, d.pull_blocks) == ("b", "a", 10)
     assert d.decode_cached_blocks == 0 and d.prefill_worker is None
     assert "pull=a:10" in d.header_value()
+
+
+def test_a_load_balancing_choice_keeps_the_cached_prefix_by_pulling_it():
+    """The imbalance guard sends the request away from the worker holding the prefix; the
+    decision then names that worker to pull from instead of recomputing."""
+    loads = {"a": LoadReport("a", "decode", 40, 8, 0.5), "b": LoadReport("b", "decode", 0, 1, 0.0)}
+    d = route(10 * BS + 3, BS, {"a": 10}, ["a", "b"], [], loads, random.Random(0))
+    assert d.decode_worker == "b" and d.reason.startswith("imbalance-guard")
+    assert (d.pull_worker, d.pull_blocks) == ("a", 10)
