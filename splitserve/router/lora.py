@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 
 import grpc
 
@@ -26,6 +27,7 @@ from splitserve.router import errors
 from splitserve.router.errors import APIError
 
 RUNTIME_ENV = "SPLITSERVE_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
+PENDING_S = 30.0  # how long a runtime change outlives reports that do not show it
 
 
 def runtime_updates_allowed() -> bool:
@@ -38,6 +40,9 @@ class RouterLoRA:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._known: dict[str, dict[str, int]] = {}  # worker -> its adapters (name -> salt)
         self._seen: dict[str, object] = {}  # worker -> the report _known was last taken from
+        # worker -> runtime changes its reports have not shown yet: name -> (salt, or None when
+        # unloaded; when). A report built just before the change must not undo it.
+        self._pending: dict[str, dict[str, tuple[int | None, float]]] = {}
 
     # ---- what is served -------------------------------------------------------------------
     def worker_loras(self) -> dict[str, dict[str, int]]:
@@ -45,9 +50,30 @@ class RouterLoRA:
         for w, report in self.sync.loads.items():
             if self._seen.get(w) is not report:
                 self._seen[w], self._known[w] = report, dict(report.loras)
+                self._apply_pending(w)
         for w in [w for w in self._known if w not in self.sync.workers]:
-            del self._known[w], self._seen[w]
+            self._known.pop(w), self._seen.pop(w, None), self._pending.pop(w, None)
         return self._known
+
+    def _apply_pending(self, w: str) -> None:
+        """A runtime change stays applied over `w`'s reports until one shows it (or a while
+        has passed: the worker restarted without it, say)."""
+        known, pending = self._known[w], self._pending.get(w, {})
+        for name, (salt, since) in list(pending.items()):
+            if (name in known) == (salt is not None) or time.monotonic() - since > PENDING_S:
+                del pending[name]
+            elif salt is None:
+                known.pop(name, None)
+            else:
+                known[name] = salt
+
+    def _record(self, w: str, name: str, salt: int | None) -> None:
+        known = self.worker_loras().setdefault(w, {})
+        if salt is None:
+            known.pop(name, None)
+        else:
+            known[name] = salt
+        self._pending.setdefault(w, {})[name] = (salt, time.monotonic())
 
     def adapters(self) -> dict[str, int]:
         """name -> salt of every adapter a live decode worker has loaded."""
@@ -112,9 +138,8 @@ class RouterLoRA:
                 raise errors.invalid_request(exc.details().partition(": ")[2] or exc.details(), "lora_path")
             raise APIError(503, f"worker {worker} did not load the adapter ({exc!r}); nothing was loaded",
                            "service_unavailable", code="worker_failure")
-        known = self.worker_loras()
         for (w, _), reply in zip(workers, results, strict=True):
-            known.setdefault(w, {})[name] = reply.salt
+            self._record(w, name, reply.salt)
 
     async def unload(self, name: str) -> None:
         if name not in self.adapters():
@@ -125,9 +150,8 @@ class RouterLoRA:
         request = pb.LoRAAdapterRequest(lora_name=name)
         await asyncio.gather(*(stub.UnloadLoRA(request, timeout=30, metadata=self.security.metadata)
                                for _, stub in workers), return_exceptions=True)
-        known = self.worker_loras()
         for w, _ in workers:
-            known.get(w, {}).pop(name, None)
+            self._record(w, name, None)
 
     async def close(self) -> None:
         for ch in self._channels.values():

@@ -49,3 +49,35 @@ def test_bad_bodies_are_one_line_400s(body, need_path, message):
 def test_good_bodies():
     assert parse_lora_body(b'{"lora_name": "x", "lora_path": "/a"}', True) == ("x", "/a")
     assert parse_lora_body(b'{"lora_name": "x"}', False) == ("x", "")
+
+
+async def test_a_runtime_change_outlives_a_report_built_before_it():
+    """The router records a runtime load / unload at once; a load report the worker built
+    just before the change (still listing the old adapters) does not undo it, and the
+    first report that shows the change ends the override. A real in-process bus and
+    IndexSync carry the reports."""
+    from splitserve.cluster.inproc_bus import InProcBus
+    from splitserve.cluster.messages import WorkerInfo
+    from splitserve.router.index_sync import IndexSync
+    from splitserve.router.lora import RouterLoRA
+    from splitserve.router.radix_index import RadixIndex
+    from splitserve.security.links import NO_SECURITY
+
+    bus = InProcBus()
+    sync = IndexSync(bus, RadixIndex(), model="m", block_size=16)
+    await bus.register(WorkerInfo("d", "decode", "127.0.0.1:1", "m", 16, 100), ttl=30)
+    loras = RouterLoRA(sync, NO_SECURITY, "m")
+
+    async def reported(adapters: dict) -> dict:
+        await bus.publish_load(LoadReport("d", "decode", 0, 0, 0.0, loras=adapters), ttl=30)
+        await sync.refresh()
+        return loras.adapters()
+
+    assert await reported({"a": 5}) == {"a": 5}
+    loras._record("d", "b", 9)  # what a runtime load that every worker accepted records
+    assert await reported({"a": 5}) == {"a": 5, "b": 9}  # a report from before the load
+    assert await reported({"a": 5, "b": 9}) == {"a": 5, "b": 9} and not loras._pending["d"]
+    loras._record("d", "a", None)  # unloaded
+    assert await reported({"a": 5, "b": 9}) == {"b": 9}
+    assert await reported({"b": 9}) == {"b": 9} and not loras._pending["d"]
+    assert loras.salt("b") == 9 and loras.salt(None) == 0 and loras.salt("never") not in (0, 9)
