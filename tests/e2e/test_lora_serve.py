@@ -3,7 +3,8 @@ transfer) and the OpenAI client: three PEFT adapters and the base model interlea
 concurrency 8 come back token for token as transformers + PeftModel make them, both on the
 disaggregated path (prompts of 40 tokens, --strict-disaggregation: prefilled on the prefill
 worker under the same adapter, KV moved under the adapter's block hashes) and colocated
-(short prompts prefilled on the decode worker); the same prompt under adapter B after
+(short prompts prefilled on the decode worker, and a `--prefill-workers 0` serve with 2 slots
+for the 3 adapters); the same prompt under adapter B after
 adapter A gets B's tokens on each path; /v1/models lists the adapters with `parent`;
 runtime load, use, unload and use-after-unload (404 model_not_found), behind the API key
 (401 without it); bad adapters refused with a 400 in one line and nothing changed."""
@@ -132,3 +133,27 @@ def test_runtime_load_use_unload_and_bad_adapters(stack, make_ckpt):
     assert sorted(m.id for m in client.models.list().data) == before
     with pytest.raises(openai.NotFoundError):
         unload(client, "never-loaded")
+
+
+def test_colocated_serve_interleaves_adapters_as_peft_does(stack):
+    """`serve --prefill-workers 0`: every prompt prefilled on the one decode worker."""
+    base, adapters, _, _, _ = stack
+    modules = [f"{name}={path}" for name, path in adapters.items()]
+    serve = SplitserveProcess("serve", [
+        "--model", str(base), "--served-model-name", SERVED, "--prefill-workers", "0", "--decode-workers", "1",
+        "--num-kv-blocks", "256", "--enable-lora", "--max-loras", "2", "--lora-modules", *modules])
+    try:
+        client = openai.OpenAI(base_url=serve.base_url + "/v1", api_key="unused", max_retries=0)
+        tok = Tokenizer(base)
+        rng = random.Random(11)
+        names = [*ADAPTERS, SERVED]
+        jobs = [(names[i % 4], [rng.randrange(5, 1000) for _ in range(rng.choice((15, 40)))]) for i in range(8)]
+        with ThreadPoolExecutor(8) as pool:  # 3 adapters over 2 slots: admission waits, slots swap
+            results = list(pool.map(lambda job: complete(client, *job), jobs))
+        for (model, prompt), (out, workers) in zip(jobs, results, strict=True):
+            adapter = None if model == SERVED else adapters[model]
+            assert out.choices[0].text == tok.decode(peft_greedy(base, adapter, prompt, NEW)), (model, len(prompt))
+            assert workers["prefill"] == "decode-0"
+    finally:
+        serve.stop()
+    assert "Traceback" not in serve.log()
