@@ -4,8 +4,8 @@ concurrency 8 come back token for token as transformers + PeftModel make them, b
 disaggregated path (prompts of 40 tokens, --strict-disaggregation: prefilled on the prefill
 worker under the same adapter, KV moved under the adapter's block hashes) and colocated
 (short prompts prefilled on the decode worker, and a `--prefill-workers 0` serve with 2 slots
-for the 3 adapters); the same prompt under adapter B after
-adapter A gets B's tokens on each path; /v1/models lists the adapters with `parent`;
+for the 3 adapters); the same prompt under adapter B after adapter A gets B's tokens on each
+path; /v1/models lists the adapters with `parent`;
 runtime load, use, unload and use-after-unload (404 model_not_found), behind the API key
 (401 without it); bad adapters refused with a 400 in one line and nothing changed."""
 
