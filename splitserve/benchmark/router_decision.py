@@ -80,8 +80,8 @@ def run(args: argparse.Namespace) -> dict:
         args.blocks, decode, prefill, args.prompt_tokens, args.block_size, args.seed, rng)
     build_s = time.perf_counter() - t0
     rss1 = _rss_bytes()
-    loads = {w: LoadReport(w, "decode", rng.randint(0, 2), rng.randint(0, 24), rng.random())
-             for w in decode}
+    loads = {w: LoadReport(w, "decode", rng.randint(0, 2), rng.randint(0, 24), rng.random(),
+                           waiting_tokens=rng.randint(0, 16384)) for w in decode}  # both paths get taken
     loads.update({w: LoadReport(w, "prefill", rng.randint(0, 2), 0, rng.random(),
                                 waiting_tokens=rng.randint(0, 16384)) for w in prefill})
     config = PolicyConfig()

@@ -11,14 +11,20 @@ per second: the prefill worker was the bottleneck and the decode core idled.
 NVIDIA Dynamo makes the same call (its conditional disaggregation prefills locally when the
 prefill queue is too long); here the rule is relative, so it holds on any hardware:
 
-    prefill locally when the decode worker would finish this prompt before the prefill
-    worker could even start it: decode backlog + this prompt <= prefill backlog,
+    prefill locally when the decode worker's prompt backlog is shorter than the prefill
+    worker's (join the shorter queue; a tie goes to the prefill worker),
 
 both in prompt tokens still to compute (load reports, plus what this router sent each
 worker since its last report), assuming a prefill worker and a decode worker compute
-prompt tokens at about the same rate. A prefill pool that keeps up never has such a
-backlog, so the decode workers stay free of prefills; `--strict-disaggregation` turns the
-rule off for deployments that would rather wait than let a prefill touch a decode step.
+prompt tokens at about the same rate: the prompt then finishes where it finishes first.
+A more cautious first version prefilled locally only when the decode worker would finish
+the prompt before the prefill worker could start it (backlog + prompt <= prefill backlog);
+measured on SmolLM2 at concurrency 8, 1 prefill + 1 decode worker, against vLLM's CPU
+backend in the same run: 47 tok/s and a mean TTFT of 4,953 ms (vLLM 36, 3,733 ms); with the
+shorter-queue rule 54 tok/s and 3,542 ms (vLLM 37, 3,320 ms). A pool that keeps up never has
+a backlog longer than a decode worker's, so decode steps stay free of prefills then;
+`--strict-disaggregation` turns the rule off for deployments that would rather wait than let
+a prefill touch a decode step.
 """
 
 from __future__ import annotations
@@ -40,8 +46,7 @@ def prefill_locally(inputs: PlacementInputs, strict: bool = False) -> str | None
     could; None to send it to the prefill worker."""
     if strict:
         return None
-    finish_locally = inputs.decode_backlog + inputs.uncached_tokens
-    if finish_locally <= inputs.prefill_backlog:
-        return (f"local: the prefill worker has {inputs.prefill_backlog} prompt tokens queued; the decode worker "
-                f"finishes these {inputs.uncached_tokens} (after its {inputs.decode_backlog} queued) first")
+    if inputs.decode_backlog < inputs.prefill_backlog:
+        return (f"local: the prefill worker has {inputs.prefill_backlog} prompt tokens queued, the decode worker "
+                f"{inputs.decode_backlog}: these {inputs.uncached_tokens} finish sooner there")
     return None

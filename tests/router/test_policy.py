@@ -115,22 +115,20 @@ def test_no_healthy_prefill_worker_means_local_prefill():
 
 
 def test_a_backed_up_prefill_pool_sends_the_prompt_to_the_decode_worker():
-    """Conditional disaggregation (router/prefill_placement.py): the decode worker prefills when
-    it would finish the prompt before the prefill worker could start it."""
-    # 1,888 uncached tokens; the decode worker has 100 queued, the prefill worker 1,988: even
-    d = decide({"d1": 10}, {"d1": load("d1", waiting_tokens=100), "p1": load("p1", waiting_tokens=1988, role="prefill")},
+    """Conditional disaggregation (router/prefill_placement.py): the prompt goes to the shorter
+    of the two prompt backlogs, a tie to the prefill worker."""
+    d = decide({"d1": 10}, {"d1": load("d1", waiting_tokens=100), "p1": load("p1", waiting_tokens=101, role="prefill")},
                decode=["d1"], prefill=["p1"])
     assert d.prefill_worker is None and d.path == "local" and d.prefill_cached_blocks == 0
-    assert d.prefill_reason == ("local: the prefill worker has 1988 prompt tokens queued; the decode worker "
-                                "finishes these 1888 (after its 100 queued) first")
-    # one token less behind the prefill worker: it starts first, so it takes the prompt
-    d = decide({"d1": 10}, {"d1": load("d1", waiting_tokens=100), "p1": load("p1", waiting_tokens=1987, role="prefill")},
+    assert d.prefill_reason == ("local: the prefill worker has 101 prompt tokens queued, the decode worker 100: "
+                                "these 1888 finish sooner there")
+    d = decide({"d1": 10}, {"d1": load("d1", waiting_tokens=100), "p1": load("p1", waiting_tokens=100, role="prefill")},
                decode=["d1"], prefill=["p1"])
     assert d.prefill_worker == "p1" and d.path == "disaggregated"
     # what this router sent since the last reports counts too
     loads = {"d1": load("d1"), "p1": load("p1", role="prefill")}
-    assert decide({}, loads, decode=["d1"], prefill=["p1"], pending_tokens={"p1": 2048}).path == "local"
-    assert decide({}, loads, decode=["d1"], prefill=["p1"], pending_tokens={"p1": 2048, "d1": 1}).path == "disaggregated"
+    assert decide({}, loads, decode=["d1"], prefill=["p1"], pending_tokens={"p1": 1}).path == "local"
+    assert decide({}, loads, decode=["d1"], prefill=["p1"], pending_tokens={"p1": 5, "d1": 5}).path == "disaggregated"
 
 
 def test_strict_disaggregation_waits_for_the_prefill_worker_whatever_its_queue():
@@ -146,6 +144,7 @@ def test_prefill_choice_credits_its_cache_against_its_queue():
     assert choose_prefill(["p1", "p2"], {"p2": 64}, PROMPT, BS, loads, random.Random(0)) == "p2"
     # with only 16 blocks cached p2 costs 3292 and p1 wins
     assert choose_prefill(["p1", "p2"], {"p2": 16}, PROMPT, BS, loads, random.Random(0)) == "p1"
+    loads["d1"] = load("d1", waiting_tokens=1500)  # as backed up: the prompt stays disaggregated
     d = decide({"p2": 64}, loads, decode=["d1"], prefill=["p1", "p2"])
     assert (d.prefill_worker, d.prefill_cached_blocks) == ("p2", 64)
 

@@ -30,11 +30,17 @@ def prompt(i: int, length: int = 600) -> list[int]:
 def test_a_burst_alternates_between_the_prefill_worker_and_a_local_prefill():
     d = dispatcher()
     paths = [d.decide(prompt(i))[0] for i in range(5)]
-    # p1 queue 600 -> the next would wait 600 at p1 and finish locally after 600: local; and so on
+    # queues (decode, prefill): (0, 0) tie -> p1; (0, 600) -> local; (600, 600) tie -> p1; ...
     assert [(x.path, x.prefill_worker) for x in paths] == [
         ("disaggregated", "p1"), ("local", None), ("disaggregated", "p1"), ("local", None), ("disaggregated", "p1")]
-    assert paths[1].prefill_reason == ("local: the prefill worker has 600 prompt tokens queued; the decode worker "
-                                       "finishes these 600 (after its 0 queued) first")
+    assert paths[1].prefill_reason == ("local: the prefill worker has 600 prompt tokens queued, the decode worker 0: "
+                                       "these 600 finish sooner there")
+
+
+def test_a_shorter_local_backlog_takes_a_prompt_even_when_the_prefill_worker_could_start_first():
+    d = dispatcher()
+    d.sync.loads["p1"] = LoadReport("p1", "prefill", 1, 1, 0.0, waiting_tokens=100)
+    assert d.decide(prompt(0))[0].path == "local"  # 0 < 100: it finishes at 600 here, at 700 there
 
 
 def test_a_new_load_report_replaces_what_was_counted_since_the_last():
