@@ -7,6 +7,7 @@ import asyncio
 import logging
 import random
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ from splitserve.security.links import NO_SECURITY, LinkSecurity
 log = logging.getLogger(__name__)
 
 ROUTING_MODES = ("prefix", "round-robin", "random")
+MAX_UNSETTLED = 10_000  # routed decisions whose prompt tokens still count as a backlog
 
 # Every gRPC code except INVALID_ARGUMENT ("this request is bad") means "this worker
 # failed" (crashed, restarting, draining, refusing our certificate...): migrate.
@@ -77,8 +79,10 @@ class Dispatcher:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._calls: dict[str, set] = {}  # decode worker -> its Generate calls in flight
         self._evicted: set = set()  # calls cancelled because their worker left: migrate them
-        # worker -> (send time, prompt tokens it is to compute) of requests since its last load report
-        self._sent: dict[str, list[tuple[float, int]]] = {}
+        # worker -> [send time, prompt tokens it is to compute] of requests since its last load report;
+        # a request's tokens drop to 0 once its first token arrives (its prefill is done)
+        self._sent: dict[str, list[list]] = {}
+        self._unsettled: OrderedDict[int, list[list]] = OrderedDict()  # id(decision) -> its entries in _sent
         self._task: asyncio.Task | None = None
         self._rr = 0
         if config.mode not in ROUTING_MODES:
@@ -101,13 +105,19 @@ class Dispatcher:
         """The workers' hashes of the prompt's blocks: under a LoRA adapter, salted by it."""
         return block_hashes(prompt, self.config.block_size, self.seed ^ self.loras.salt(lora))
 
-    def _pending(self, worker: str) -> list[tuple[float, int]]:
+    def _pending(self, worker: str) -> list[list]:
         """What this router sent `worker` that its last load report cannot show yet."""
         report = self.sync.loads.get(worker)
         since = report.timestamp if report is not None else 0.0
-        sent = [(t, n) for t, n in self._sent.get(worker, []) if t > since]
+        sent = [e for e in self._sent.get(worker, []) if e[0] > since]
         self._sent[worker] = sent
         return sent
+
+    def _settled(self, decision: RouteDecision) -> None:
+        """The decision's prompt is computed (its first token came, or the call ended): it no
+        longer weighs on either worker's backlog (prefill_placement.py)."""
+        for entry in self._unsettled.pop(id(decision), []):
+            entry[1] = 0
 
     async def decide_waiting(self, prompt: list[int], wait_s: float, on_wait=None,
                              lora: str | None = None) -> RouteDecision:
@@ -152,10 +162,15 @@ class Dispatcher:
         now = time.time()
         computes = decision.prefill_worker or decision.decode_worker  # who computes the uncached prompt
         cached = decision.prefill_cached_blocks if decision.prefill_worker else decision.decode_cached_blocks
+        entries = []
         for w in filter(None, (decision.decode_worker, decision.prefill_worker)):
             tokens = max(0, len(prompt) - cached * self.config.block_size) if w == computes else 0
-            self._sent.setdefault(w, []).append((now, tokens))
+            entries.append([now, tokens])
+            self._sent.setdefault(w, []).append(entries[-1])
             self.sync.record_routed(w, hashes)
+        self._unsettled[id(decision)] = entries
+        while len(self._unsettled) > MAX_UNSETTLED:  # decisions never streamed (a request refused after routing)
+            self._unsettled.popitem(last=False)
         self.metrics.router_decision_seconds.observe(time.perf_counter() - start)
         self.metrics.router_requests.labels(worker=decision.decode_worker, path=decision.path).inc()
         if tracing.enabled():  # a child of the request's span (current in its handler)
@@ -223,6 +238,7 @@ class Dispatcher:
                 self._calls.setdefault(decision.decode_worker, set()).add(call)
                 async for chunk in call:
                     produced.extend(chunk.token_ids)
+                    self._settled(decision)
                     if first_token is not None:
                         first_token.end()
                         first_token = None
@@ -250,6 +266,7 @@ class Dispatcher:
                     raise  # our own caller was cancelled (client gone, deadline)
                 reason = "it left the registry mid-stream (dead, wedged or draining)"
             finally:
+                self._settled(decision)
                 if call is not None:
                     if not finished:
                         call.cancel()

@@ -54,3 +54,14 @@ def test_a_new_load_report_replaces_what_was_counted_since_the_last():
 def test_strict_disaggregation_queues_the_whole_burst_on_the_prefill_worker():
     d = dispatcher(strict=True)
     assert {d.decide(prompt(i))[0].prefill_worker for i in range(5)} == {"p1"}
+
+
+def test_a_prompt_whose_first_token_came_back_no_longer_counts_as_backlog():
+    """Sequential requests between two load reports: the first one's prefill is done when the
+    second is routed, so it does not push the second off the prefill worker."""
+    d = dispatcher()
+    first = d.decide(prompt(0))[0]
+    assert first.path == "disaggregated"
+    d._settled(first)  # what generate() does at the first streamed chunk
+    assert d.decide(prompt(1))[0].path == "disaggregated"
+    assert not d._unsettled.get(id(first))
