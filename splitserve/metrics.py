@@ -238,7 +238,6 @@ class Metrics:
             "splitserve_operator_reconcile_errors_total", "Reconciliations that failed.",
             ["deployment_namespace", "deployment"], registry=r)
 
-
     def advance(self, counter: Counter, labels: dict, total: float) -> None:
         """Move a counter to a running total kept elsewhere (an engine's), by the difference."""
         key = (id(counter), *sorted(labels.items()))
@@ -252,29 +251,17 @@ class Metrics:
         for counter, total in ((self.spec_decode_num_drafts, stats.num_drafts),
                                (self.spec_decode_num_draft_tokens, stats.num_draft_tokens),
                                (self.spec_decode_num_accepted_tokens, stats.num_accepted_tokens)):
-            self._advance_total(counter, {"role": role, "worker": worker}, total)
+            self.advance(counter, {"role": role, "worker": worker}, total)
         for pos, total in enumerate(stats.accepted_per_position):
-            self._advance_total(self.spec_decode_num_accepted_tokens_per_pos,
-                                {"role": role, "worker": worker, "position": str(pos)}, total)
-
-    def _advance_total(self, counter: Counter, labels: dict, total: float) -> None:
-        key = (id(counter), *sorted(labels.items()))
-        delta = total - self._engine_totals.get(key, 0)
-        if delta > 0:
-            counter.labels(**labels).inc(delta)
-        self._engine_totals[key] = total
+            self.advance(self.spec_decode_num_accepted_tokens_per_pos,
+                         {"role": role, "worker": worker, "position": str(pos)}, total)
 
     def sync_engine_counters(self, role: str, worker: str, prefix_queries: int, prefix_hits: int,
                              preemptions: int) -> None:
         """Engines keep running totals; counters advance by the difference since last time."""
-        labels = {"role": role, "worker": worker}
         for counter, total in ((self.prefix_cache_queries, prefix_queries), (self.prefix_cache_hits, prefix_hits),
                                (self.num_preemptions, preemptions)):
-            key = (id(counter), role, worker)
-            delta = total - self._engine_totals.get(key, 0)
-            if delta > 0:
-                counter.labels(**labels).inc(delta)
-            self._engine_totals[key] = total
+            self.advance(counter, {"role": role, "worker": worker}, total)
 
 
 def sync_lora(metrics: Metrics, role: str, worker: str, loras) -> None:
