@@ -8,6 +8,9 @@ metric has a label Prometheus sets on scraped series (namespace, pod, service,
 container, endpoint, job, instance): the scrape would rename it exported_<name>. So
 the operator's series name the InferenceDeployment by `deployment_namespace` and
 `deployment`; their `namespace` is the operator's own, from the scrape.
+
+(Over 300 lines on purpose: one declaration per metric, so the chart's queries can be
+checked against a single list; the per-feature sync helpers sit at the end.)
 """
 
 from __future__ import annotations

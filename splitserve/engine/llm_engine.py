@@ -2,6 +2,10 @@
 
 This is the incremental interface the workers drive (add_request / step / abort);
 `LLM` in llm.py wraps it for offline batch generation.
+
+(Just over 300 lines: request intake, the step and finishing are one state machine over
+the scheduler; disaggregation, peer pulls, LoRA and speculation are mixed in from their
+own files. A split of request intake (validation, sequence building) is the next cut.)
 """
 
 from __future__ import annotations

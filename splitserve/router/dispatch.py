@@ -1,5 +1,9 @@
 """The router's core: choose workers for a prompt, call the decode worker, and keep the
-stream going when that worker dies (migration: prompt + tokens so far, elsewhere)."""
+stream going when that worker dies (migration: prompt + tokens so far, elsewhere).
+
+(Just over 300 lines: the decision and the stream it feeds share the per-worker backlog
+book-keeping (a prompt counts until its first token); the policy itself is pure, in
+policy.py and prefill_placement.py.)"""
 
 from __future__ import annotations
 

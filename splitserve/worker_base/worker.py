@@ -7,6 +7,10 @@ thread dies the worker does not linger as a zombie: it leaves the registry at on
 routers stop sending to it), fails its in-flight requests with a retryable status (so
 the router migrates them), and sets `fatal`, on which its host process exits to be
 restarted (Ray restarts the actor; Kubernetes the container).
+
+(Just over 300 lines: the engine thread's life, health and the load report that carries
+every feature's state (adapters, speculation, offload tiers) to the routers are one
+lifecycle; the per-feature metric syncing already lives in metrics.py.)
 """
 
 from __future__ import annotations
