@@ -11,17 +11,23 @@ emits several tokens in one step, so this is the time per output token a client 
 
     python -m bench.experiments.spec_decode --model ~/.cache/splitserve/smollm2-135m-instruct \\
         --out bench/results/spec_decode_smollm2.json
+
+`--draft-layers N` measures the draft_model method instead: the draft is the target's first N
+layers with its final norm and LM head (a layer-truncated copy, written once next to the
+checkpoint; no smaller model with SmolLM2's vocabulary can be obtained here), k from --k.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from splitserve.core.sampling_params import SamplingParams
 from splitserve.engine.demo import ensure_demo_checkpoint
@@ -56,6 +62,28 @@ CHAT = [
     "Write a short story about a lighthouse keeper.",
 ]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def layer_truncated_draft(model: str, layers: int) -> str:
+    """The target's first `layers` decoder layers, its embeddings, final norm and LM head, as a
+    checkpoint directory beside the target's (made once)."""
+    out = Path(model).with_name(f"{Path(model).name}-first{layers}layers")
+    if (out / "model.safetensors").is_file():
+        return str(out)
+    out.mkdir(exist_ok=True)
+    for f in Path(model).iterdir():
+        if f.is_file() and f.name not in ("model.safetensors", "config.json"):
+            shutil.copy(f, out / f.name)
+    config = json.loads((Path(model) / "config.json").read_text())
+    if layers >= config["num_hidden_layers"]:
+        raise SystemExit(f"--draft-layers {layers}: the target has only {config['num_hidden_layers']} layers")
+    config["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    weights = load_file(str(Path(model) / "model.safetensors"))
+    kept = {k: v for k, v in weights.items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)
 
 
 def run_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -128,11 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared)")
     ap.add_argument("--workloads", default="copy_heavy,chat")
     ap.add_argument("--disable-by-batch-size", type=int, help="the config's disable_by_batch_size")
+    ap.add_argument("--draft-layers", type=int, help="method draft_model: the target's first N layers as the draft")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = args.model or str(ensure_demo_checkpoint())
     config = {**NGRAM, "num_speculative_tokens": args.k}
+    if args.draft_layers:
+        config = {"method": "draft_model", "model": layer_truncated_draft(model, args.draft_layers),
+                  "num_speculative_tokens": args.k}
     if args.disable_by_batch_size:
         config["disable_by_batch_size"] = args.disable_by_batch_size
     base = LLM(model, num_kv_blocks=1024, enable_prefix_caching=False)

@@ -78,18 +78,26 @@ def test_speculative_serve_colocated_and_disaggregated_answers_as_an_engine_with
 
 
 def test_speculative_serve_with_a_draft_model_answers_as_an_engine_without_it():
-    """method draft_model, the demo model as its own draft (every draft is kept), colocated."""
+    """method draft_model, the demo model as its own draft (every draft is kept), 1 prefill and
+    1 decode worker: a short prompt prefilled on the decode worker, a long one on the prefill
+    worker (the draft model rebuilds its KV on the decode worker), greedy and seeded."""
     model = ensure_demo_checkpoint()
     config = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
-    serve = SplitserveProcess("serve", ["--speculative-config", json.dumps(config), "--prefill-workers", "0",
-                                        "--decode-workers", "1", "--num-kv-blocks", str(KV_BLOCKS)])
+    serve = SplitserveProcess("serve", ["--speculative-config", json.dumps(config), "--prefill-workers", "1",
+                                        "--decode-workers", "1", "--num-kv-blocks", str(KV_BLOCKS),
+                                        "--disagg-min-uncached-tokens", "48"])
     try:
         engine = LLM(str(model), num_kv_blocks=KV_BLOCKS)
-        prompt = copy_heavy(44, 20, 2)
-        want = Tokenizer(model).decode(engine.generate(prompt, SamplingParams(temperature=0, max_tokens=NEW,
-                                                                                ignore_eos=True))[0].token_ids)
-        out, _ = complete(serve.base_url, model.name, prompt)
-        assert out["choices"][0]["text"] == want
+        tok = Tokenizer(model)
+        cases = [(copy_heavy(44, 12, 3), "decode", {}), (copy_heavy(45, 30, 3), "prefill", {}),
+                 (copy_heavy(46, 30, 2), "prefill", {"temperature": 0.8, "seed": 9})]
+        for prompt, prefilled_on, sampling in cases:
+            params = SamplingParams(max_tokens=NEW, ignore_eos=True, **{"temperature": 0, **sampling})
+            want = tok.decode(engine.generate(prompt, params)[0].token_ids)
+            out, workers = complete(serve.base_url, model.name, prompt, **sampling)
+            assert workers["decode"] == "decode-0", workers
+            assert workers.get("prefill", "decode-0").startswith(prefilled_on), workers
+            assert out["choices"][0]["text"] == want
         admins = serve_admins(serve.log())
         deadline = time.monotonic() + 10  # the counters follow the engine's stats at the next load report
         while True:

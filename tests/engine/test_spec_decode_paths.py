@@ -36,7 +36,16 @@ def spec(path):
     return LLM(path, num_kv_blocks=128, speculative_config=NGRAM)
 
 
-def test_structured_outputs_equal_without_speculation_and_match_the_schema(base, spec):
+@pytest.fixture(scope="module")
+def draft_spec(path):
+    """method draft_model, the target as its own draft"""
+    return LLM(path, num_kv_blocks=128, speculative_config={"method": "draft_model", "model": path,
+                                                           "num_speculative_tokens": 3})
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_structured_outputs_equal_without_speculation_and_match_the_schema(base, request, method):
+    spec = request.getfixturevalue("spec" if method == "ngram" else "draft_spec")
     prompts = [copy_heavy(s, 12, 2) for s in range(3)]
     params = [SamplingParams(temperature=0, max_tokens=200, structured=StructuredSpec.json_schema(ROWS)),
               SamplingParams(temperature=1.0, seed=4, max_tokens=200, structured=StructuredSpec.json_schema(ROWS)),

@@ -1,5 +1,5 @@
 """A speculating request migrated mid-stream resumes token-exact: two real decode workers with
---speculative-config (ngram) on 127.0.0.1 behind the router's Dispatcher, the first failing a
+--speculative-config (ngram, or a draft model: the target as its own draft) on 127.0.0.1 behind the router's Dispatcher, the first failing a
 step (fault injection) after drafts were accepted; the stream the client gets, greedy and
 seeded, equals an in-process engine's without speculation, and the second worker
 speculated on the resumed request."""
@@ -21,14 +21,16 @@ from tests.engine.test_spec_decode_exact import NGRAM, copy_heavy
     SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
     SamplingParams(temperature=1.0, top_k=4, seed=77, max_tokens=48, ignore_eos=True),
 ])
-async def test_a_migrated_speculating_stream_resumes_token_exact(make_ckpt, monkeypatch, params):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+async def test_a_migrated_speculating_stream_resumes_token_exact(make_ckpt, monkeypatch, params, method):
     monkeypatch.setenv(ENV, json.dumps([{"engine": "d-fail", "fault": "raise", "at_step": 4}]))
     path = str(make_ckpt("llama"))
+    config = NGRAM if method == "ngram" else {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
     prompt = copy_heavy(61, 20, 3)
     want = LLM(path, num_kv_blocks=64).generate(prompt, params)[0].token_ids
     bus = InProcBus()
     workers = [DecodeWorker(DecodeWorkerConfig(EngineConfig(model=path, num_kv_blocks=64, model_id="test-model",
-                                                            speculative_config=NGRAM), worker_id=w), bus=bus)
+                                                            speculative_config=config), worker_id=w), bus=bus)
                for w in ("d-fail", "d-ok")]
     for w in workers:
         await w.start()

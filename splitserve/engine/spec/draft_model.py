@@ -9,9 +9,18 @@ decode worker after a remote prefill, the draft model prefills the prompt itself
 is rebuilt there, not transferred). Finished sequences' blocks go back after each step with
 drafts (and before each proposal).
 
-Drafts are sampled from q, the draft model's distribution under the request's own
-sampling transforms (penalties, temperature, top-k/p, min-p; greedy: the argmax, a point
-mass). q is kept per sequence for verification (verify_draft.py).
+Drafts are drawn from q, the draft model's distribution under the request's own sampling
+transforms (penalties, temperature, top-k/p, min-p; greedy: the argmax), with the very noise
+the target's verification will draw at those positions: the sampler's exponential race
+takes argmax(p / E) with E the request generator's next draw, so the draft for position i
+is argmax(q / E_i) with E_i drawn ahead from a copy of that generator's state (the state is
+put back). Verification is then verify.py's, unchanged: every emitted token is the token
+sampling without speculation draws, so a seeded request gives the same tokens with and
+without a draft model, and a migrated one resumes them (one draw per emitted token, as
+engine._skip_draw replays). The price against Leviathan et al.'s rule with q: a draft is
+kept when both races pick the same token (>= (1 - TV) / (1 + TV) of the time, not 1 - TV).
+An unseeded sampled request gets its own generator (seeded from the engine's) the first
+time it drafts, so the noise drawn ahead is the noise its verification draws.
 """
 
 from __future__ import annotations
@@ -50,7 +59,6 @@ class DraftModel:
         self.block_size = cfg.block_size
         self.eos_token_ids = eos_token_ids
         self.kv: dict[Sequence, _DraftKV] = {}
-        self.probs: dict[Sequence, torch.Tensor] = {}  # q of the last drafts, [k, vocab], for verification
 
     def propose(self, seq: Sequence, k: int, generator: torch.Generator) -> list[int]:
         self.release_finished()
@@ -67,27 +75,36 @@ class DraftModel:
             kv.block_table += self.blocks.allocate_blocks(needed)
         logits = self._forward(kv.block_table, tokens[valid:], valid)
         kv.tokens = list(tokens)
+        gen = None if seq.params.greedy else self._own_generator(seq, generator)
+        ahead = gen.get_state() if gen is not None else None
         drafts: list[int] = []
-        rows: list[torch.Tensor] = []
-        for i in range(k):
-            q = self._distribution(logits, seq, drafts)
-            gen = seq.generator if seq.generator is not None else generator
-            token = int(q.argmax()) if seq.params.greedy else int(
-                (q / torch.empty_like(q).exponential_(generator=gen)).argmax())
-            drafts.append(token)
-            rows.append(q)
-            if i < k - 1:
-                logits = self._forward(kv.block_table, [token], len(tokens) + i)
-                kv.tokens.append(token)
-        self.probs[seq] = torch.stack(rows)
+        try:
+            for i in range(k):
+                q = self._distribution(logits, seq, drafts)
+                token = int(q.argmax()) if gen is None else int(
+                    (q / torch.empty_like(q).exponential_(generator=gen)).argmax())
+                drafts.append(token)
+                if i < k - 1:
+                    logits = self._forward(kv.block_table, [token], len(tokens) + i)
+                    kv.tokens.append(token)
+        finally:
+            if gen is not None:  # verification draws the same noise again
+                gen.set_state(ahead)
         return drafts
 
+    def _own_generator(self, seq: Sequence, engine_generator: torch.Generator) -> torch.Generator:
+        if seq.generator is None:
+            seed = int(torch.randint(2**62, (1,), generator=engine_generator, device=engine_generator.device))
+            seq.generator = torch.Generator(device=engine_generator.device).manual_seed(seed)
+        return seq.generator
+
     def _distribution(self, logits: torch.Tensor, seq: Sequence, drafts: list[int]) -> torch.Tensor:
-        """q for the next draft: the request's sampling transforms on the draft's logits."""
+        """q for the next draft: the request's sampling transforms on the draft's logits
+        (greedy: the processed logits, whose argmax is the draft)."""
         processed = apply_logits_processors(logits, [_with_tokens(seq, drafts)], self.eos_token_ids)[0]
         p = seq.params
         if p.greedy:
-            return torch.nn.functional.one_hot(processed.argmax(), processed.shape[-1]).to(torch.float32)
+            return processed
         return _filter_logits(processed / p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
 
     def _forward(self, table: list[int], token_ids: list[int], start: int) -> torch.Tensor:
@@ -103,4 +120,3 @@ class DraftModel:
     def release_finished(self) -> None:
         for seq in [s for s in self.kv if s.status == SequenceStatus.FINISHED]:
             self.blocks.release_blocks(self.kv.pop(seq).block_table)
-            self.probs.pop(seq, None)

@@ -69,10 +69,6 @@ class Speculator:
         if self.draft is not None:
             self.draft.release_finished()
 
-    def draft_probs(self, seq: Sequence) -> torch.Tensor | None:
-        """q [k, vocab] of `seq`'s last drafts (draft_model), None for n-gram (a point mass)."""
-        return self.draft.probs.pop(seq, None) if self.draft is not None else None
-
     def _limit(self, seq: Sequence) -> int:
         """Drafts this sequence can use: it gains at most 1 + k tokens, never past max_tokens,
         the context or (longrope, short factors) the switch to the long ones."""

@@ -15,7 +15,6 @@ from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampler import sample
 from splitserve.engine.sequence import Sequence, SequenceStatus
 from splitserve.engine.spec.verify import verify
-from splitserve.engine.spec.verify_draft import verify_with_draft_probs
 
 if TYPE_CHECKING:
     from splitserve.engine.llm_engine import LLMEngine
@@ -44,13 +43,8 @@ def speculative_step(engine: LLMEngine, logits: torch.Tensor, sampled: list[Sequ
         if width == 1:
             continue
         drafts = seq.draft_token_ids
-        q = engine.speculator.draft_probs(seq)
-        if q is not None and not seq.params.greedy:  # a draft model's q: rejection sampling with it
-            tokens, logprobs = verify_with_draft_probs(logits[start : start + width], seq, drafts, q,
-                                                       engine.generator, engine.eos_token_ids, words)
-        else:  # a point mass (n-gram, or a greedy request's draft model argmax)
-            tokens, logprobs = verify(logits[start : start + width], seq, drafts, engine.generator,
-                                      engine.eos_token_ids, words)
+        tokens, logprobs = verify(logits[start : start + width], seq, drafts, engine.generator,
+                                  engine.eos_token_ids, words)
         stats.record(len(drafts), _num_matching(tokens, drafts))
         engine.scheduler.reject_drafts(seq, len(tokens) - 1)
         outputs.append(append_run(engine, seq, tokens, logprobs))
