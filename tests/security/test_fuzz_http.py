@@ -26,7 +26,7 @@ from tests.security.conftest import MAX_MODEL_LEN, SERVED
 COUNTS: dict[str, int] = {}
 # (path, generation mode, examples): parameterless GETs have no invalid inputs to generate
 OPERATIONS = [(path, mode, n) for path in ("/v1/completions", "/v1/chat/completions")
-              for mode, n in ((GenerationMode.POSITIVE, 500), (GenerationMode.NEGATIVE, 850))] + [
+              for mode, n in ((GenerationMode.POSITIVE, 300), (GenerationMode.NEGATIVE, 500))] + [
     (path, GenerationMode.POSITIVE, 20) for path in ("/v1/models", "/health", "/metrics", "/openapi.json")] + [
     (path, mode, 200) for path in ("/tokenize", "/detokenize")
     for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)] + [
