@@ -46,15 +46,18 @@ def test_cpu_float32_linear_weights_are_packed_or_stored_input_major(make_ckpt, 
     """float32 on a CPU: under the native kernels every Linear weight (of PACK_MIN_BYTES or more)
     is packed for oneDNN (kernels/cpu_linear.py: one opaque copy, no dense one left); otherwise it lies as [in, out]
     rows (a plain GEMM for x @ W.T). Both hold the checkpoint's values; bf16 and the tied
-    lm_head keep the [out, in] rows."""
+    lm_head keep the [out, in] rows, and the tied head gets a packed copy for steps of
+    several rows when it is small enough."""
     from safetensors.torch import load_file
 
+    from splitserve.engine.models import loader
     from splitserve.kernels import cpu_linear, ops
 
     if backend == "native" and not cpu_linear.available():
         pytest.skip("this torch build has no oneDNN linear")
     path = make_ckpt("qwen2")
     monkeypatch.setattr(cpu_linear, "PACK_MIN_BYTES", 0)  # the test model's weights are small
+    monkeypatch.setattr(loader, "TIED_HEAD_COPY_MAX", 1.0)  # (its embedding is most of its bytes)
     ops.set_backend(backend)
     try:
         llm = LLM(str(path), dtype=dtype, num_kv_blocks=8)
@@ -69,6 +72,8 @@ def test_cpu_float32_linear_weights_are_packed_or_stored_input_major(make_ckpt, 
         w = layer.weight
         if name == "lm_head":  # tied to the embedding in this checkpoint
             assert w.data_ptr() == model.embed_tokens.weight.data_ptr() and w.is_contiguous()
+            copy = layer.packed_weight
+            assert (copy is not None) == packed and (copy is None or torch.equal(copy.to_dense(), w))
             continue
         assert w.is_mkldnn == packed, name
         assert ("weight" in dict(layer.named_parameters())) == (not packed), name
@@ -78,9 +83,13 @@ def test_cpu_float32_linear_weights_are_packed_or_stored_input_major(make_ckpt, 
     down = linears["layers.0.mlp.down_proj"].weight
     down = down.to_dense() if packed else down
     assert torch.equal(down.float(), weights["model.layers.0.mlp.down_proj.weight"].to(getattr(torch, dtype)).float())
-    # and computes with them: transformers' greedy tokens whichever layout it holds
-    out = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
-    assert out.token_ids == hf_greedy(path, PROMPT, 8, dtype=dtype)
+    # and computes with them: transformers' greedy tokens whichever layout it holds, one
+    # sequence at a time (one-row steps) and two at once (the packed head's copy)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    other = PROMPT[1:] + [7]
+    alone, together = llm.generate([PROMPT], params)[0], llm.generate([PROMPT, other], params)
+    assert alone.token_ids == together[0].token_ids == hf_greedy(path, PROMPT, 8, dtype=dtype)
+    assert together[1].token_ids == hf_greedy(path, other, 8, dtype=dtype)
 
 
 def copy_ckpt(src, dst):

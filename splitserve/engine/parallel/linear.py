@@ -42,9 +42,12 @@ class ParallelLMHead(nn.Linear):
     def __init__(self, hidden_size: int, vocab_size: int):
         super().__init__(hidden_size, vocab_rows(vocab_size, tp())[2], bias=False)
         self.vocab_size = vocab_size
+        self.packed_weight: torch.Tensor | None = None  # a tied head's oneDNN copy (models/loader.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_gather(ops.linear(x, self.weight))[..., :self.vocab_size]  # padding rows dropped
+        several_rows = self.packed_weight is not None and x.numel() > x.shape[-1]
+        weight = self.packed_weight if several_rows else self.weight
+        return all_gather(ops.linear(x, weight))[..., :self.vocab_size]  # padding rows dropped
 
 
 class VocabParallelEmbedding(nn.Embedding):
