@@ -28,6 +28,7 @@ from splitserve.router.errors import APIError
 
 RUNTIME_ENV = "SPLITSERVE_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
 PENDING_S = 30.0  # how long a runtime change outlives reports that do not show it
+FIRST_REPORT_WAIT_S = 2.0  # how long a request waits for a newly registered worker's first load report
 
 
 def runtime_updates_allowed() -> bool:
@@ -89,6 +90,17 @@ class RouterLoRA:
 
     def models(self) -> list[str]:
         return [self.served, *sorted(self.adapters())]
+
+    async def models_when_reported(self, wait_s: float = FIRST_REPORT_WAIT_S) -> list[str]:
+        """models(), once every live decode worker has sent a load report (its adapters are in
+        it; registration and the first report travel apart, so a worker that registered a
+        moment ago may have none yet): a request naming its adapter must not get a 404 then.
+        Waits at most `wait_s`; no wait at all in the usual case."""
+        deadline = time.monotonic() + wait_s
+        while (any(w not in self.sync.loads for w in self.sync.live("decode"))
+               and time.monotonic() < deadline):
+            await asyncio.sleep(0.05)
+        return self.models()
 
     def salt(self, name: str | None) -> int:
         """What `name` mixes into block hashes, as its workers compute it (0: the base model).

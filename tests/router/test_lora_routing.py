@@ -81,3 +81,39 @@ async def test_a_runtime_change_outlives_a_report_built_before_it():
     assert await reported({"a": 5, "b": 9}) == {"b": 9}
     assert await reported({"b": 9}) == {"b": 9} and not loras._pending["d"]
     assert loras.salt("b") == 9 and loras.salt(None) == 0 and loras.salt("never") not in (0, 9)
+
+
+async def test_a_request_waits_for_a_new_worker_s_first_load_report_before_its_adapters_are_judged():
+    """A decode worker registered, its first load report (with its adapters) not in yet: the
+    served models are read once it arrives, not as "base model only" (a 404 for the adapter);
+    with no report at all the wait is bounded."""
+    import asyncio
+    import time
+
+    from splitserve.cluster.inproc_bus import InProcBus
+    from splitserve.cluster.messages import WorkerInfo
+    from splitserve.router.index_sync import IndexSync
+    from splitserve.router.lora import RouterLoRA
+    from splitserve.router.radix_index import RadixIndex
+    from splitserve.security.links import NO_SECURITY
+
+    bus = InProcBus()
+    sync = IndexSync(bus, RadixIndex(), model="m", block_size=16)
+    await bus.register(WorkerInfo("d", "decode", "127.0.0.1:1", "m", 16, 100), ttl=30)
+    await sync.refresh()
+    loras = RouterLoRA(sync, NO_SECURITY, "m")
+    assert sync.live("decode") == ["d"] and loras.models() == ["m"]  # registered, no report yet
+
+    async def first_report_later():
+        await asyncio.sleep(0.3)
+        await bus.publish_load(LoadReport("d", "decode", 0, 0, 0.0, loras={"sql": 7}), ttl=30)
+        await sync.refresh()
+
+    late = asyncio.create_task(first_report_later())
+    assert await loras.models_when_reported() == ["m", "sql"]
+    await late
+    await bus.register(WorkerInfo("e", "decode", "127.0.0.1:2", "m", 16, 100), ttl=30)
+    await sync.refresh()
+    started = time.monotonic()
+    assert await loras.models_when_reported(wait_s=0.3) == ["m", "sql"]  # e never reports: bounded
+    assert 0.25 < time.monotonic() - started < 2
