@@ -87,6 +87,7 @@ class Dispatcher:
         # a request's tokens drop to 0 once its first token arrives (its prefill is done)
         self._sent: dict[str, list[list]] = {}
         self._unsettled: OrderedDict[int, list[list]] = OrderedDict()  # id(decision) -> its entries in _sent
+        self._ended: dict[str, list[float]] = {}  # decode worker -> when this router's calls to it ended
         self._task: asyncio.Task | None = None
         self._rr = 0
         if config.mode not in ROUTING_MODES:
@@ -116,6 +117,18 @@ class Dispatcher:
         sent = [e for e in self._sent.get(worker, []) if e[0] > since]
         self._sent[worker] = sent
         return sent
+
+    def _idle(self, worker: str) -> bool:
+        """No stream runs on decode worker `worker`, as far as this router can tell: none of its
+        calls there is in flight, and everything its last load report counted (running,
+        waiting) or this router sent it since was a call of this router that has ended since
+        that report (a call ends after the worker finished it, so those are surely gone)."""
+        report = self.sync.loads.get(worker)
+        if report is None or self._calls.get(worker):
+            return False
+        ended = [t for t in self._ended.get(worker, []) if t > report.timestamp][-MAX_UNSETTLED:]
+        self._ended[worker] = ended
+        return report.running + report.waiting + len(self._pending(worker)) <= len(ended)
 
     def _settled(self, decision: RouteDecision) -> None:
         """The decision's prompt is computed (its first token came, or the call ended): it no
@@ -162,7 +175,8 @@ class Dispatcher:
         decision = route(len(prompt), self.config.block_size, self.index.match(hashes), decode, prefill,
                          self.sync.loads, self.rng, self.config.policy,
                          pending={w: len(sent) for w, sent in pending.items()}, peers=peers,
-                         pending_tokens={w: sum(n for _, n in sent) for w, sent in pending.items()})
+                         pending_tokens={w: sum(n for _, n in sent) for w, sent in pending.items()},
+                         idle={w for w in decode if self._idle(w)})
         now = time.time()
         computes = decision.prefill_worker or decision.decode_worker  # who computes the uncached prompt
         cached = decision.prefill_cached_blocks if decision.prefill_worker else decision.decode_cached_blocks
@@ -276,6 +290,7 @@ class Dispatcher:
                         call.cancel()
                     self._evicted.discard(call)
                     self._calls.get(decision.decode_worker, set()).discard(call)
+                    self._ended.setdefault(decision.decode_worker, []).append(time.time())
                 for s in (first_token, span):
                     if s is not None:
                         if not finished:

@@ -54,8 +54,9 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
                     help="prompts with fewer uncached tokens are prefilled by the decode worker")
     ap.add_argument("--strict-disaggregation", action="store_true",
                     help="always send prompts above --disagg-min-uncached-tokens to a prefill worker, even when "
-                         "the prefill pool is so backed up that the decode worker would finish the prompt first "
-                         "(by default it then prefills locally; docs/architecture.md, conditional disaggregation)")
+                         "the prefill pool is so backed up that the decode worker would finish the prompt first, "
+                         "or the decode worker is idle (by default it then prefills locally; docs/architecture.md, "
+                         "conditional disaggregation)")
     ap.add_argument("--max-migrations", type=int, default=2)
     ap.add_argument("--routing-seed", type=int, help="seed the router's tie-breaking (reproducible routing)")
     ap.add_argument("--routing-mode", choices=["prefix", "round-robin", "random"], default="prefix",

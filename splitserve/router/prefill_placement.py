@@ -25,6 +25,13 @@ shorter-queue rule 54 tok/s and 3,542 ms (vLLM 37, 3,320 ms). A pool that keeps 
 a backlog longer than a decode worker's, so decode steps stay free of prefills then;
 `--strict-disaggregation` turns the rule off for deployments that would rather wait than let
 a prefill touch a decode step.
+
+A tie at zero goes to an *idle* decode worker (no stream runs there, as far as the router
+can tell: dispatch.py's `_idle`): a prefill there slows no one's tokens, and the prompt's KV
+need not move. Measured on SmolLM2 at concurrency 1 (one request at a time), 1 prefill + 1
+decode worker sending every prompt to the prefill worker had a mean TTFT of 1,129 ms against
+1,066 for a lone decode worker and 1,052 for vLLM (docs/benchmarks.md): the transfer and
+hand-off. Busy decode workers keep the tie rule.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ class PlacementInputs:
     uncached_tokens: int  # this prompt's tokens the chosen decode worker would compute
     decode_backlog: int  # prompt tokens queued on the decode worker (its local prefills)
     prefill_backlog: int  # prompt tokens queued on the chosen prefill worker
+    decode_idle: bool = False  # no stream runs on the decode worker (dispatch.py's _idle)
 
 
 def prefill_locally(inputs: PlacementInputs, strict: bool = False) -> str | None:
@@ -46,6 +54,9 @@ def prefill_locally(inputs: PlacementInputs, strict: bool = False) -> str | None
     could; None to send it to the prefill worker."""
     if strict:
         return None
+    if inputs.decode_idle and inputs.decode_backlog == 0:
+        return (f"local: the decode worker is idle: its {inputs.uncached_tokens} prompt tokens slow no stream there "
+                "and their KV need not move")
     if inputs.decode_backlog < inputs.prefill_backlog:
         return (f"local: the prefill worker has {inputs.prefill_backlog} prompt tokens queued, the decode worker "
                 f"{inputs.decode_backlog}: these {inputs.uncached_tokens} finish sooner there")

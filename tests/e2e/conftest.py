@@ -34,7 +34,8 @@ def cluster(request, make_ckpt, tmp_path_factory):
     token_file.write_text(secrets.token_urlsafe(32))
     args = ["--model", str(model), "--served-model-name", SERVED, "--prefill-workers", "2",
             "--decode-workers", "2", "--num-kv-blocks", "256", "--disagg-min-uncached-tokens", str(DISAGG_MIN),
-            "--routing-seed", "7", "--cluster-token-file", str(token_file)]
+            "--routing-seed", "7", "--cluster-token-file", str(token_file),
+            "--strict-disaggregation"]  # every long prompt takes the KV transfer, idle decode workers too
     if request.param == "redis-bus":
         redis_url, redis_proc = start_redis(tmp_path_factory.mktemp("redis"))
         args += ["--redis-url", redis_url]

@@ -48,7 +48,7 @@ REQUEST_LINE = re.compile(r" INFO splitserve\.router\.server: request (\S+)(?: \
 @pytest.fixture(scope="module")
 def serve():
     # A short disaggregation threshold: the LONG prompts also take the prefill worker and the KV push.
-    proc = SplitserveProcess("serve", ["--disagg-min-uncached-tokens", "16", "--routing-seed", "3"])
+    proc = SplitserveProcess("serve", ["--disagg-min-uncached-tokens", "16", "--routing-seed", "3", "--strict-disaggregation"])
     yield proc
     proc.stop()
 

@@ -30,7 +30,7 @@ def complete(base: str, served: str, prompt: list[int]) -> tuple[dict, dict]:
 
 def test_fp8_kv_served_disaggregated_answers_as_an_fp8_engine():
     model = ensure_demo_checkpoint()
-    serve = SplitserveProcess("serve", ["--kv-cache-dtype", "fp8", "--prefill-workers", "1", "--decode-workers", "1",
+    serve = SplitserveProcess("serve", ["--kv-cache-dtype", "fp8", "--strict-disaggregation", "--prefill-workers", "1", "--decode-workers", "1",
                                         "--num-kv-blocks", str(KV_BLOCKS), "--disagg-min-uncached-tokens", "24"])
     try:
         served = model.name

@@ -41,7 +41,8 @@ def test_family_served_disaggregated_matches_transformers(make_ckpt, tmp_path, f
     token.write_text(secrets.token_urlsafe(32))
     serve = SplitserveProcess("serve", ["--model", str(model), "--served-model-name", SERVED,
                                         "--prefill-workers", "1", "--decode-workers", "1", "--num-kv-blocks", "128",
-                                        "--disagg-min-uncached-tokens", "24", "--cluster-token-file", str(token)])
+                                        "--disagg-min-uncached-tokens", "24", "--cluster-token-file", str(token),
+                                        "--strict-disaggregation"])
     try:
         tok = Tokenizer(model)
         rng = random.Random(7)

@@ -48,7 +48,7 @@ def serve(gguf, layout: list[str]):
 @pytest.fixture(scope="module")
 def smollm2():  # disaggregated: every chat prompt of the token-exact test is prefilled remotely
     yield from serve(smollm2_gguf(), ["--prefill-workers", "1", "--decode-workers", "1",
-                                      "--disagg-min-uncached-tokens", str(DISAGG_MIN)])
+                                      "--disagg-min-uncached-tokens", str(DISAGG_MIN), "--strict-disaggregation"])
 
 
 @pytest.fixture(scope="module")

@@ -197,7 +197,7 @@ def test_router_rebuilds_the_same_index_and_replicas_agree(cluster):
 
     second = SplitserveProcess("router", ["--model", str(cluster.model), "--served-model-name", SERVED,
                                           "--redis-url", cluster.redis_url, "--routing-seed", "7",
-                                          "--disagg-min-uncached-tokens", str(DISAGG_MIN),
+                                          "--disagg-min-uncached-tokens", str(DISAGG_MIN), "--strict-disaggregation",
                                           "--cluster-token-file", str(cluster.token_file)])
     try:
         deadline = time.monotonic() + 30

@@ -44,7 +44,7 @@ def test_speculative_serve_colocated_and_disaggregated_answers_as_an_engine_with
     model = ensure_demo_checkpoint()
     serve = SplitserveProcess("serve", ["--speculative-config", json.dumps(CONFIG), "--prefill-workers", "1",
                                         "--decode-workers", "1", "--num-kv-blocks", str(KV_BLOCKS),
-                                        "--disagg-min-uncached-tokens", "48"])
+                                        "--disagg-min-uncached-tokens", "48", "--strict-disaggregation"])
     try:
         served = model.name
         engine = LLM(str(model), num_kv_blocks=KV_BLOCKS)
@@ -85,7 +85,7 @@ def test_speculative_serve_with_a_draft_model_answers_as_an_engine_without_it():
     config = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
     serve = SplitserveProcess("serve", ["--speculative-config", json.dumps(config), "--prefill-workers", "1",
                                         "--decode-workers", "1", "--num-kv-blocks", str(KV_BLOCKS),
-                                        "--disagg-min-uncached-tokens", "48"])
+                                        "--disagg-min-uncached-tokens", "48", "--strict-disaggregation"])
     try:
         engine = LLM(str(model), num_kv_blocks=KV_BLOCKS)
         tok = Tokenizer(model)

@@ -45,7 +45,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
     model = with_template(ensure_demo_checkpoint(), tmp_path_factory.mktemp("ckpt") / "demo-qwen3-style", QWEN3_STYLE)
-    proc = SplitserveProcess("serve", ["--model", str(model), "--served-model-name", SERVED, "--prefill-workers", "1",
+    proc = SplitserveProcess("serve", ["--model", str(model), "--served-model-name", SERVED, "--strict-disaggregation", "--prefill-workers", "1",
                                        "--decode-workers", "1", "--num-kv-blocks", "256",
                                        "--disagg-min-uncached-tokens", str(DISAGG_MIN)])
     proc.model = model

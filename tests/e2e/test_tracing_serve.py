@@ -27,7 +27,7 @@ def traced(make_ckpt):
     serve = SplitserveProcess("serve", [
         "--model", str(make_ckpt("llama")), "--served-model-name", SERVED, "--prefill-workers", "1",
         "--decode-workers", "1", "--num-kv-blocks", "256", "--disagg-min-uncached-tokens", "16",
-        "--routing-seed", "7", "--otlp-traces-endpoint", receiver.endpoint],
+        "--routing-seed", "7", "--strict-disaggregation", "--otlp-traces-endpoint", receiver.endpoint],
         env={"OTEL_BSP_SCHEDULE_DELAY": "100"})  # export within 0.1 s, not the SDK's 5 s
     yield serve, receiver
     receiver.stop()

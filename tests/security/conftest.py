@@ -91,7 +91,8 @@ def stack(make_ckpt, tmp_path_factory):
         prefill = PrefillWorker(PrefillWorkerConfig(engine, worker_id="p0", security=security), bus=bus)
         await asyncio.gather(decode.start(), prefill.start())
         dispatcher = Dispatcher(DispatchConfig(model_id=SERVED, security=security, seed=7,
-                                               policy=PolicyConfig(disagg_min_uncached_tokens=24)), bus)
+                                               policy=PolicyConfig(disagg_min_uncached_tokens=24,
+                                                                   strict_disaggregation=True)), bus)
         await dispatcher.start()
         while len(dispatcher.sync.workers) < 2:
             await dispatcher.sync.refresh()
