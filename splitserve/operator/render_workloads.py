@@ -41,6 +41,8 @@ def render_router(spec: InferenceSpec) -> list[dict]:
             "--block-size", str(spec.block_size)]
     if spec.router.stream_interval != 1:  # 1 is the router's own default
         args += ["--stream-interval", str(spec.router.stream_interval)]
+    if spec.router.strict_disaggregation:
+        args.append("--strict-disaggregation")
     if spec.model.max_model_len:
         args += ["--max-model-len", str(spec.model.max_model_len)]
     if spec.decode.min_replicas == 0:  # scale to zero: hold requests while no decode worker runs

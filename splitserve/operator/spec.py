@@ -16,7 +16,7 @@ from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
 
 from .cert_manager import IssuerRef, parse_tls
 from .labels import label_problems
-from .spec_fields import float_field, int_field, object_field
+from .spec_fields import bool_field, float_field, int_field, object_field
 from .spec_kv_offload import KVOffloadSpec, parse_kv_offload
 from .spec_lora import LoRASpec, parse_loras
 from .spec_model import ModelSpec, SecretRef, parse_model, parse_secret_ref
@@ -71,6 +71,7 @@ class RouterSpec:
     resources: dict = field(default_factory=dict)
     service_type: str = "ClusterIP"
     stream_interval: int = 1  # the router's --stream-interval
+    strict_disaggregation: bool = False  # the router's --strict-disaggregation
     pod: PodSettings = field(default_factory=PodSettings)
 
 
@@ -187,6 +188,8 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
                         resources=router_d.get("resources", {}) or {},
                         service_type=str(router_d.get("serviceType", "ClusterIP")),
                         stream_interval=int_field(router_d, "streamInterval", 1, "spec.router", problems, minimum=1),
+                        strict_disaggregation=bool_field(router_d, "strictDisaggregation", False, "spec.router",
+                                                         problems),
                         pod=parse_pod_settings(router_d, "spec.router", problems))
     if router.service_type not in ("ClusterIP", "NodePort", "LoadBalancer"):
         problems.append(f"spec.router.serviceType must be ClusterIP, NodePort or LoadBalancer, got {router.service_type!r}")

@@ -14,6 +14,14 @@ def int_field(d: dict, key: str, default: int, where: str, problems: list[str], 
     return value
 
 
+def bool_field(d: dict, key: str, default: bool, where: str, problems: list[str]) -> bool:
+    value = d.get(key, default)
+    if not isinstance(value, bool):
+        problems.append(f"{where}.{key} must be true or false, got {value!r}")
+        return default
+    return value
+
+
 def float_field(d: dict, key: str, default: float, where: str, problems: list[str]) -> float:
     value = d.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float):

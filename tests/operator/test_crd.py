@@ -83,6 +83,8 @@ INVALID_BY_SCHEMA = [
     ("unknown dtype", {"model": {"dtype": "int4"}}, "'int4' is not one of", "dtype must be bfloat16, float16 or float32"),
     ("zero stream interval", {"router": {"streamInterval": 0}}, "0 is less than the minimum of 1",
      "spec.router.streamInterval must be >= 1"),
+    ("strict as a string", {"router": {"strictDisaggregation": "yes"}}, "'yes' is not of type 'boolean'",
+     "spec.router.strictDisaggregation must be true or false"),
     ("prefill at zero", {"prefill": {"minReplicas": 0}}, "0 is less than the minimum of 1",
      "spec.prefill.minReplicas must be >= 1"),
     ("no held requests", {"autoscaling": {"holdRequestsAtZero": 0}}, "0 is less than the minimum of 1",

@@ -12,7 +12,7 @@ import yaml
 from splitserve.operator.apply import drifted
 from splitserve.operator.render import Replicas, render_all, unwanted_children
 from splitserve.operator.render_common import adopt
-from splitserve.operator.spec import parse_spec
+from splitserve.operator.spec import SpecError, parse_spec
 from splitserve.operator.status import conditions, observe_deployment, observe_raycluster
 
 from .conftest import REPO, third_party_schema
@@ -139,6 +139,18 @@ def test_router_stream_interval_reaches_the_router_pods(minimal_spec):
     spec = parse_spec("q", "ns", {**minimal_spec, "router": {"streamInterval": 4}}, "img:1")
     args = by_kind_name(render(spec))[("Deployment", "q-router")]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--stream-interval") + 1] == "4"
+
+
+def test_router_strict_disaggregation_reaches_the_router_pods(minimal_spec):
+    def router_args(router: dict) -> list[str]:
+        spec = parse_spec("q", "ns", {**minimal_spec, "router": router}, "img:1")
+        return by_kind_name(render(spec))[("Deployment", "q-router")]["spec"]["template"]["spec"]["containers"][0][
+            "args"]
+
+    assert "--strict-disaggregation" not in router_args({})
+    assert "--strict-disaggregation" in router_args({"strictDisaggregation": True})
+    with pytest.raises(SpecError, match="spec.router.strictDisaggregation must be true or false, got 'yes'"):
+        router_args({"strictDisaggregation": "yes"})
 
 
 def test_decode_tensor_parallel_size_requests_its_gpus_and_passes_the_flag(minimal_spec):
