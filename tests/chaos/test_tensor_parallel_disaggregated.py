@@ -114,8 +114,12 @@ def test_a_killed_rank_takes_its_worker_down_and_its_streams_migrate(tp_serve, r
                      for p, r in zip(batch, results, strict=True)]
             while not all(r.chunks >= 4 for r in results):
                 await asyncio.sleep(0.005)
-            victim = next(r.decode_worker for r in results if not r.done)
-            engine = s.workers()[victim].health()["engine"]["pid"]
+            # a worker still streaming by its own count (a client that reads late can see a
+            # stream unfinished that the worker already ended, so r.done alone is not enough)
+            healths = {w: s.workers()[w].health() for w in sorted({r.decode_worker for r in results if not r.done})}
+            victim = next((w for w, h in healths.items() if h.get("streams")), None)
+            assert victim is not None, f"every stream had already ended on its worker: {healths}"
+            engine = healths[victim]["engine"]["pid"]
             (rank1,) = children(engine)  # the engine process is rank 0; its one child is rank 1
             os.kill(rank1, signal.SIGKILL)
             watcher = threading.Thread(target=watch, daemon=True)
