@@ -14,6 +14,9 @@ row's token is a bonus. So:
   rejection the token comes from p with d removed, renormalised = norm(max(p - q, 0)). The
   generator makes one draw per emitted token, as without speculation, so a seeded request
   gives the same tokens with and without speculation, and a migrated one resumes exactly.
+  A draft model's sampled drafts come from the very noise these rows draw (draft_model.py),
+  so they are kept whenever its race picks what the target's picks; the tokens emitted
+  are, again, those of sampling without speculation.
 
 The grammar matcher consumes accepted drafts to mask the next row and is rolled back before
 returning: it only advances through the engine's _append, token by token.
