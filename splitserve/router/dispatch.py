@@ -1,9 +1,7 @@
 """The router's core: choose workers for a prompt, call the decode worker, and keep the
 stream going when that worker dies (migration: prompt + tokens so far, elsewhere).
-
-(Just over 300 lines: the decision and the stream it feeds share the per-worker backlog
-book-keeping (a prompt counts until its first token); the policy itself is pure, in
-policy.py and prefill_placement.py.)"""
+The policy itself is pure (policy.py, prefill_placement.py); what this router sent each
+worker since its last load report is kept in worker_backlog.py."""
 
 from __future__ import annotations
 
@@ -11,7 +9,6 @@ import asyncio
 import logging
 import random
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -30,12 +27,12 @@ from splitserve.router.index_sync import IndexSync
 from splitserve.router.lora import RouterLoRA, lora_candidates
 from splitserve.router.policy import NoHealthyWorker, PolicyConfig, RouteDecision, route
 from splitserve.router.radix_index import RadixIndex
+from splitserve.router.worker_backlog import WorkerBacklog
 from splitserve.security.links import NO_SECURITY, LinkSecurity
 
 log = logging.getLogger(__name__)
 
 ROUTING_MODES = ("prefix", "round-robin", "random")
-MAX_UNSETTLED = 10_000  # routed decisions whose prompt tokens still count as a backlog
 
 # Every gRPC code except INVALID_ARGUMENT ("this request is bad") means "this worker
 # failed" (crashed, restarting, draining, refusing our certificate...): migrate.
@@ -83,11 +80,7 @@ class Dispatcher:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._calls: dict[str, set] = {}  # decode worker -> its Generate calls in flight
         self._evicted: set = set()  # calls cancelled because their worker left: migrate them
-        # worker -> [send time, prompt tokens it is to compute] of requests since its last load report;
-        # a request's tokens drop to 0 once its first token arrives (its prefill is done)
-        self._sent: dict[str, list[list]] = {}
-        self._unsettled: OrderedDict[int, list[list]] = OrderedDict()  # id(decision) -> its entries in _sent
-        self._ended: dict[str, list[float]] = {}  # decode worker -> when this router's calls to it ended
+        self.backlog = WorkerBacklog(self.sync)
         self._task: asyncio.Task | None = None
         self._rr = 0
         if config.mode not in ROUTING_MODES:
@@ -110,31 +103,9 @@ class Dispatcher:
         """The workers' hashes of the prompt's blocks: under a LoRA adapter, salted by it."""
         return block_hashes(prompt, self.config.block_size, self.seed ^ self.loras.salt(lora))
 
-    def _pending(self, worker: str) -> list[list]:
-        """What this router sent `worker` that its last load report cannot show yet."""
-        report = self.sync.loads.get(worker)
-        since = report.timestamp if report is not None else 0.0
-        sent = [e for e in self._sent.get(worker, []) if e[0] > since]
-        self._sent[worker] = sent
-        return sent
-
     def _idle(self, worker: str) -> bool:
-        """No stream runs on decode worker `worker`, as far as this router can tell: none of its
-        calls there is in flight, and everything its last load report counted (running,
-        waiting) or this router sent it since was a call of this router that has ended since
-        that report (a call ends after the worker finished it, so those are surely gone)."""
-        report = self.sync.loads.get(worker)
-        if report is None or self._calls.get(worker):
-            return False
-        ended = [t for t in self._ended.get(worker, []) if t > report.timestamp][-MAX_UNSETTLED:]
-        self._ended[worker] = ended
-        return report.running + report.waiting + len(self._pending(worker)) <= len(ended)
-
-    def _settled(self, decision: RouteDecision) -> None:
-        """The decision's prompt is computed (its first token came, or the call ended): it no
-        longer weighs on either worker's backlog (prefill_placement.py)."""
-        for entry in self._unsettled.pop(id(decision), []):
-            entry[1] = 0
+        """No stream runs on decode worker `worker`, as far as this router can tell."""
+        return not self._calls.get(worker) and self.backlog.idle(worker)
 
     async def decide_waiting(self, prompt: list[int], wait_s: float, on_wait=None,
                              lora: str | None = None) -> RouteDecision:
@@ -171,24 +142,15 @@ class Dispatcher:
                 decode = [decode[self._rr % len(decode)]]
             else:
                 decode = [self.rng.choice(decode)]
-        pending = {w: self._pending(w) for w in workers}
+        pending = {w: self.backlog.pending(w) for w in workers}
         decision = route(len(prompt), self.config.block_size, self.index.match(hashes), decode, prefill,
                          self.sync.loads, self.rng, self.config.policy,
                          pending={w: len(sent) for w, sent in pending.items()}, peers=peers,
                          pending_tokens={w: sum(n for _, n in sent) for w, sent in pending.items()},
-                         idle={w for w in decode if self._idle(w)})
-        now = time.time()
-        computes = decision.prefill_worker or decision.decode_worker  # who computes the uncached prompt
-        cached = decision.prefill_cached_blocks if decision.prefill_worker else decision.decode_cached_blocks
-        entries = []
+                         is_idle=self._idle)
+        self.backlog.record(decision, len(prompt), self.config.block_size)
         for w in filter(None, (decision.decode_worker, decision.prefill_worker)):
-            tokens = max(0, len(prompt) - cached * self.config.block_size) if w == computes else 0
-            entries.append([now, tokens])
-            self._sent.setdefault(w, []).append(entries[-1])
             self.sync.record_routed(w, hashes)
-        self._unsettled[id(decision)] = entries
-        while len(self._unsettled) > MAX_UNSETTLED:  # decisions never streamed (a request refused after routing)
-            self._unsettled.popitem(last=False)
         self.metrics.router_decision_seconds.observe(time.perf_counter() - start)
         self.metrics.router_requests.labels(worker=decision.decode_worker, path=decision.path).inc()
         if tracing.enabled():  # a child of the request's span (current in its handler)
@@ -254,9 +216,12 @@ class Dispatcher:
                     raise _Gone(decision.decode_worker)
                 call = stub.Generate(req, metadata=tracing.inject(self.config.security.metadata, span))
                 self._calls.setdefault(decision.decode_worker, set()).add(call)
+                settled = False
                 async for chunk in call:
+                    if not settled:  # the first chunk: the prompt is computed
+                        self.backlog.settle(decision)
+                        settled = True
                     produced.extend(chunk.token_ids)
-                    self._settled(decision)
                     if first_token is not None:
                         first_token.end()
                         first_token = None
@@ -284,13 +249,13 @@ class Dispatcher:
                     raise  # our own caller was cancelled (client gone, deadline)
                 reason = "it left the registry mid-stream (dead, wedged or draining)"
             finally:
-                self._settled(decision)
+                self.backlog.settle(decision)
                 if call is not None:
                     if not finished:
                         call.cancel()
                     self._evicted.discard(call)
                     self._calls.get(decision.decode_worker, set()).discard(call)
-                    self._ended.setdefault(decision.decode_worker, []).append(time.time())
+                    self.backlog.call_ended(decision.decode_worker)
                 for s in (first_token, span):
                     if s is not None:
                         if not finished:

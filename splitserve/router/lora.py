@@ -91,16 +91,28 @@ class RouterLoRA:
     def models(self) -> list[str]:
         return [self.served, *sorted(self.adapters())]
 
-    async def models_when_reported(self, wait_s: float = FIRST_REPORT_WAIT_S) -> list[str]:
-        """models(), once every live decode worker has sent a load report (its adapters are in
-        it; registration and the first report travel apart, so a worker that registered a
-        moment ago may have none yet): a request naming its adapter must not get a 404 then.
-        Waits at most `wait_s`; no wait at all in the usual case."""
+    async def judged(self, parse):
+        """await parse(models()): a request read against the served models. If it names none of
+        them while a decode worker that registered a moment ago has not reported yet (the
+        report lists its adapters), read it again once that report is in."""
+        try:
+            return await parse(self.models())
+        except APIError as exc:
+            if exc.code != "model_not_found" or not await self.first_reports_arrived():
+                raise
+        return await parse(self.models())
+
+    async def first_reports_arrived(self, wait_s: float = FIRST_REPORT_WAIT_S) -> bool:
+        """Wait (at most `wait_s`) for the first load report of every live decode worker that has
+        sent none yet: registration and the first report travel apart, and the report is what
+        lists the worker's adapters. True when there was such a worker (models() may have
+        changed), False at once otherwise."""
         deadline = time.monotonic() + wait_s
-        while (any(w not in self.sync.loads for w in self.sync.live("decode"))
-               and time.monotonic() < deadline):
+        waited = False
+        while any(w not in self.sync.loads for w in self.sync.live("decode")) and time.monotonic() < deadline:
+            waited = True
             await asyncio.sleep(0.05)
-        return self.models()
+        return waited
 
     def salt(self, name: str | None) -> int:
         """What `name` mixes into block hashes, as its workers compute it (0: the base model).

@@ -21,7 +21,7 @@ is credited).
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from splitserve.cluster.messages import LoadReport
@@ -196,7 +196,7 @@ def route(
     pending: Mapping[str, int] | None = None,
     peers: Sequence[str] | None = None,
     pending_tokens: Mapping[str, int] | None = None,
-    idle: Collection[str] = frozenset(),
+    is_idle: Callable[[str], bool] | None = None,
 ) -> RouteDecision:
     """Choose the decode worker, whether it pulls the prefix from a peer, then whether (and
     where) to prefill the rest remotely.
@@ -206,7 +206,8 @@ def route(
     worker since its last load report (optional, keeps bursts spread). `peers`: the live
     decode workers a prefix may be pulled from (default: `decode_workers`). `pending_tokens`:
     prompt tokens this router sent each worker to compute since its last load report (the
-    backlogs prefill_placement.py weighs); `idle`: decode workers no stream runs on."""
+    backlogs prefill_placement.py weighs); `is_idle(worker)`: no stream runs on that decode worker
+    (asked only of the chosen one, and only when a prefill worker could take the prompt)."""
     prompt_blocks = prompt_tokens // block_size
     decode, reason, costs = choose_decode(decode_workers, matched, prompt_blocks, loads, rng,
                                           config, pending)
@@ -223,8 +224,8 @@ def route(
     else:
         candidate = choose_prefill(prefill_workers, matched, prompt_tokens, block_size, loads, rng)
         backlogs = (_backlog(w, loads, pending_tokens) for w in (decode, candidate))
-        local = prefill_locally(PlacementInputs(uncached, *backlogs, decode_idle=decode in idle),
-                                config.strict_disaggregation)
+        idle = is_idle is not None and not config.strict_disaggregation and is_idle(decode)
+        local = prefill_locally(PlacementInputs(uncached, *backlogs, decode_idle=idle), config.strict_disaggregation)
         if local is not None:
             prefill_reason = local
         else:

@@ -27,7 +27,7 @@ a backlog longer than a decode worker's, so decode steps stay free of prefills t
 a prefill touch a decode step.
 
 A tie at zero goes to an *idle* decode worker (no stream runs there, as far as the router
-can tell: dispatch.py's `_idle`): a prefill there slows no one's tokens, and the prompt's KV
+can tell: worker_backlog.py's `idle`): a prefill there slows no one's tokens, and the prompt's KV
 need not move. Measured on SmolLM2 at concurrency 1 (one request at a time), 1 prefill + 1
 decode worker sending every prompt to the prefill worker had a mean TTFT of 1,129 ms against
 1,066 for a lone decode worker and 1,052 for vLLM (docs/benchmarks.md): the transfer and
@@ -46,7 +46,7 @@ class PlacementInputs:
     uncached_tokens: int  # this prompt's tokens the chosen decode worker would compute
     decode_backlog: int  # prompt tokens queued on the decode worker (its local prefills)
     prefill_backlog: int  # prompt tokens queued on the chosen prefill worker
-    decode_idle: bool = False  # no stream runs on the decode worker (dispatch.py's _idle)
+    decode_idle: bool = False  # no stream runs on the decode worker (worker_backlog.py's idle)
 
 
 def prefill_locally(inputs: PlacementInputs, strict: bool = False) -> str | None:

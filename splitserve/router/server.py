@@ -241,10 +241,10 @@ class RouterServer:
         """The validated request; a body of megabytes (say 300,000 chat messages: 0.7 s of
         parsing) is parsed in the prompt pool, not on the event loop."""
         raw = await self._body(request)
-        served = await self.loras.models_when_reported()
-        if len(raw) <= INLINE_BODY_BYTES:
-            return parse(raw, served)
-        return await self.prompts.offload(parse, raw, served)
+
+        async def against(served: list[str]):
+            return parse(raw, served) if len(raw) <= INLINE_BODY_BYTES else await self.prompts.offload(parse, raw, served)
+        return await self.loras.judged(against)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = await self._parse(request, protocol.parse_completion_request)

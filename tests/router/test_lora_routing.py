@@ -83,15 +83,17 @@ async def test_a_runtime_change_outlives_a_report_built_before_it():
     assert loras.salt("b") == 9 and loras.salt(None) == 0 and loras.salt("never") not in (0, 9)
 
 
-async def test_a_request_waits_for_a_new_worker_s_first_load_report_before_its_adapters_are_judged():
-    """A decode worker registered, its first load report (with its adapters) not in yet: the
-    served models are read once it arrives, not as "base model only" (a 404 for the adapter);
-    with no report at all the wait is bounded."""
+async def test_a_request_naming_an_adapter_is_read_again_once_a_new_worker_s_first_report_is_in():
+    """A decode worker registered, its first load report (with its adapters) not in yet: a
+    request naming its adapter is judged against the models once the report arrives, not
+    as "base model only" (a 404); one naming a model that is served does not wait at all,
+    and the wait for a worker that never reports is bounded."""
     import asyncio
     import time
 
     from splitserve.cluster.inproc_bus import InProcBus
     from splitserve.cluster.messages import WorkerInfo
+    from splitserve.router import errors, lora
     from splitserve.router.index_sync import IndexSync
     from splitserve.router.lora import RouterLoRA
     from splitserve.router.radix_index import RadixIndex
@@ -104,16 +106,27 @@ async def test_a_request_waits_for_a_new_worker_s_first_load_report_before_its_a
     loras = RouterLoRA(sync, NO_SECURITY, "m")
     assert sync.live("decode") == ["d"] and loras.models() == ["m"]  # registered, no report yet
 
+    def asking_for(model: str):
+        async def parse(served: list[str]) -> str:
+            if model not in served:
+                raise errors.model_not_found(model, served)
+            return model
+        return parse
+
     async def first_report_later():
         await asyncio.sleep(0.3)
         await bus.publish_load(LoadReport("d", "decode", 0, 0, 0.0, loras={"sql": 7}), ttl=30)
         await sync.refresh()
 
     late = asyncio.create_task(first_report_later())
-    assert await loras.models_when_reported() == ["m", "sql"]
+    started = time.monotonic()
+    assert await loras.judged(asking_for("m")) == "m" and time.monotonic() - started < 0.1  # served: no wait
+    assert await loras.judged(asking_for("sql")) == "sql"  # read again once d's report listed it
     await late
     await bus.register(WorkerInfo("e", "decode", "127.0.0.1:2", "m", 16, 100), ttl=30)
     await sync.refresh()
     started = time.monotonic()
-    assert await loras.models_when_reported(wait_s=0.3) == ["m", "sql"]  # e never reports: bounded
-    assert 0.25 < time.monotonic() - started < 2
+    with pytest.raises(errors.APIError) as refused:  # e never reports: a 404 after a bounded wait
+        await loras.judged(asking_for("nope"))
+    assert refused.value.status == 404 and "it serves: m, sql" in refused.value.message
+    assert lora.FIRST_REPORT_WAIT_S - 0.1 < time.monotonic() - started < lora.FIRST_REPORT_WAIT_S + 1.5

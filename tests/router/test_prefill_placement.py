@@ -68,9 +68,9 @@ def test_a_prompt_whose_first_token_came_back_no_longer_counts_as_backlog():
     d = dispatcher()
     first = d.decide(prompt(0))[0]
     assert first.path == "disaggregated"
-    d._settled(first)  # what generate() does at the first streamed chunk
+    d.backlog.settle(first)  # what generate() does at the first streamed chunk
     assert d.decide(prompt(1))[0].path == "disaggregated"
-    assert not d._unsettled.get(id(first))
+    assert not d.backlog._unsettled.get(id(first))
 
 
 def test_an_idle_decode_worker_prefills_the_prompt_itself():
@@ -87,7 +87,7 @@ def test_a_worker_whose_reported_streams_were_all_ours_and_ended_is_idle_again()
     but that call ended after the report, so the next prompt is prefilled locally."""
     assert dispatcher(decode_running=1).decide(prompt(0))[0].path == "disaggregated"  # someone's stream runs there
     d = dispatcher(decode_running=1)
-    d._ended["d1"] = [time.time()]  # the reported stream was a call of ours, ended after the report
+    d.backlog._ended["d1"] = [time.time()]  # the reported stream was a call of ours, ended after the report
     assert d.decide(prompt(0))[0].path == "local"
     busy = dispatcher(decode_running=0)
     busy._calls["d1"] = {object()}  # one of our calls in flight there
@@ -96,7 +96,7 @@ def test_a_worker_whose_reported_streams_were_all_ours_and_ended_is_idle_again()
 
 def test_calls_that_ended_before_the_report_do_not_make_its_streams_ours():
     d = dispatcher(decode_running=1)
-    d._ended["d1"] = [time.time() - 5]  # ended before the report was taken: the reported stream is another's
+    d.backlog._ended["d1"] = [time.time() - 5]  # ended before the report was taken: the reported stream is another's
     assert d.decide(prompt(0))[0].path == "disaggregated"
 
 
