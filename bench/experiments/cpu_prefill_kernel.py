@@ -24,8 +24,9 @@ import torch
 from splitserve.kernels import cpu_native, reference
 
 # heads, kv heads, head_dim, new tokens per prompt, prompts: the demo model's layer, then
-# Llama/Qwen-like shapes
-GEOMETRIES = [(8, 4, 32, 290, 7), (16, 8, 64, 400, 4), (16, 4, 128, 400, 4), (8, 2, 256, 300, 3)]
+# Llama/Qwen-like shapes, then SmolLM2-135M prompts
+GEOMETRIES = [(8, 4, 32, 290, 7), (16, 8, 64, 400, 4), (16, 4, 128, 400, 4), (8, 2, 256, 300, 3),
+              (9, 3, 64, 384, 1), (9, 3, 64, 1536, 1)]  # the last two: SmolLM2-135M
 BLOCK = 16
 
 

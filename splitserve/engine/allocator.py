@@ -14,6 +14,16 @@ tcmalloc has to be in the process before anything allocates, so it is preloaded
 allocate little. Where no tcmalloc is installed (Debian/Ubuntu: `libtcmalloc-minimal4`) the
 engine runs on glibc's malloc and says so once; `SPLITSERVE_ENGINE_MALLOC=system` chooses
 that deliberately.
+
+The engine process also gets `THP_MEM_ALLOC_ENABLE=1`, torch's switch for transparent huge
+pages: its CPU allocator then asks the kernel (`madvise(MADV_HUGEPAGE)`) for 2 MB pages on
+every tensor of 2 MB or more, the weights above all. A decode step streams every weight once
+(SmolLM2-135M: ~540 MB a token) and on 4 KB pages paid a TLB miss every 4 KB: with huge pages
+a SmolLM2 decode step at batch 1 took 2-3% less (22.5 -> 22.0 and 23.3 -> 22.6 ms, thread
+time, same prompts; the native gemv alone read decoder weights at 27.3 -> 29.5 GB/s). It
+needs the kernel's THP mode to be `madvise` or `always` (the usual defaults); with `never`
+the advice is ignored. A value already in the environment is kept (`THP_MEM_ALLOC_ENABLE=0`
+opts out).
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 ENV = "SPLITSERVE_ENGINE_MALLOC"  # auto (default) | tcmalloc | system
+HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"  # torch's (c10's) switch, read once per process
 _LIBRARY = "tcmalloc_minimal"  # the allocator alone, without the profiler's library
 _env_lock = threading.Lock()
 
@@ -58,22 +69,23 @@ def engine_preload() -> str | None:
 
 
 @contextlib.contextmanager
-def preloaded(library: str | None) -> Iterator[None]:
-    """LD_PRELOAD carries `library` for processes started inside (multiprocessing's spawn
-    passes this process's environment on); restored after."""
-    if library is None:
-        yield
-        return
+def engine_environment(library: str | None) -> Iterator[None]:
+    """For processes started inside (multiprocessing's spawn passes this process's
+    environment on): LD_PRELOAD carries `library` (None: nothing preloaded), and torch's huge
+    pages are on unless the environment says otherwise; both restored after."""
     with _env_lock:
-        before = os.environ.get("LD_PRELOAD")
-        os.environ["LD_PRELOAD"] = f"{library}:{before}" if before else library
+        before = {name: os.environ.get(name) for name in ("LD_PRELOAD", HUGE_PAGES_ENV)}
+        if library is not None:
+            os.environ["LD_PRELOAD"] = f"{library}:{before['LD_PRELOAD']}" if before["LD_PRELOAD"] else library
+        os.environ.setdefault(HUGE_PAGES_ENV, "1")
         try:
             yield
         finally:
-            if before is None:
-                del os.environ["LD_PRELOAD"]
-            else:
-                os.environ["LD_PRELOAD"] = before
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def allocator_in_use() -> str:

@@ -44,7 +44,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers the shared-memory pickling of tensors
 
 from splitserve.engine.allocator import ENV as MALLOC_ENV
-from splitserve.engine.allocator import engine_preload, preloaded
+from splitserve.engine.allocator import engine_environment, engine_preload
 from splitserve.engine.async_engine import EngineDeadError, engine_health
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_child import child_main
@@ -118,7 +118,7 @@ class EngineProcess:
             _say_once(f"engine processes run on glibc's malloc: no tcmalloc is installed, and CPU prefill steps "
                       f"are ~15% slower without it (Debian/Ubuntu: apt-get install libtcmalloc-minimal4; "
                       f"{MALLOC_ENV}=system to choose glibc and silence this)")
-        with preloaded(library):
+        with engine_environment(library):
             self._process.start()
         self._child_conn.close()
         if not self._conn.poll(START_TIMEOUT_S):

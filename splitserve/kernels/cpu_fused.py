@@ -1,7 +1,7 @@
 """The decode step's small ops on CPU, native (cpu_fused_ops.cpp, built by cpu_native.py).
 
-Same contracts as the torch reference (reference.rms_norm, apply_rotary + store_kv, the gated
-MLP's activation * up); each is one C call over rows already in memory. Callers ask
+Same contracts as the torch reference (reference.rms_norm, the residual add with the norm that
+reads it, apply_rotary + store_kv, the gated MLP's activation * up); each is one C call over rows already in memory. Callers ask
 `supports()` first and take the reference where it says no (another device or dtype, an
 fp16 KV cache, strides the kernel does not walk, no compiler). An fp8 KV cache is written
 natively (rotary_store_supported).
@@ -41,6 +41,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = Fa
                                                      weight.data_ptr(), out.data_ptr(), rows.shape[0],
                                                      rows.shape[1], float(eps), int(gemma)))
     return out
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)) for rows [..., hidden] of one shape, in one pass."""
+    rows, deltas = x.reshape(-1, x.shape[-1]), delta.reshape(-1, delta.shape[-1])
+    weight = weight.contiguous()
+    total, out = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
+    _check(cpu_native.library().splitserve_add_rms_norm(
+        DTYPE_CODES[x.dtype], rows.data_ptr(), rows.stride(0), deltas.data_ptr(), deltas.stride(0), weight.data_ptr(),
+        total.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1], float(eps), int(gemma)))
+    return total, out
 
 
 def heads_walkable(t: torch.Tensor) -> bool:

@@ -25,21 +25,45 @@ using splitserve::store;
 // RMSNorm of each row. Llama form: out = w * T(x * rsqrt(mean(x^2) + eps)). Gemma form
 // (gemma != 0): out = T((1 + w) * x * rsqrt(...)), all in float32.
 template <typename T>
+inline void scale_row(const T* xr, const T* w, T* o, float sum_sq, int hidden, float eps, int gemma) {
+    const float inv = 1.f / std::sqrt(sum_sq / hidden + eps);
+    if (gemma) {
+        for (int i = 0; i < hidden; i++) store(o + i, (load(w[i]) + 1.f) * (load(xr[i]) * inv));
+    } else {
+        for (int i = 0; i < hidden; i++) store(o + i, load(w[i]) * rounded<T>(load(xr[i]) * inv));
+    }
+}
+
+template <typename T>
 void rms_norm(const T* x, int64_t x_row, const T* w, T* out, int rows, int hidden, float eps, int gemma) {
     for (int r = 0; r < rows; r++) {
         const T* xr = x + r * x_row;
-        T* o = out + int64_t(r) * hidden;
         float sum = 0.f;
         for (int i = 0; i < hidden; i++) {
             const float v = load(xr[i]);
             sum += v * v;
         }
-        const float inv = 1.f / std::sqrt(sum / hidden + eps);
-        if (gemma) {
-            for (int i = 0; i < hidden; i++) store(o + i, (load(w[i]) + 1.f) * (load(xr[i]) * inv));
-        } else {
-            for (int i = 0; i < hidden; i++) store(o + i, load(w[i]) * rounded<T>(load(xr[i]) * inv));
+        scale_row(xr, w, out + int64_t(r) * hidden, sum, hidden, eps, gemma);
+    }
+}
+
+// The residual add fused with the norm that reads its result: sum = T(x + delta) (as torch's
+// add in T), out = rms_norm(sum); one pass over the rows instead of an add, a temporary and a
+// norm (two ops and their dispatch per norm of every layer, twice a layer).
+template <typename T>
+void add_rms_norm(const T* x, int64_t x_row, const T* delta, int64_t d_row, const T* w, T* sum_out, T* out,
+                  int rows, int hidden, float eps, int gemma) {
+    for (int r = 0; r < rows; r++) {
+        const T* xr = x + r * x_row;
+        const T* dr = delta + r * d_row;
+        T* sr = sum_out + int64_t(r) * hidden;
+        float sum = 0.f;
+        for (int i = 0; i < hidden; i++) {
+            const float v = rounded<T>(load(xr[i]) + load(dr[i]));
+            store(sr + i, v);
+            sum += v * v;
         }
+        scale_row(static_cast<const T*>(sr), w, out + int64_t(r) * hidden, sum, hidden, eps, gemma);
     }
 }
 
@@ -143,6 +167,20 @@ int splitserve_rms_norm(int dtype, const void* x, int64_t x_row, const void* w, 
     } else {
         rms_norm(static_cast<const Bf16*>(x), x_row, static_cast<const Bf16*>(w), static_cast<Bf16*>(out), rows,
                  hidden, eps, gemma);
+    }
+    return 0;
+}
+
+int splitserve_add_rms_norm(int dtype, const void* x, int64_t x_row, const void* delta, int64_t d_row, const void* w,
+                            void* sum_out, void* out, int rows, int hidden, float eps, int gemma) {
+    if (dtype == 0) {
+        add_rms_norm(static_cast<const float*>(x), x_row, static_cast<const float*>(delta), d_row,
+                     static_cast<const float*>(w), static_cast<float*>(sum_out), static_cast<float*>(out), rows, hidden,
+                     eps, gemma);
+    } else {
+        add_rms_norm(static_cast<const Bf16*>(x), x_row, static_cast<const Bf16*>(delta), d_row,
+                     static_cast<const Bf16*>(w), static_cast<Bf16*>(sum_out), static_cast<Bf16*>(out), rows, hidden,
+                     eps, gemma);
     }
     return 0;
 }

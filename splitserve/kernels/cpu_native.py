@@ -57,6 +57,7 @@ SIGNATURES = {  # C entry point -> argument types (all return int: 0 or an ERROR
     "splitserve_decode_attention": [_I, _I] + [_P] * 6 + [_I] * 8 + [_I64] * 3 + [_F, _I, _F],
     "splitserve_prefill_attention": [_I, _I] + [_P] * 7 + [_I] * 9 + [_I64] * 3 + [_F, _I, _F],
     "splitserve_rms_norm": [_I, _P, _I64, _P, _P, _I, _I, _F, _I],
+    "splitserve_add_rms_norm": [_I, _P, _I64, _P, _I64, _P, _P, _P, _I, _I, _F, _I],
     "splitserve_rotary_store": [_I, _I, _P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I, _P, _P, _P, _P, _I, _I, _I,
                                 _I, _I64, _I, _I64, _I64, _I64, _F, _F],
     "splitserve_act_and_mul": [_I, _P, _I64, _P, _I, _I, _I],

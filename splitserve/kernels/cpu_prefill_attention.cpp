@@ -76,10 +76,11 @@ typedef float VecUnaligned __attribute__((vector_size(kLanes * 4), aligned(4), m
 inline Vec vload(const float* p) { return *reinterpret_cast<const VecUnaligned*>(p); }
 inline void vstore(float* p, Vec v) { *reinterpret_cast<VecUnaligned*>(p) = v; }
 
-// s[rr][j] = q row rr . key j for kRows rows against the tile's kKeys keys (kt is [dim][kKeys]).
+// s[rr][j] = q row rr . key j for kRows rows against the tile's first kParts * kLanes keys
+// (kt is [dim][kKeys]); the scores of later keys are 0 (a causal diagonal: no row sees them).
+template <int kParts>
 __attribute__((target("prefer-vector-width=512")))
 inline void tile_scores(const float* q, const float* kt, int dim, float (*s)[kKeys]) {
-    constexpr int kParts = kKeys / kLanes;
     Vec sum[kRows][kParts] = {};
     for (int d = 0; d < dim; d++) {
         Vec key[kParts];
@@ -92,8 +93,21 @@ inline void tile_scores(const float* q, const float* kt, int dim, float (*s)[kKe
             for (int c = 0; c < kParts; c++) sum[rr][c] += qv * key[c];
         }
     }
-    for (int rr = 0; rr < kRows; rr++)
+    for (int rr = 0; rr < kRows; rr++) {
         for (int c = 0; c < kParts; c++) vstore(s[rr] + c * kLanes, sum[rr][c]);
+        for (int j = kParts * kLanes; j < kKeys; j++) s[rr][j] = 0.f;
+    }
+}
+
+// tile_scores over the key vectors a chunk of rows can see: `parts` of them (1 .. kKeys / kLanes)
+inline void visible_scores(int parts, const float* q, const float* kt, int dim, float (*s)[kKeys]) {
+    static_assert(kKeys / kLanes == 4, "one case per key vector");
+    switch (parts) {
+        case 1: return tile_scores<1>(q, kt, dim, s);
+        case 2: return tile_scores<2>(q, kt, dim, s);
+        case 3: return tile_scores<3>(q, kt, dim, s);
+        default: return tile_scores<4>(q, kt, dim, s);
+    }
 }
 
 // acc rows (stride dim) += sum over the tile's nk keys of s[rr][j] * V row j, for head dims
@@ -126,10 +140,62 @@ inline void weigh_values(const float (*s)[kKeys], const float* const* v_rows, in
 // All rows of one query tile of one kv head: rows r = i * group + j are token i (position
 // pos0 + i) of query head kh * group + j. q_rows [rows][dim] holds the scaled queries; the
 // output rows are written to out (the sequence's [n, heads, dim] rows from token tok0).
+// One kv head's keys and values of a sequence as the tiles read them: tile t's K transposed
+// ([dim][kKeys], keys past the sequence zero) and, from a cache not holding float, its V rows
+// as float. Each tile is made once, the first time a query tile reaches it, and then read by
+// every later query tile: a causal prefill of n tokens reads ~n^2 / 2 / kKeys^2 tiles, and
+// transposing each one again for each query tile cost ~15% of the kernel at 384 tokens.
+template <typename C>
+struct KeyTiles {
+    std::vector<float> kt, vt;
+    std::vector<char> ready;
+    const float* v_rows[kKeys];
+
+    void reset(int len, int dim) {
+        const size_t tiles = (len + kKeys - 1) / kKeys;
+        if (kt.size() < tiles * dim * kKeys) kt.resize(tiles * dim * kKeys);
+        if (!std::is_same<C, float>::value && vt.size() < tiles * kKeys * dim) vt.resize(tiles * kKeys * dim);
+        ready.assign(tiles, 0);
+    }
+
+    // The tile starting at key t0 (a multiple of kKeys): its transposed K, and v_rows set to
+    // its V rows.
+    const float* at(int t0, int len, int kh, const C* k, const C* v, const int32_t* blocks, const Geometry& g,
+                    int dim) {
+        const int tile = t0 / kKeys, nk = len - t0 < kKeys ? len - t0 : kKeys;
+        float* kt_tile = kt.data() + size_t(tile) * dim * kKeys;
+        float* vt_tile = std::is_same<C, float>::value ? nullptr : vt.data() + size_t(tile) * kKeys * dim;
+        if (!ready[tile]) {
+            for (int j = 0; j < kKeys; j++) {
+                if (j < nk) {
+                    const C* kr = row_at(k, blocks, t0 + j, kh, g);
+                    for (int d = 0; d < dim; d++) kt_tile[d * kKeys + j] = load(kr[d]);
+                    if constexpr (!std::is_same<C, float>::value) {
+                        const C* vr = row_at(v, blocks, t0 + j, kh, g);
+                        for (int d = 0; d < dim; d++) vt_tile[j * dim + d] = load(vr[d]);
+                    }
+                } else {
+                    for (int d = 0; d < dim; d++) kt_tile[d * kKeys + j] = 0.f;
+                }
+            }
+            ready[tile] = 1;
+        }
+        for (int j = 0; j < nk; j++) {
+            if constexpr (std::is_same<C, float>::value) {
+                v_rows[j] = row_at(v, blocks, t0 + j, kh, g);  // used in place
+            } else {
+                v_rows[j] = vt_tile + j * dim;
+            }
+        }
+        return kt_tile;
+    }
+};
+
 template <typename T, typename C, int DIM>
 __attribute__((target("prefer-vector-width=512")))
-void attend_tile(const float* q_rows, int tokens, int pos0, int kh, const C* k, const C* v, const int32_t* blocks,
-                 T* out, const Geometry& g, float* kt, float* vt, float* acc, float* m, float* l) {
+void attend_tile(const float* q_rows, int tokens, int pos0, int len, int kh, const C* k, const C* v,
+                 const int32_t* blocks, T* out, const Geometry& g, KeyTiles<C>& tiles, float* acc, float* m,
+                 float* l) {
     const int dim = DIM > 0 ? DIM : g.dim, group = g.group, rows = tokens * group;
     const int padded = (rows + kRows - 1) / kRows * kRows;
     for (int r = 0; r < padded; r++) {
@@ -138,28 +204,22 @@ void attend_tile(const float* q_rows, int tokens, int pos0, int kh, const C* k, 
     }
     for (int i = 0; i < padded * dim; i++) acc[i] = 0.f;
     const int last = pos0 + tokens - 1;  // the furthest position any row of the tile sees
-    const int first = g.window > 0 ? (pos0 - g.window + 1 > 0 ? pos0 - g.window + 1 : 0) : 0;
-    const float* v_rows[kKeys];
+    // tiles start at multiples of kKeys, shared by every query tile (a window's first tile
+    // masks the keys before it)
+    const int first = g.window > 0 ? (pos0 - g.window + 1 > 0 ? pos0 - g.window + 1 : 0) / kKeys * kKeys : 0;
+    const float* const* v_rows = tiles.v_rows;
     for (int t0 = first; t0 <= last; t0 += kKeys) {
         const int nk = last + 1 - t0 < kKeys ? last + 1 - t0 : kKeys;
-        for (int j = 0; j < kKeys; j++) {  // K transposed into kt[d][j]; V rows as float
-            if (j < nk) {
-                const C* kr = row_at(k, blocks, t0 + j, kh, g);
-                for (int d = 0; d < dim; d++) kt[d * kKeys + j] = load(kr[d]);
-                const C* vr = row_at(v, blocks, t0 + j, kh, g);
-                if constexpr (std::is_same<C, float>::value) {
-                    v_rows[j] = vr;  // used in place
-                } else {
-                    for (int d = 0; d < dim; d++) vt[j * dim + d] = load(vr[d]);
-                    v_rows[j] = vt + j * dim;
-                }
-            } else {
-                for (int d = 0; d < dim; d++) kt[d * kKeys + j] = 0.f;
-            }
-        }
+        const float* kt = tiles.at(t0, len, kh, k, v, blocks, g, dim);
         for (int r0 = 0; r0 < padded; r0 += kRows) {
+            // the furthest key of this tile any row of the chunk sees (rows are in position
+            // order): on a causal diagonal the keys past it are neither scored nor summed
+            const int last_row = r0 + kRows - 1 < rows - 1 ? r0 + kRows - 1 : rows - 1;
+            const int reach = pos0 + last_row / group - t0 < nk - 1 ? pos0 + last_row / group - t0 : nk - 1;
+            if (reach < 0) continue;  // the chunk sees nothing of this tile
+            const int nk_chunk = reach + 1;
             alignas(64) float s[kRows][kKeys];
-            tile_scores(q_rows + r0 * dim, kt, dim, s);
+            visible_scores((nk_chunk + kLanes - 1) / kLanes, q_rows + r0 * dim, kt, dim, s);
             for (int rr = 0; rr < kRows; rr++) {
                 const int r = r0 + rr, pos = pos0 + r / group;
                 float* sr = s[rr];
@@ -213,11 +273,11 @@ void attend_tile(const float* q_rows, int tokens, int pos0, int kh, const C* k, 
             // registers over the tile's keys
             for (int d0 = 0; d0 < dim; d0 += kChunk) {
                 if (dim - d0 >= kChunk) {
-                    weigh_values(s, v_rows, nk, d0, acc + r0 * dim + d0, dim);
+                    weigh_values(s, v_rows, nk_chunk, d0, acc + r0 * dim + d0, dim);
                     continue;
                 }
                 const int width = dim - d0;  // a last part narrower than kChunk (head_dim 80, 96)
-                for (int j = 0; j < nk; j++)
+                for (int j = 0; j < nk_chunk; j++)
                     for (int rr = 0; rr < kRows; rr++)
                         for (int d = 0; d < width; d++) acc[(r0 + rr) * dim + d0 + d] += s[rr][j] * v_rows[j][d0 + d];
             }
@@ -237,11 +297,12 @@ void attend_items(const T* q, const C* k, const C* v, T* out, const int32_t* blo
     const int dim = DIM > 0 ? DIM : g.dim, rows = kTokens * g.group;
     const int padded = (rows + kRows - 1) / kRows * kRows;
     std::vector<float> q_rows(size_t(padded) * dim), acc(size_t(padded) * dim), m(padded), l(padded);
-    std::vector<float> kt(size_t(dim) * kKeys), vt(size_t(kKeys) * dim);
+    KeyTiles<C> tiles;
     for (int item = first_item; item < end_item; item++) {  // item = sequence * kv_heads + kv head
         const int b = item / g.kv_heads, kh = item % g.kv_heads;
         const int start = cu_q[b], n = cu_q[b + 1] - cu_q[b], len = seq_lens[b];
         const int32_t* blocks = block_tables + int64_t(b) * max_blocks;
+        tiles.reset(len, dim);
         for (int i0 = 0; i0 < n; i0 += kTokens) {
             const int tokens = n - i0 < kTokens ? n - i0 : kTokens;
             for (int i = 0; i < kTokens; i++) {
@@ -251,9 +312,9 @@ void attend_items(const T* q, const C* k, const C* v, T* out, const int32_t* blo
                     for (int d = 0; d < dim; d++) dst[d] = i < tokens ? load(src[d]) * g.scale : 0.f;
                 }
             }
-            attend_tile<T, C, DIM>(q_rows.data(), tokens, len - n + i0, kh, k, v, blocks,
-                                out + int64_t(start + i0) * g.heads * dim, g, kt.data(), vt.data(), acc.data(),
-                                m.data(), l.data());
+            attend_tile<T, C, DIM>(q_rows.data(), tokens, len - n + i0, len, kh, k, v, blocks,
+                                   out + int64_t(start + i0) * g.heads * dim, g, tiles, acc.data(), m.data(),
+                                   l.data());
         }
     }
 }

@@ -126,9 +126,13 @@ def rms_norm(x, weight, eps, gemma: bool = False):
 
 def add_rms_norm(x, delta, weight, eps, gemma: bool = False):
     """(x + delta, rms_norm(x + delta)): a residual add and the norm that reads the sum, one
-    launch on the GPU (Llama form, one dtype); elsewhere the add, then rms_norm."""
-    if (not gemma and backend_for(x) == "triton" and x.dim() == 2 and delta.shape == x.shape
-            and delta.dtype == x.dtype):
+    launch on the GPU (Llama form, one dtype), one native call on the CPU; elsewhere the add,
+    then rms_norm."""
+    same = delta.shape == x.shape and delta.dtype == x.dtype
+    backend = backend_for(x)
+    if backend == "native" and same and _fused().supports(x, delta, weight):
+        return _fused().add_rms_norm(x, delta, weight, eps, gemma)
+    if not gemma and backend == "triton" and x.dim() == 2 and same:
         return _triton_fused().add_rms_norm(x, delta, weight, eps)
     total = x + delta
     return total, rms_norm(total, weight, eps, gemma=gemma)

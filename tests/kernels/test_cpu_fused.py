@@ -45,6 +45,35 @@ def test_rms_norm_of_strided_rows_and_heads():
                                **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gemma", [False, True])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype, gemma):
+    """The sum is torch's add bit for bit (it is the residual stream every later layer reads);
+    the norm of it as rms_norm's. Rows of x are read in place from a wider buffer."""
+    wide, delta, w = gen(6, 300, dtype=dtype), gen(6, 256, dtype=dtype, seed=1), gen(256, dtype=dtype, seed=2)
+    x = wide[:, :256]  # rows 300 apart
+    total, normed = cpu_fused.add_rms_norm(x, delta, w, 1e-6, gemma)
+    torch.testing.assert_close(total, x + delta, rtol=0, atol=0)
+    want = (reference.rms_norm((x + delta).float(), w.float() + 1.0, 1e-6).to(dtype) if gemma
+            else reference.rms_norm(x + delta, w, 1e-6))
+    torch.testing.assert_close(normed, want, **TOL[dtype])
+    torch.testing.assert_close(normed, cpu_fused.rms_norm(x + delta, w, 1e-6, gemma), rtol=0, atol=0)
+
+
+def test_ops_add_rms_norm_takes_native_only_for_same_shaped_rows(monkeypatch):
+    monkeypatch.delenv("SPLITSERVE_KERNELS", raising=False)
+    calls = []
+    original = cpu_fused.add_rms_norm
+    monkeypatch.setattr(cpu_fused, "add_rms_norm", lambda *a: calls.append(a[0].dtype) or original(*a))
+    w = gen(16, seed=1)
+    for x, delta in ((gen(3, 16), gen(3, 16, seed=2)), (gen(3, 16).half(), gen(3, 16, seed=2).half()),
+                     (gen(3, 16), gen(1, 16, seed=2))):  # float16, then a broadcast delta: the add, then the norm
+        total, normed = ops.add_rms_norm(x, delta, w.to(x.dtype), 1e-6)
+        torch.testing.assert_close(total, x + delta, rtol=0, atol=0)
+        torch.testing.assert_close(normed, reference.rms_norm(x + delta, w.to(x.dtype), 1e-6), **TOL[torch.float32])
+    assert calls == [torch.float32]
+
+
 def _pool(blocks, block_size, kv_heads, dim, dtype):
     shape = (blocks, block_size, kv_heads, dim)
     return torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype)

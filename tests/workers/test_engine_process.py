@@ -81,6 +81,22 @@ async def test_the_engine_process_runs_on_tcmalloc_unless_told_not_to(make_ckpt,
     assert mapped == (choice == "auto")
     assert os.environ["LD_PRELOAD"] == "" and allocator.allocator_in_use() == "glibc malloc"
     assert child_env[b"LD_PRELOAD"].startswith(b"libtcmalloc_minimal") == (choice == "auto")
+    assert child_env[b"THP_MEM_ALLOC_ENABLE"] == b"1" and "THP_MEM_ALLOC_ENABLE" not in os.environ
+
+
+def test_an_explicit_huge_pages_choice_reaches_the_engine_process_as_given(monkeypatch):
+    """THP_MEM_ALLOC_ENABLE=0 in the environment opts the engine out of torch's huge pages."""
+    from splitserve.engine import allocator
+
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    with allocator.engine_environment(None):
+        assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0" and "LD_PRELOAD" not in os.environ
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
+    with allocator.engine_environment("libtcmalloc_minimal.so.4"):
+        assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
+        assert os.environ["LD_PRELOAD"] == "libtcmalloc_minimal.so.4"
+    assert "THP_MEM_ALLOC_ENABLE" not in os.environ and "LD_PRELOAD" not in os.environ
 
 
 def test_a_wrong_allocator_choice_is_refused_by_name(monkeypatch):
