@@ -22,9 +22,21 @@ def supports(*tensors: torch.Tensor) -> bool:
     if dtype not in DTYPE_CODES:
         return False
     for t in tensors:
-        if t.dtype != dtype or t.device.type != "cpu" or t.stride(-1) != 1:
+        if t.dtype != dtype or not t.is_cpu or t.stride(-1) != 1:
             return False
     return cpu_native.library() is not None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as rows [n, last dim]: x itself when it is already 2-D (a reshape costs ~1 us a call)."""
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+
+
+def _empty(rows: torch.Tensor, shape: torch.Size, width: int | None = None) -> torch.Tensor:
+    """A contiguous result of `shape` (last dim `width` if given) for `rows` [n, d]: made from
+    integers (torch.empty of a torch.Size takes twice as long) and viewed as `shape` after."""
+    out = torch.empty(rows.shape[0], rows.shape[1] if width is None else width, dtype=rows.dtype)
+    return out if len(shape) == 2 and width is None else out.view(*shape[:-1], out.shape[1])
 
 
 def _check(code: int) -> None:
@@ -34,9 +46,9 @@ def _check(code: int) -> None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim of rows x [..., hidden] (Gemma's (1 + w) form with `gemma`)."""
-    rows = x.reshape(-1, x.shape[-1])  # a view where it can be: rows `stride(0)` apart
+    rows = _rows(x)  # a view where it can be: rows `stride(0)` apart
     weight = weight.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype)
+    out = _empty(rows, x.shape)
     _check(cpu_native.library().splitserve_rms_norm(DTYPE_CODES[x.dtype], rows.data_ptr(), rows.stride(0),
                                                      weight.data_ptr(), out.data_ptr(), rows.shape[0],
                                                      rows.shape[1], float(eps), int(gemma)))
@@ -46,9 +58,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = Fa
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
                  gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, rms_norm(x + delta)) for rows [..., hidden] of one shape, in one pass."""
-    rows, deltas = x.reshape(-1, x.shape[-1]), delta.reshape(-1, delta.shape[-1])
+    rows, deltas = _rows(x), _rows(delta)
     weight = weight.contiguous()
-    total, out = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
+    total, out = _empty(rows, x.shape), _empty(rows, x.shape)
     _check(cpu_native.library().splitserve_add_rms_norm(
         DTYPE_CODES[x.dtype], rows.data_ptr(), rows.stride(0), deltas.data_ptr(), deltas.stride(0), weight.data_ptr(),
         total.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1], float(eps), int(gemma)))
@@ -89,9 +101,9 @@ def rotary_store_supported(q, k, v, cos, sin, k_cache, v_cache) -> bool:
 
 def act_and_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     """act(x[..., :inter]) * x[..., inter:] for rows x [..., 2 * inter]; act = SiLU or GELU-tanh."""
-    rows = x.reshape(-1, x.shape[-1])
+    rows = _rows(x)
     inter = x.shape[-1] // 2
-    out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype)
+    out = _empty(rows, x.shape, inter)
     _check(cpu_native.library().splitserve_act_and_mul(DTYPE_CODES[x.dtype], rows.data_ptr(), rows.stride(0),
                                                         out.data_ptr(), rows.shape[0], inter, int(gelu)))
     return out

@@ -17,7 +17,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from splitserve.kernels import cpu_linear, reference
+from splitserve.kernels import cpu_fused, cpu_linear, reference  # cpu_fused builds its library on first call
 
 _BACKENDS = ("auto", "triton", "native", "reference")
 _backend: str | None = None
@@ -101,12 +101,6 @@ def unpack_blocks(buffer, pool, block_ids):
     return impl.unpack_blocks(buffer, pool, block_ids)
 
 
-def _fused():
-    from splitserve.kernels import cpu_fused  # lazily: the first call builds the library
-
-    return cpu_fused
-
-
 def _triton_fused():
     from splitserve.kernels import triton_fused  # lazily, like _triton()
 
@@ -116,8 +110,8 @@ def _triton_fused():
 def rms_norm(x, weight, eps, gemma: bool = False):
     """Llama's RMSNorm; with `gemma`, Gemma's: x * (1 + w), all in float32, then cast."""
     backend = backend_for(x)
-    if backend == "native" and _fused().supports(x, weight):
-        return _fused().rms_norm(x, weight, eps, gemma)
+    if backend == "native" and cpu_fused.supports(x, weight):
+        return cpu_fused.rms_norm(x, weight, eps, gemma)
     impl = _triton() if backend == "triton" else reference
     if gemma:
         return impl.rms_norm(x.float(), weight.float() + 1.0, eps).to(x.dtype)
@@ -130,8 +124,8 @@ def add_rms_norm(x, delta, weight, eps, gemma: bool = False):
     then rms_norm."""
     same = delta.shape == x.shape and delta.dtype == x.dtype
     backend = backend_for(x)
-    if backend == "native" and same and _fused().supports(x, delta, weight):
-        return _fused().add_rms_norm(x, delta, weight, eps, gemma)
+    if backend == "native" and same and cpu_fused.supports(x, delta, weight):
+        return cpu_fused.add_rms_norm(x, delta, weight, eps, gemma)
     if not gemma and backend == "triton" and x.dim() == 2 and same:
         return _triton_fused().add_rms_norm(x, delta, weight, eps)
     total = x + delta
@@ -148,8 +142,8 @@ def rotary_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_sca
     model rotates only part: Phi-4-mini's partial_rotary_factor), then k and v written to
     their slots (as store_kv, scales included); returns the rotated q."""
     backend = backend_for(q)
-    if backend == "native" and _fused().rotary_store_supported(q, k, v, cos, sin, k_cache, v_cache):
-        return _fused().rotary_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if backend == "native" and cpu_fused.rotary_store_supported(q, k, v, cos, sin, k_cache, v_cache):
+        return cpu_fused.rotary_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if backend == "triton" and _triton_fused().rotary_store_supported(q, k, v, cos, sin, k_cache, v_cache):
         return _triton_fused().rotary_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
     rot = cos.shape[-1]
@@ -165,8 +159,8 @@ def rotary_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_sca
 def act_and_mul(x, gelu: bool = False):
     """The gated MLP's act(gate) * up over x = [gate | up] (SiLU; GELU-tanh with `gelu`)."""
     backend = backend_for(x)
-    if backend == "native" and _fused().supports(x):
-        return _fused().act_and_mul(x, gelu)
+    if backend == "native" and cpu_fused.supports(x):
+        return cpu_fused.act_and_mul(x, gelu)
     if backend == "triton" and x.dim() == 2:
         return _triton_fused().act_and_mul(x, gelu)
     gate, up = x.split(x.shape[-1] // 2, dim=-1)
@@ -195,7 +189,7 @@ def quantized_linear(x, qw, bias=None):
 
         return triton_quant.quantized_linear(x, qw, bias)
     if backend == "native":
-        from splitserve.kernels import quant_native  # lazily, like _fused()
+        from splitserve.kernels import quant_native  # lazily, like _triton()
 
         if quant_native.supports(x, qw):
             return quant_native.quantized_linear(x, qw, bias)

@@ -14,6 +14,7 @@ from splitserve.engine.parallel.linear import ColumnParallelLinear, RowParallelL
 from splitserve.engine.parallel.sharding import kv_heads, q_heads
 from splitserve.engine.parallel.state import tp
 from splitserve.kernels import ops
+from splitserve.kernels.cpu_decode_step import PreparedDecodeAttention
 
 
 @dataclass
@@ -72,10 +73,20 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma_norms)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma_norms)
+        self.prepared_decode: PreparedDecodeAttention | None = None  # CPU decode steps (kernels/cpu_decode_step.py)
 
     def forward(self, x, ropes, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if not meta.num_prefill_tokens and not hasattr(self, "q_norm") and qkv.is_cpu:
+            cos, sin = ropes[self.rope_kind]
+            prepared = self.prepared_decode
+            if prepared is None or not prepared.fits(qkv, cos, sin, k_cache, meta):
+                prepared = self.prepared_decode = PreparedDecodeAttention.prepare(self, qkv, cos, sin, k_cache,
+                                                                                  v_cache, meta)
+            if prepared is not None:
+                return self.o_proj(prepared(qkv, cos, sin, meta))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
