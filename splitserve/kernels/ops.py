@@ -17,7 +17,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from splitserve.kernels import cpu_fused, cpu_linear, reference  # cpu_fused builds its library on first call
+from splitserve.kernels import cpu_fused, cpu_linear, reference
 
 _BACKENDS = ("auto", "triton", "native", "reference")
 _backend: str | None = None
