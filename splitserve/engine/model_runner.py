@@ -19,12 +19,17 @@ from splitserve.engine.parallel.state import broadcast_object, tp
 from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_inputs import StepInputs, step_inputs
+from splitserve.kernels import cpu_native, ops
 
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int):
         self.cfg = cfg
         self.device = torch.device(cfg.device)
+        if self.device.type == "cpu" and ops.backend_for(torch.empty(0)) == "native":
+            # built (a few seconds of g++ on a fresh machine) or loaded from its cache now, so
+            # that no request waits for it and readiness means ready (CPU engines skip warm-up)
+            cpu_native.library()
         self.block_size = cfg.block_size
         self.model = load_model(cfg.model, model_cfg, cfg.torch_dtype, self.device, cfg.quantization)
         if cfg.kv_torch_dtype == FP8:  # the checkpoint's per-layer scales of an fp8 KV cache, if it has them

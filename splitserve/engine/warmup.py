@@ -10,8 +10,9 @@ check's first 8 concurrent requests through `splitserve serve` waited for them (
 Two requests, so the second step mixes a prefill with a decode: one 80-token prompt (its
 decode attention splits) and one 8-token prompt. Afterwards the prefix cache is emptied and
 its block events dropped: the router never hears of blocks it was never told about, and
-the pool is as it was. Off on the CPU (nothing to compile: native kernels are built once
-and cached on disk).
+the pool is as it was. Off on the CPU (nothing to compile per shape: the native kernel
+library is built once, cached on disk, and loaded by the model runner before the engine
+reports ready).
 """
 
 from __future__ import annotations

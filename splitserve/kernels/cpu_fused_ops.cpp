@@ -70,8 +70,10 @@ void add_rms_norm(const T* x, int64_t x_row, const T* delta, int64_t d_row, cons
 // Neox rotary on the first `rot` dims of one head (x1 = first half, x2 = second half):
 // out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin, rounded as the reference's
 // q * cos + rotate_half(q) * sin; dims from `rot` on are copied.
+// (restrict: the output never overlaps the inputs, which lets the loop vectorise)
 template <typename T>
-inline void rotate_head(const T* x, const T* cos, const T* sin, T* out, int rot, int dim) {
+inline void rotate_head(const T* __restrict x, const T* __restrict cos, const T* __restrict sin,
+                        T* __restrict out, int rot, int dim) {
     const int half = rot / 2;
     for (int i = 0; i < half; i++) {
         const float x1 = load(x[i]), x2 = load(x[i + half]);
