@@ -25,7 +25,8 @@ using splitserve::store;
 // RMSNorm of each row. Llama form: out = w * T(x * rsqrt(mean(x^2) + eps)). Gemma form
 // (gemma != 0): out = T((1 + w) * x * rsqrt(...)), all in float32.
 template <typename T>
-inline void scale_row(const T* xr, const T* w, T* o, float sum_sq, int hidden, float eps, int gemma) {
+inline void scale_row(const T* __restrict xr, const T* __restrict w, T* __restrict o, float sum_sq, int hidden,
+                      float eps, int gemma) {
     const float inv = 1.f / std::sqrt(sum_sq / hidden + eps);
     if (gemma) {
         for (int i = 0; i < hidden; i++) store(o + i, (load(w[i]) + 1.f) * (load(xr[i]) * inv));
@@ -54,9 +55,9 @@ template <typename T>
 void add_rms_norm(const T* x, int64_t x_row, const T* delta, int64_t d_row, const T* w, T* sum_out, T* out,
                   int rows, int hidden, float eps, int gemma) {
     for (int r = 0; r < rows; r++) {
-        const T* xr = x + r * x_row;
-        const T* dr = delta + r * d_row;
-        T* sr = sum_out + int64_t(r) * hidden;
+        const T* __restrict xr = x + r * x_row;
+        const T* __restrict dr = delta + r * d_row;
+        T* __restrict sr = sum_out + int64_t(r) * hidden;
         float sum = 0.f;
         for (int i = 0; i < hidden; i++) {
             const float v = rounded<T>(load(xr[i]) + load(dr[i]));
@@ -145,9 +146,9 @@ inline float gelu_tanh(float g) {  // 0.5 g (1 + tanh(u)) = g sigmoid(2u): no ca
 template <typename T>
 void act_and_mul(const T* x, int64_t x_row, T* out, int rows, int inter, int gelu) {
     for (int r = 0; r < rows; r++) {
-        const T* gate = x + r * x_row;
-        const T* up = gate + inter;
-        T* o = out + int64_t(r) * inter;
+        const T* __restrict gate = x + r * x_row;
+        const T* __restrict up = gate + inter;
+        T* __restrict o = out + int64_t(r) * inter;
         if (gelu) {
             for (int i = 0; i < inter; i++) store(o + i, rounded<T>(gelu_tanh(load(gate[i]))) * load(up[i]));
         } else {

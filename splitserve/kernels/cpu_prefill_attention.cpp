@@ -75,6 +75,54 @@ typedef float VecUnaligned __attribute__((vector_size(kLanes * 4), aligned(4), m
 
 inline Vec vload(const float* p) { return *reinterpret_cast<const VecUnaligned*>(p); }
 inline void vstore(float* p, Vec v) { *reinterpret_cast<VecUnaligned*>(p) = v; }
+typedef int32_t IVec __attribute__((vector_size(kLanes * 4)));
+
+// exp(x) for x <= 0 (a score minus its row's maximum), kLanes at once: exp_approx's
+// polynomial (cpu_scalar.h), with no upper clamp (x <= 0 here) and the integer part taken by
+// one truncating conversion of a value made positive (floor(y) = int(y + 128) - 128 for
+// y > -128) instead of a floor, a compare and a second conversion: the exps were 15% of the
+// kernel. (Not the add-and-subtract-2^23 rounding trick: -fassociative-math folds it away.)
+// Within 2 ulp of std::exp like exp_approx, not always its bits.
+__attribute__((target("prefer-vector-width=512")))
+inline Vec vexp_nonpositive(Vec x) {
+    x = x < -87.3f ? Vec{} - 87.3f : x;
+    const IVec whole = __builtin_convertvector(x * 1.44269504088896341f + 128.5f, IVec) - 128;  // round(x / ln2)
+    const Vec n = __builtin_convertvector(whole, Vec);
+    const Vec r = x - n * 0.693359375f - n * -2.12194440e-4f;
+    Vec p = Vec{} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const IVec bits = (whole + 127) << 23;  // 2^n
+    return p * reinterpret_cast<const Vec&>(bits);
+}
+
+// v's lanes moved `by` places down (lane i gets lane i + by, wrapping): halving reductions
+template <int by>
+inline Vec rotated(Vec v) {
+    IVec index;
+    for (int i = 0; i < kLanes; i++) index[i] = (i + by) % kLanes;
+    return __builtin_shuffle(v, index);
+}
+
+inline float hmax(Vec v) {
+    if constexpr (kLanes == 16) v = v > rotated<8>(v) ? v : rotated<8>(v);
+    v = v > rotated<4>(v) ? v : rotated<4>(v);
+    v = v > rotated<2>(v) ? v : rotated<2>(v);
+    v = v > rotated<1>(v) ? v : rotated<1>(v);
+    return v[0];
+}
+
+inline float hsum(Vec v) {
+    if constexpr (kLanes == 16) v += rotated<8>(v);
+    v += rotated<4>(v);
+    v += rotated<2>(v);
+    v += rotated<1>(v);
+    return v[0];
+}
 
 // s[rr][j] = q row rr . key j for kRows rows against the tile's first kParts * kLanes keys
 // (kt is [dim][kKeys]); the scores of later keys are 0 (a causal diagonal: no row sees them).
@@ -110,16 +158,17 @@ inline void visible_scores(int parts, const float* q, const float* kt, int dim, 
     }
 }
 
-// acc rows (stride dim) += sum over the tile's nk keys of s[rr][j] * V row j, for head dims
-// d0 .. d0 + kChunk. Keys past nk have s == 0 and may not exist: never read.
+// acc rows (stride dim) = correction[rr] * acc + sum over the tile's nk keys of s[rr][j] * V
+// row j, for head dims d0 .. d0 + kChunk. Keys past nk have s == 0 and may not exist: never read.
 __attribute__((target("prefer-vector-width=512")))
-inline void weigh_values(const float (*s)[kKeys], const float* const* v_rows, int nk, int d0, float* acc, int dim) {
+inline void weigh_values(const float (*s)[kKeys], const float* const* v_rows, int nk, int d0, float* acc, int dim,
+                         const float* correction) {
     constexpr int kParts = kChunk / kLanes;
     Vec sum[kRows][kParts];
 #pragma GCC unroll 4
-    for (int rr = 0; rr < kRows; rr++)
+    for (int rr = 0; rr < kRows; rr++)  // what the rows summed so far, rescaled to their new maxima
 #pragma GCC unroll 4
-        for (int c = 0; c < kParts; c++) sum[rr][c] = vload(acc + rr * dim + c * kLanes);
+        for (int c = 0; c < kParts; c++) sum[rr][c] = vload(acc + rr * dim + c * kLanes) * correction[rr];
     for (int j = 0; j < nk; j++) {
         Vec value[kParts];
 #pragma GCC unroll 4
@@ -135,6 +184,69 @@ inline void weigh_values(const float (*s)[kKeys], const float* const* v_rows, in
     for (int rr = 0; rr < kRows; rr++)
 #pragma GCC unroll 4
         for (int c = 0; c < kParts; c++) vstore(acc + rr * dim + c * kLanes, sum[rr][c]);
+}
+
+// The online softmax of a chunk's kRows score rows against one key tile (rows r0 ..; row r is
+// token r / group at position pos0 + r / group): the keys a row cannot see (causal, window,
+// past the tile's nk) get weight 0, each row's running maximum m and sum l are updated, and
+// correction[rr] is what its earlier sums are to be multiplied by (weigh_values applies it).
+// A padding row or one that sees nothing of the tile gets weights 0 and correction 1. The
+// rows' maxima, exps and sums are computed together, not row after row: one row's chain of
+// reductions had nothing to overlap with, and the row-by-row form was 28% of the kernel.
+__attribute__((target("prefer-vector-width=512")))
+inline void softmax_rows(float (*s)[kKeys], int r0, int rows, int group, int pos0, int t0, int nk, const Geometry& g,
+                         float* m, float* l, float* correction) {
+    constexpr int kParts = kKeys / kLanes;
+    int lo[kRows], hi[kRows];
+    bool every_key = true;  // no row masks anything: the common case off the diagonal
+    for (int rr = 0; rr < kRows; rr++) {
+        const int r = r0 + rr, pos = pos0 + r / group;
+        hi[rr] = pos - t0 < nk - 1 ? pos - t0 : nk - 1;
+        lo[rr] = g.window > 0 && pos - g.window + 1 - t0 > 0 ? pos - g.window + 1 - t0 : 0;
+        if (r >= rows) hi[rr] = -1;  // a padding row: sees nothing
+        every_key &= lo[rr] == 0 && hi[rr] == kKeys - 1;
+        if (g.softcap > 0.f)
+            for (int j = lo[rr]; j <= hi[rr]; j++) s[rr][j] = g.softcap * std::tanh(s[rr][j] / g.softcap);
+    }
+    Vec x[kRows][kParts];
+    IVec visible[kRows][kParts];
+    IVec lane;
+    for (int i = 0; i < kLanes; i++) lane[i] = i;
+#pragma GCC unroll 8
+    for (int rr = 0; rr < kRows; rr++)
+#pragma GCC unroll 4
+        for (int c = 0; c < kParts; c++) {
+            const IVec key = lane + c * kLanes;
+            visible[rr][c] = every_key ? IVec{} - 1 : (key >= lo[rr]) & (key <= hi[rr]);
+            x[rr][c] = visible[rr][c] ? vload(s[rr] + c * kLanes) : Vec{} - FLT_MAX;
+        }
+    float m_new[kRows];
+#pragma GCC unroll 8
+    for (int rr = 0; rr < kRows; rr++) {
+        Vec top = x[rr][0];
+#pragma GCC unroll 4
+        for (int c = 1; c < kParts; c++) top = x[rr][c] > top ? x[rr][c] : top;
+        const float tile_max = hmax(top);
+        m_new[rr] = tile_max > m[r0 + rr] ? tile_max : m[r0 + rr];
+    }
+    Vec sums[kRows];
+#pragma GCC unroll 8
+    for (int rr = 0; rr < kRows; rr++) {
+        sums[rr] = Vec{};
+#pragma GCC unroll 4
+        for (int c = 0; c < kParts; c++) {
+            const Vec e = visible[rr][c] ? vexp_nonpositive(x[rr][c] - m_new[rr]) : Vec{};
+            vstore(s[rr] + c * kLanes, e);
+            sums[rr] += e;
+        }
+    }
+#pragma GCC unroll 8
+    for (int rr = 0; rr < kRows; rr++) {
+        const int r = r0 + rr;
+        correction[rr] = exp_approx(m[r] - m_new[rr]);
+        l[r] = l[r] * correction[rr] + hsum(sums[rr]);
+        m[r] = m_new[rr];
+    }
 }
 
 // All rows of one query tile of one kv head: rows r = i * group + j are token i (position
@@ -220,63 +332,18 @@ void attend_tile(const float* q_rows, int tokens, int pos0, int len, int kh, con
             const int nk_chunk = reach + 1;
             alignas(64) float s[kRows][kKeys];
             visible_scores((nk_chunk + kLanes - 1) / kLanes, q_rows + r0 * dim, kt, dim, s);
-            for (int rr = 0; rr < kRows; rr++) {
-                const int r = r0 + rr, pos = pos0 + r / group;
-                float* sr = s[rr];
-                // keys [lo, hi] of the tile are visible to this row (causal, sliding window)
-                int hi = pos - t0, lo = g.window > 0 ? pos - g.window + 1 - t0 : 0;
-                hi = hi < nk - 1 ? hi : nk - 1;
-                lo = lo > 0 ? lo : 0;
-                if (r >= rows || hi < lo) {  // a padding row, or nothing of this tile is visible
-                    for (int j = 0; j < kKeys; j++) sr[j] = 0.f;
-                    continue;
-                }
-                if (g.softcap > 0.f)
-                    for (int j = lo; j <= hi; j++) sr[j] = g.softcap * std::tanh(sr[j] / g.softcap);
-                // loops of fixed length over the whole tile (keys outside [lo, hi] masked where
-                // there are any): they vectorise without the peeled heads and tails of lo..hi loops
-                float tile_max = -FLT_MAX, sum = 0.f, m_new, correction;
-                if (lo == 0 && hi == kKeys - 1) {
-#pragma omp simd reduction(max : tile_max)
-                    for (int j = 0; j < kKeys; j++) tile_max = sr[j] > tile_max ? sr[j] : tile_max;
-                    m_new = tile_max > m[r] ? tile_max : m[r];
-                    correction = exp_approx(m[r] - m_new);
-#pragma omp simd reduction(+ : sum)
-                    for (int j = 0; j < kKeys; j++) {
-                        sr[j] = exp_approx(sr[j] - m_new);
-                        sum += sr[j];
-                    }
-                } else {
-#pragma omp simd reduction(max : tile_max)
-                    for (int j = 0; j < kKeys; j++) {
-                        const float x = j >= lo && j <= hi ? sr[j] : -FLT_MAX;
-                        tile_max = x > tile_max ? x : tile_max;
-                    }
-                    m_new = tile_max > m[r] ? tile_max : m[r];
-                    correction = exp_approx(m[r] - m_new);
-#pragma omp simd reduction(+ : sum)
-                    for (int j = 0; j < kKeys; j++) {
-                        const float e = j >= lo && j <= hi ? exp_approx(sr[j] - m_new) : 0.f;
-                        sr[j] = e;
-                        sum += e;
-                    }
-                }
-                l[r] = l[r] * correction + sum;
-                m[r] = m_new;
-                if (correction != 1.f) {  // the row's maximum rose: rescale what it summed so far
-                    float* ar = acc + r * dim;
-#pragma omp simd
-                    for (int d = 0; d < dim; d++) ar[d] *= correction;
-                }
-            }
+            float correction[kRows];
+            softmax_rows(s, r0, rows, group, pos0, t0, nk, g, m, l, correction);
             // weighted sum of V along head_dim, kChunk dims at a time: the rows' sums stay in
             // registers over the tile's keys
             for (int d0 = 0; d0 < dim; d0 += kChunk) {
                 if (dim - d0 >= kChunk) {
-                    weigh_values(s, v_rows, nk_chunk, d0, acc + r0 * dim + d0, dim);
+                    weigh_values(s, v_rows, nk_chunk, d0, acc + r0 * dim + d0, dim, correction);
                     continue;
                 }
                 const int width = dim - d0;  // a last part narrower than kChunk (head_dim 80, 96)
+                for (int rr = 0; rr < kRows; rr++)
+                    for (int d = 0; d < width; d++) acc[(r0 + rr) * dim + d0 + d] *= correction[rr];
                 for (int j = 0; j < nk_chunk; j++)
                     for (int rr = 0; rr < kRows; rr++)
                         for (int d = 0; d < width; d++) acc[(r0 + rr) * dim + d0 + d] += s[rr][j] * v_rows[j][d0 + d];
