@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "cpu_decode_attention.cpp", _HERE / "cpu_prefill_attention.cpp", _HERE / "cpu_fused_ops.cpp",
            _HERE / "cpu_quant_linear.cpp", _HERE / "cpu_dense_gemv.cpp"]
-HEADERS = [_HERE / "cpu_scalar.h"]
+HEADERS = [_HERE / "cpu_scalar.h", _HERE / "cpu_vec.h"]
 # -fassociative-math (with the two flags it needs) lets sums be vectorised in any order, as
 # SDPA's blocked sums are; no -ffast-math: NaN and infinity keep their meaning.
 # SPLITSERVE_CPU_MARCH: another target than this CPU (tests build the AVX2 variant with "haswell").

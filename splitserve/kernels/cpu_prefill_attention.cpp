@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "cpu_scalar.h"
+#include "cpu_vec.h"
 
 namespace {
 
@@ -30,6 +31,14 @@ using splitserve::exp_approx;
 using splitserve::Fp8;
 using splitserve::load;
 using splitserve::store;
+using splitserve::hmax;
+using splitserve::hsum;
+using splitserve::IVec;
+using splitserve::kLanes;
+using splitserve::Vec;
+using splitserve::vexp_nonpositive;
+using splitserve::vload;
+using splitserve::vstore;
 
 // The tile fits the vector registers there are. With AVX-512: 32 registers of 16 floats, and
 // a tile of 5 query rows x 64 keys keeps its 20 score vectors and 4 key vectors in them
@@ -41,12 +50,10 @@ using splitserve::store;
 // issue 30's 1,500-token SmolLM2 prefill spent 34 of 44.5 s there). So narrower vectors and
 // 2 rows x 32 keys: 8 score vectors and 4 key vectors.
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
 constexpr int kKeys = 64;    // keys per tile: four registers of scores per query row
 constexpr int kRows = 5;     // query rows computed together (their scores stay in registers)
 constexpr int kChunk = 64;   // head dims of the V sums held in registers at once: 5 rows x 4 registers
 #else
-constexpr int kLanes = 8;
 constexpr int kKeys = 32;
 constexpr int kRows = 2;
 constexpr int kChunk = 32;   // 2 rows x 4 registers of 8 lanes
@@ -65,63 +72,6 @@ template <typename T>
 inline const T* row_at(const T* cache, const int32_t* blocks, int t, int kh, const Geometry& g) {
     return cache + blocks[t / g.block_size] * g.block_stride + int64_t(t % g.block_size) * g.slot_stride +
            int64_t(kh) * g.head_stride;
-}
-
-// kLanes floats as one value: GCC keeps arrays of these in vector registers, which plain
-// float arrays indexed in loops were not: their every update went through memory, and the
-// stores capped the tile at a third of the core's multiply-add rate.
-typedef float Vec __attribute__((vector_size(kLanes * 4)));
-typedef float VecUnaligned __attribute__((vector_size(kLanes * 4), aligned(4), may_alias));
-
-inline Vec vload(const float* p) { return *reinterpret_cast<const VecUnaligned*>(p); }
-inline void vstore(float* p, Vec v) { *reinterpret_cast<VecUnaligned*>(p) = v; }
-typedef int32_t IVec __attribute__((vector_size(kLanes * 4)));
-
-// exp(x) for x <= 0 (a score minus its row's maximum), kLanes at once: exp_approx's
-// polynomial (cpu_scalar.h), with no upper clamp (x <= 0 here) and the integer part taken by
-// one truncating conversion of a value made positive (floor(y) = int(y + 128) - 128 for
-// y > -128) instead of a floor, a compare and a second conversion: the exps were 15% of the
-// kernel. (Not the add-and-subtract-2^23 rounding trick: -fassociative-math folds it away.)
-// Within 2 ulp of std::exp like exp_approx, not always its bits.
-__attribute__((target("prefer-vector-width=512")))
-inline Vec vexp_nonpositive(Vec x) {
-    x = x < -87.3f ? Vec{} - 87.3f : x;
-    const IVec whole = __builtin_convertvector(x * 1.44269504088896341f + 128.5f, IVec) - 128;  // round(x / ln2)
-    const Vec n = __builtin_convertvector(whole, Vec);
-    const Vec r = x - n * 0.693359375f - n * -2.12194440e-4f;
-    Vec p = Vec{} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const IVec bits = (whole + 127) << 23;  // 2^n
-    return p * reinterpret_cast<const Vec&>(bits);
-}
-
-// v's lanes moved `by` places down (lane i gets lane i + by, wrapping): halving reductions
-template <int by>
-inline Vec rotated(Vec v) {
-    IVec index;
-    for (int i = 0; i < kLanes; i++) index[i] = (i + by) % kLanes;
-    return __builtin_shuffle(v, index);
-}
-
-inline float hmax(Vec v) {
-    if constexpr (kLanes == 16) v = v > rotated<8>(v) ? v : rotated<8>(v);
-    v = v > rotated<4>(v) ? v : rotated<4>(v);
-    v = v > rotated<2>(v) ? v : rotated<2>(v);
-    v = v > rotated<1>(v) ? v : rotated<1>(v);
-    return v[0];
-}
-
-inline float hsum(Vec v) {
-    if constexpr (kLanes == 16) v += rotated<8>(v);
-    v += rotated<4>(v);
-    v += rotated<2>(v);
-    v += rotated<1>(v);
-    return v[0];
 }
 
 // s[rr][j] = q row rr . key j for kRows rows against the tile's first kParts * kLanes keys

@@ -83,6 +83,8 @@ def render_decode(spec: InferenceSpec, replicas: int) -> list[dict]:
             "--admin-port", str(c.ADMIN_PORT), *c.common_args(spec), *kv_args(spec),
             *(["--kv-protocol", "rdma"] if spec.rdma_device else []),
             "--drain-timeout", str(spec.drain_timeout_seconds), *c.engine_args(spec, d)]
+    if spec.prefill_timeout_seconds != 30.0:  # the decode worker's own default
+        args += ["--prefill-timeout", f"{spec.prefill_timeout_seconds:g}"]
     container = {
         "name": "decode", "image": spec.image, "imagePullPolicy": spec.image_pull_policy,
         "command": ["splitserve"], "args": args, "env": c.env(spec),

@@ -117,6 +117,7 @@ class InferenceSpec:
     monitor_labels: dict = field(default_factory=dict)  # extra labels on the monitors
     network_policy: bool = True
     drain_timeout_seconds: int = 600
+    prefill_timeout_seconds: float = 30.0  # spec.decode.prefillTimeoutSeconds: the decode workers' --prefill-timeout
     image_pull_secrets: tuple[str, ...] = ()
     tls_issuer: IssuerRef | None = None  # spec.tls.certManager: mutual TLS from cert-manager (cert_manager.py)
     cluster_token_hash: str = ""  # of the token Secret, set at reconcile (cluster_token.py): rolls the pods
@@ -197,6 +198,9 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
     decode_d = object_field(spec, "decode", problems)
     decode = _role(decode_d, "spec.decode", problems, 1, 4, lowest_min=0)  # 0: scale to zero (decode only)
     drain_timeout = int_field(decode_d, "drainTimeoutSeconds", 600, "spec.decode", problems, minimum=1)
+    prefill_timeout = float_field(decode_d, "prefillTimeoutSeconds", 30.0, "spec.decode", problems)
+    if not 1 <= prefill_timeout <= 600:  # a prefill worker accepts pushes up to 600 s
+        problems.append(f"spec.decode.prefillTimeoutSeconds must be in [1, 600], got {prefill_timeout:g}")
     if decode.max_num_batched_tokens < decode.max_num_seqs:
         problems.append(f"spec.decode.maxNumBatchedTokens ({decode.max_num_batched_tokens}) must be >= "
                         f"spec.decode.maxNumSeqs ({decode.max_num_seqs})")
@@ -270,4 +274,5 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
         monitor_labels=dict(monitor_labels),
         network_policy=network_policy,
         drain_timeout_seconds=drain_timeout,
+        prefill_timeout_seconds=prefill_timeout,
         image_pull_secrets=tuple(str(s) for s in spec.get("imagePullSecrets", []) or []))

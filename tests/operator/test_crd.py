@@ -64,6 +64,7 @@ def test_crd_defaults_match_the_operator_defaults(schema, minimal_spec):
            "metadata": {"name": "x", "namespace": "ns"}, "spec": minimal_spec}
     defaulted = apply_defaults(schema, copy.deepcopy(obj))
     assert defaulted["spec"]["decode"]["drainTimeoutSeconds"] == 600  # defaults did apply, nested
+    assert defaulted["spec"]["decode"]["prefillTimeoutSeconds"] == 30
     assert parse_spec("x", "ns", defaulted["spec"], "img:1") == parse_spec("x", "ns", minimal_spec, "img:1")
 
 
@@ -85,6 +86,10 @@ INVALID_BY_SCHEMA = [
      "spec.router.streamInterval must be >= 1"),
     ("strict as a string", {"router": {"strictDisaggregation": "yes"}}, "'yes' is not of type 'boolean'",
      "spec.router.strictDisaggregation must be true or false"),
+    ("sub-second prefill timeout", {"decode": {"prefillTimeoutSeconds": 0.5}}, "0.5 is less than the minimum of 1",
+     "spec.decode.prefillTimeoutSeconds must be in [1, 600], got 0.5"),
+    ("prefill timeout past a push's limit", {"decode": {"prefillTimeoutSeconds": 900}},
+     "900 is greater than the maximum of 600", "spec.decode.prefillTimeoutSeconds must be in [1, 600], got 900"),
     ("prefill at zero", {"prefill": {"minReplicas": 0}}, "0 is less than the minimum of 1",
      "spec.prefill.minReplicas must be >= 1"),
     ("no held requests", {"autoscaling": {"holdRequestsAtZero": 0}}, "0 is less than the minimum of 1",

@@ -153,6 +153,21 @@ def test_router_strict_disaggregation_reaches_the_router_pods(minimal_spec):
         router_args({"strictDisaggregation": "yes"})
 
 
+def test_decode_prefill_timeout_reaches_the_decode_pods(minimal_spec):
+    def decode_args(decode: dict) -> list[str]:
+        spec = parse_spec("q", "ns", {**minimal_spec, "decode": {**minimal_spec.get("decode", {}), **decode}}, "img:1")
+        return by_kind_name(render(spec))[("Deployment", "q-decode")]["spec"]["template"]["spec"]["containers"][0][
+            "args"]
+
+    assert "--prefill-timeout" not in decode_args({})  # 30 s, the worker's own default
+    args = decode_args({"prefillTimeoutSeconds": 120})
+    assert args[args.index("--prefill-timeout") + 1] == "120"
+    args = decode_args({"prefillTimeoutSeconds": 2.5})
+    assert args[args.index("--prefill-timeout") + 1] == "2.5"
+    with pytest.raises(SpecError, match=r"spec.decode.prefillTimeoutSeconds must be a number, got 'long'"):
+        decode_args({"prefillTimeoutSeconds": "long"})
+
+
 def test_decode_tensor_parallel_size_requests_its_gpus_and_passes_the_flag(minimal_spec):
     default = by_kind_name(render(parse_spec("q", "ns", minimal_spec, "img:1")))
     args = default[("Deployment", "q-decode")]["spec"]["template"]["spec"]["containers"][0]["args"]
