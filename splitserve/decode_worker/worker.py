@@ -186,6 +186,7 @@ class DecodeWorker(RemotePrefill, PeerPull, LoRAService, WorkerBase, DecodeWorke
                 if first is not None:
                     prefill_worker = request.prefill_worker_id
             if first is None:
+                self.handed_to_engine(len(prompt))
                 await self.engine.add_request(rid, prompt, params, num_draws_done=len(resume))
             header = True
             held = pb.GenerateChunk()  # tokens held back until the stream interval is reached

@@ -201,6 +201,10 @@ class AsyncEngine:
                     if outputs:
                         self._deliver(self.on_outputs, outputs)
                 self._flush_events()
+                # what arrived during the step joins the queue now, so the snapshot counts every
+                # request handed over before it (a step can take seconds: load reports counted
+                # prompts sent meanwhile nowhere, and the router placed prompts by them)
+                self._run_commands(wait=False)
                 self.stats = self.engine.stats(self.steps)
         except BaseException as exc:  # noqa: BLE001 - anything escaping kills the engine: say so
             if not self._stopped.is_set():

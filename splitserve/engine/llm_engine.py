@@ -202,7 +202,8 @@ class LLMEngine(Disaggregation, LoRAEngine, PeerPrefix):
                            s.num_preemptions, sum(len(q.block_table) for q in self.held.values()),
                            s.prompt_tokens_computed, self.step_seconds, loras=self.lora_state(),
                            kv_offload=self.offloader.stats() if self.offloader is not None else None,
-                           spec_decode=self.speculator.stats.snapshot() if self.speculator is not None else None)
+                           spec_decode=self.speculator.stats.snapshot() if self.speculator is not None else None,
+                           taken_at=time.time())
 
     # ---- the loop ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

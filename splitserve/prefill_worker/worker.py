@@ -162,6 +162,7 @@ class PrefillWorker(LoRAService, WorkerBase, PrefillWorkerServicer):
             self.trace_spans[rid] = span
         try:
             try:
+                self.handed_to_engine(tokens)
                 await self.engine.add_request(rid, list(request.prompt_token_ids), params, hold_kv=True)
             except (InvalidPromptError, ValueError) as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {exc}")

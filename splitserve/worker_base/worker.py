@@ -64,6 +64,7 @@ class WorkerBase(abc.ABC):
         self.metrics.engine_alive.labels(role=self.role, worker=self.worker_id).set(0)
         tracing.configure(config.tracing, f"splitserve-{self.role}")
         self.trace_spans: dict[str, object] = {}  # request id -> its server span (tracing on only)
+        self._handed: list[tuple[float, int]] = []  # (time, prompt tokens) of prompts given the engine to compute
 
     # ---- start / stop ---------------------------------------------------------------------
     async def _start_admin(self, app) -> None:
@@ -152,9 +153,21 @@ class WorkerBase(abc.ABC):
     def stats(self) -> EngineStats:
         return self.engine.stats
 
+    def handed_to_engine(self, prompt_tokens: int) -> None:
+        """A prompt this worker's engine is to compute was just handed to it."""
+        self._handed.append((time.time(), prompt_tokens))
+
+    def _tokens_not_in(self, s: EngineStats) -> int:
+        """Prompt tokens handed to the engine since its stats were taken: a step can take
+        seconds, and until the next snapshot they were in no load report (and the router,
+        which counts what it sent only until a report comes, placed prompts by the rest)."""
+        self._handed = [(t, n) for t, n in self._handed if t >= s.taken_at]
+        return sum(n for _, n in self._handed)
+
     def load_report(self) -> LoadReport:
         s = self.stats
         waiting, waiting_tokens = self._load_numbers(s)
+        waiting_tokens += self._tokens_not_in(s)
         m, labels = self.metrics, {"role": self.role, "worker": self.worker_id}
         m.sync_engine_counters(self.role, self.worker_id, s.prefix_query_tokens, s.prefix_hit_tokens, s.preemptions)
         sync_lora(m, self.role, self.worker_id, s.loras)  # adapters resident, swaps in (engine/lora/)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 
@@ -187,3 +188,34 @@ def test_a_malformed_fault_plan_is_refused_with_the_reason(monkeypatch, spec, wh
     arm(monkeypatch, {"engine": "e6", **spec})
     with pytest.raises(ValueError, match=why):
         FaultPlan.from_env("e6")
+
+
+async def test_the_stats_after_a_step_count_a_request_handed_over_during_it(model):
+    """A step can take seconds; a prompt handed over meanwhile is in the snapshot taken right
+    after that step (load reports are made from it), not only in the one after the next."""
+    h = Harness(model, name="e9")
+    await h.engine.add_request("a", [5] * 20, PARAMS)  # keeps steps coming
+    entered, release = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()]
+    original = h.llm.step
+
+    def held_step():
+        for i in (0, 1):
+            if not release[i].is_set():
+                entered[i].set()
+                release[i].wait(5)
+                break
+        return original()
+
+    h.llm.step = held_step
+    await asyncio.to_thread(entered[0].wait, 5)
+    handed_at = time.time()
+    adding = asyncio.create_task(h.engine.add_request("b", [7] * 300, PARAMS))  # queued while step k runs
+    await asyncio.sleep(0.05)
+    release[0].set()
+    await adding
+    await asyncio.to_thread(entered[1].wait, 5)  # step k + 1 holds: the stats are step k's
+    stats = h.engine.stats
+    release[1].set()
+    assert stats.taken_at > handed_at
+    assert stats.waiting == 1 and stats.queued_prompt_tokens == 300
+    h.engine.stop()
