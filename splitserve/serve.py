@@ -42,6 +42,7 @@ from splitserve.core.tracing_config import tracing_config, tracing_config_from_a
 from splitserve.decode_worker.prefill_timeout import add_prefill_timeout_arg
 from splitserve.engine.args import (
     add_engine_args,
+    decode_worker_engine,
     engine_config_from_args,
     resolve_model,
     speculative_problem,
@@ -194,7 +195,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event) -> int:
                   engine_process=ENGINE_LOOPS[args.engine_loop],
                   tracing=tracing_config_from_args(args, "splitserve serve"))
     for i in range(args.decode_workers):
-        cfg = DecodeWorkerConfig(pinned_engine(engine, pinned), worker_id=f"decode-{i}",
+        cfg = DecodeWorkerConfig(pinned_engine(decode_worker_engine(engine, args), pinned), worker_id=f"decode-{i}",
                                  prefill_timeout_s=args.prefill_timeout, **common)
         actors.append(WorkerActor.options(name=f"decode-{i}", **opts).remote(DecodeWorker, cfg, threads))
     for i in range(args.prefill_workers):

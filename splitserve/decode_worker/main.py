@@ -20,6 +20,7 @@ from splitserve.decode_worker.prefill_timeout import add_prefill_timeout_arg
 from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from splitserve.engine.args import (
     add_engine_args,
+    decode_worker_engine,
     engine_config_from_args,
     resolve_model,
     speculative_problem,
@@ -63,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model, served = resolve_model(args)
     advertise = args.advertise_host or (None if args.host == "0.0.0.0" else args.host) or socket.gethostname()
-    config = DecodeWorkerConfig(engine_config_from_args(args, model, served), worker_id=args.worker_id,
+    config = DecodeWorkerConfig(decode_worker_engine(engine_config_from_args(args, model, served), args),
+                                worker_id=args.worker_id,
                                 host=args.host, port=args.port, advertise_host=advertise, bus_url=args.redis_url,
                                 cluster=args.cluster, kv_backend=args.kv_backend, kv_protocol=args.kv_protocol,
                                 rdma_device=args.rdma_device, admin_port=args.admin_port,

@@ -57,3 +57,24 @@ def test_an_unsupported_architecture_is_one_line_and_exit_2_before_anything_star
     assert "Qwen3ForCausalLM" in lines[0] and "Traceback" not in proc.stderr
     assert "ray" not in proc.stdout.lower()
     print(f"{command[0]}: refused in {took:.1f}s")
+
+
+def test_a_cpu_decode_worker_steps_512_tokens_unless_told():
+    """Its steps carry its streams' next tokens (engine/args.py says why); a prefill worker's
+    and a GPU's keep 2048, and an explicit --max-num-batched-tokens wins everywhere."""
+    import argparse
+
+    from splitserve.engine.args import add_engine_args, decode_worker_engine, engine_config_from_args
+
+    def budgets(*argv: str) -> tuple[int, int]:
+        ap = argparse.ArgumentParser()
+        add_engine_args(ap)
+        args = ap.parse_args(list(argv))
+        engine = engine_config_from_args(args, "m", "m")
+        return engine.max_num_batched_tokens, decode_worker_engine(engine, args).max_num_batched_tokens
+
+    assert budgets() == (2048, 512)
+    assert budgets("--device", "cuda") == (2048, 2048)
+    assert budgets("--max-num-batched-tokens", "4096") == (4096, 4096)
+    with pytest.raises(SystemExit):
+        budgets("--max-num-batched-tokens", "0")
