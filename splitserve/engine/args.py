@@ -16,10 +16,11 @@ from splitserve.engine.kv_offload.args import add_kv_offload_args, kv_offload_fi
 from splitserve.engine.lora.args import add_lora_args, lora_fields
 
 DEFAULT_STEP_TOKENS = 2048
-# A CPU decode worker's step: one step of a prefill chunk holds every stream's next token for
-# as long as the chunk takes (SmolLM2-135M: ~1 ms a prompt token on one core), and a remote
+# A CPU decode worker's step while streams decode: a prefill chunk holds every stream's next
+# token for as long as it takes (SmolLM2-135M: ~1 ms a prompt token on one core), and a remote
 # prefill waits that long for its KV blocks to be reserved. 2048 tokens were ~2.3 s; 512 cut
 # the default layout's mean TTFT at concurrency 8 from 5.0 to 3.5 s at the same tokens/s.
+# With no stream decoding a prompt takes the whole budget (chunks would only add steps).
 CPU_DECODE_STEP_TOKENS = 512
 
 
@@ -49,9 +50,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=positive_int,
                    help=f"token budget of one engine step, prefill chunks and decodes together (default: "
-                        f"{DEFAULT_STEP_TOKENS}; on a CPU decode worker {CPU_DECODE_STEP_TOKENS}, whose steps also "
-                        "carry its streams' next tokens: docs/architecture.md, \"Step budget of a CPU decode "
-                        "worker\")")
+                        f"{DEFAULT_STEP_TOKENS}; on a CPU decode worker {CPU_DECODE_STEP_TOKENS} in steps where its "
+                        "streams decode: docs/architecture.md, \"Step budget of a CPU decode worker\"); given, "
+                        "it applies to every step of every worker")
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--torch-threads", type=positive_int, help="intra-op CPU threads of each engine (default: the CPUs "
                    "this process may use, i.e. its affinity set capped by the container's CPU limit, less "
@@ -116,9 +117,9 @@ def engine_config_from_args(args: argparse.Namespace, model: str, served: str) -
 
 
 def decode_worker_engine(engine: EngineConfig, args: argparse.Namespace) -> EngineConfig:
-    """A decode worker's engine config: on a CPU, steps of CPU_DECODE_STEP_TOKENS unless
-    --max-num-batched-tokens was given (prefill workers keep the larger budget: no stream
-    waits on their steps)."""
+    """A decode worker's engine config: on a CPU, steps of CPU_DECODE_STEP_TOKENS while its
+    streams decode, unless --max-num-batched-tokens was given (a prompt with no stream to hold
+    up, and prefill workers' steps, keep the whole budget)."""
     if args.max_num_batched_tokens is not None or not str(engine.device).startswith("cpu"):
         return engine
-    return dataclasses.replace(engine, max_num_batched_tokens=CPU_DECODE_STEP_TOKENS)
+    return dataclasses.replace(engine, decoding_step_tokens=CPU_DECODE_STEP_TOKENS)

@@ -26,6 +26,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8 (= fp8_e4m3): e4m3 codes, engine/kv_cache.py
     max_num_seqs: int = 64  # most sequences in one batch
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    # the budget of a step in which streams decode (a prefill chunk holds their next tokens);
+    # None: max_num_batched_tokens. CPU decode workers: engine/args.py decode_worker_engine
+    decoding_step_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's own limit
     enable_prefix_caching: bool = True
     quantization: str | None = None  # --quantization: must match the checkpoint's (core/quantization.py)
@@ -57,6 +60,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")
+        if self.decoding_step_tokens is not None and self.decoding_step_tokens < self.block_size:
+            raise ValueError("decoding_step_tokens must be at least block_size")
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")

@@ -73,7 +73,8 @@ class LLMEngine(Disaggregation, LoRAEngine, PeerPrefix):
             weakref.finalize(self, self.offloader.close)
         blocks = BlockManager(self.runner.kv_pool.num_blocks, config.block_size, hash_seed(self.model_id),
                               config.enable_prefix_caching, self.offloader)
-        self.scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.decoding_step_tokens)
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler((Path(config.model) / "tokenizer.json").read_text(),

@@ -43,10 +43,14 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 decoding_step_tokens: int | None = None):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # the budget while a running sequence decodes: a prefill chunk in its step holds its next
+        # token for as long as the chunk takes (a lone prompt gets the whole budget)
+        self.decoding_step_tokens = decoding_step_tokens or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Counters for metrics: preemptions, and prefix-cache lookups/hits in tokens.
@@ -68,6 +72,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        if self.decoding_step_tokens < budget and any(s.num_tokens - s.num_computed_tokens <= 1 for s in self.running):
+            budget = self.decoding_step_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]

@@ -59,22 +59,24 @@ def test_an_unsupported_architecture_is_one_line_and_exit_2_before_anything_star
     print(f"{command[0]}: refused in {took:.1f}s")
 
 
-def test_a_cpu_decode_worker_steps_512_tokens_unless_told():
-    """Its steps carry its streams' next tokens (engine/args.py says why); a prefill worker's
-    and a GPU's keep 2048, and an explicit --max-num-batched-tokens wins everywhere."""
+def test_a_cpu_decode_worker_steps_512_tokens_while_streams_decode_unless_told():
+    """Those steps carry its streams' next tokens (engine/args.py says why); a prefill
+    worker's and a GPU's keep 2048, and an explicit --max-num-batched-tokens wins everywhere."""
     import argparse
 
     from splitserve.engine.args import add_engine_args, decode_worker_engine, engine_config_from_args
 
-    def budgets(*argv: str) -> tuple[int, int]:
+    def budgets(*argv: str) -> tuple[int, int | None]:
         ap = argparse.ArgumentParser()
         add_engine_args(ap)
         args = ap.parse_args(list(argv))
         engine = engine_config_from_args(args, "m", "m")
-        return engine.max_num_batched_tokens, decode_worker_engine(engine, args).max_num_batched_tokens
+        decode = decode_worker_engine(engine, args)
+        assert decode.max_num_batched_tokens == engine.max_num_batched_tokens and engine.decoding_step_tokens is None
+        return engine.max_num_batched_tokens, decode.decoding_step_tokens
 
-    assert budgets() == (2048, 512)
-    assert budgets("--device", "cuda") == (2048, 2048)
-    assert budgets("--max-num-batched-tokens", "4096") == (4096, 4096)
+    assert budgets() == (2048, 512)  # 512 while its streams decode; a lone prompt takes 2048
+    assert budgets("--device", "cuda") == (2048, None)
+    assert budgets("--max-num-batched-tokens", "4096") == (4096, None)
     with pytest.raises(SystemExit):
         budgets("--max-num-batched-tokens", "0")

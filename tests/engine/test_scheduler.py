@@ -32,6 +32,24 @@ def test_long_prompt_is_chunked_and_decodes_share_the_step():
     assert b2.num_tokens == 32
 
 
+def test_a_step_in_which_streams_decode_takes_the_decoding_budget():
+    """A lone prompt takes the whole budget; once a stream decodes, a step (its token and a
+    prompt's chunk together) takes no more than decoding_step_tokens."""
+    sched = Scheduler(BlockManager(64, 16), max_num_seqs=8, max_num_batched_tokens=64, decoding_step_tokens=16)
+    first, second = seq(100, "first"), seq(100, "second")
+    sched.add(first)
+    b1 = sched.schedule()
+    assert [(s.request_id, n) for s, n in b1.prefills] == [("first", 64)]  # nothing decodes yet
+    complete(b1)
+    b2 = sched.schedule()
+    assert [(s.request_id, n) for s, n in b2.prefills] == [("first", 36)]  # still no stream
+    complete(b2)
+    sched.add(second)
+    b3 = sched.schedule()
+    assert [s.request_id for s in b3.decodes] == ["first"]
+    assert [(s.request_id, n) for s, n in b3.prefills] == [("second", 15)] and b3.num_tokens == 16
+
+
 def test_preemption_frees_the_latest_sequence_and_requeues_it_first():
     bm = BlockManager(4, 4)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
