@@ -67,6 +67,19 @@ inline float rounded(float x) {
     return load(t);
 }
 
+// e^r for |r| <= ln2 / 2, Cephes' expf polynomial; T is float or a vector of floats
+// (cpu_vec.h's vexp_nonpositive runs it on kLanes at once).
+template <typename T>
+inline T exp_polynomial(T r) {
+    T p = T{} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    return p * r * r + r + 1.f;
+}
+
 // exp(x), Cephes' expf polynomial: within 2 ulp of std::exp, and, unlike the libm call, the
 // compiler vectorises the loop around it (scalar expf was a quarter of the decode attention's
 // time). Clamped to [-87.3, 88]: ~1e-38 instead of 0 below, ~1.6e38 instead of inf above.
@@ -74,13 +87,7 @@ inline float exp_approx(float x) {
     x = x < -87.3f ? -87.3f : (x > 88.f ? 88.f : x);
     const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);  // x = n ln2 + r, |r| <= ln2 / 2
     const float r = x - n * 0.693359375f - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
+    const float p = exp_polynomial(r);
     const int32_t bits = (int32_t(n) + 127) << 23;  // 2^n, -126 <= n <= 127
     return p * __builtin_bit_cast(float, bits);
 }

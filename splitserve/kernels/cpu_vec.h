@@ -4,6 +4,8 @@
 #pragma once
 #include <cstdint>
 
+#include "cpu_scalar.h"
+
 namespace splitserve {
 
 #if defined(__AVX512F__)
@@ -34,13 +36,7 @@ inline Vec vexp_nonpositive(Vec x) {
     const IVec whole = __builtin_convertvector(x * 1.44269504088896341f + 128.5f, IVec) - 128;  // round(x / ln2)
     const Vec n = __builtin_convertvector(whole, Vec);
     const Vec r = x - n * 0.693359375f - n * -2.12194440e-4f;
-    Vec p = Vec{} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
+    const Vec p = exp_polynomial(r);
     const IVec bits = (whole + 127) << 23;  // 2^n
     return p * reinterpret_cast<const Vec&>(bits);
 }
