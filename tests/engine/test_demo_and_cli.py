@@ -1,5 +1,6 @@
-"""The built-in demo checkpoint and the `splitserve generate` command."""
+"""The built-in demo checkpoint, the `splitserve generate` command and the engine flags' defaults."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import pytest
 
 from splitserve.core.model_dir import DEMO_NAME
 from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.args import add_engine_args, decode_worker_engine, engine_config_from_args
 from splitserve.engine.demo import ensure_demo_checkpoint
 
 
@@ -62,10 +64,6 @@ def test_an_unsupported_architecture_is_one_line_and_exit_2_before_anything_star
 def test_a_cpu_decode_worker_steps_512_tokens_while_streams_decode_unless_told():
     """Those steps carry its streams' next tokens (engine/args.py says why); a prefill
     worker's and a GPU's keep 2048, and an explicit --max-num-batched-tokens wins everywhere."""
-    import argparse
-
-    from splitserve.engine.args import add_engine_args, decode_worker_engine, engine_config_from_args
-
     def budgets(*argv: str) -> tuple[int, int | None]:
         ap = argparse.ArgumentParser()
         add_engine_args(ap)
