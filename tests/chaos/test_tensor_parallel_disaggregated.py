@@ -13,6 +13,7 @@ gathered on the prefill side, scattered by head ranges on the decode side).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import threading
@@ -40,9 +41,16 @@ TOKENS = 96
 NEW = 16
 
 
+# Decode steps 15 ms longer (engine/faults.py "slow"): a 96-token stream stays open ~1.5 s
+# whatever the machine's speed, so the kill lands mid-stream (on this machine's faster CPU
+# decode the streams had all ended by the time each had shown 4 chunks).
+SLOW_DECODE = [{"engine": f"decode-{i}", "fault": "slow", "at_step": 0, "step_ms": 15} for i in (0, 1)]
+
+
 @pytest.fixture(scope="module")
 def tp_serve(make_ckpt, tmp_path_factory):
-    s = Serve(make_ckpt("llama"), tmp_path_factory.mktemp("tp-serve"), extra_args=["-tp", "2"])
+    s = Serve(make_ckpt("llama"), tmp_path_factory.mktemp("tp-serve"), extra_args=["-tp", "2"],
+              env={"SPLITSERVE_FAULT_INJECTION": json.dumps(SLOW_DECODE)})
     yield s
     s.stop()
     assert s.proc.proc.returncode == 0, s.log()[-3000:]
