@@ -42,6 +42,10 @@ def admin_app(worker) -> web.Application:
         return web.json_response(body, status=200 if body["status"] in ALIVE_STATES else 503)
 
     async def metrics(request):
+        if worker.engine is not None and not worker.failed:
+            # the engine's counters as of this scrape, not as of the last load report (every
+            # 0.5 s): a burst that ended since would not show yet
+            worker.load_report()
         return web.Response(body=generate_latest(worker.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 

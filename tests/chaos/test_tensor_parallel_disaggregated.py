@@ -41,10 +41,10 @@ TOKENS = 96
 NEW = 16
 
 
-# Decode steps 15 ms longer (engine/faults.py "slow"): a 96-token stream stays open ~1.5 s
+# Decode steps 8 ms longer (engine/faults.py "slow"): a 96-token stream stays open ~0.8 s
 # whatever the machine's speed, so the kill lands mid-stream (on this machine's faster CPU
 # decode the streams had all ended by the time each had shown 4 chunks).
-SLOW_DECODE = [{"engine": f"decode-{i}", "fault": "slow", "at_step": 0, "step_ms": 15} for i in (0, 1)]
+SLOW_DECODE = [{"engine": f"decode-{i}", "fault": "slow", "at_step": 0, "step_ms": 8} for i in (0, 1)]
 
 
 @pytest.fixture(scope="module")
