@@ -26,7 +26,17 @@ def _launches():
     """(kernel, args, kwargs, label) for each kernel launch of representative calls."""
     import torch
 
-    from splitserve.kernels import triton_common, triton_fused, triton_moe, triton_ops
+    from splitserve.kernels import (
+        triton_common,
+        triton_decode_attention,
+        triton_fused,
+        triton_lora,
+        triton_moe,
+        triton_ops,
+        triton_prefill_attention,
+        triton_quant,
+    )
+    from splitserve.kernels.quant_weight import FP8, QuantizedWeight
 
     captured = []
 
@@ -39,25 +49,39 @@ def _launches():
 
     label = {"value": ""}
     triton_common.Kernel.for_tensors = lambda self, what, *tensors: Intercept(self, label["value"])
+    # The launchers widen bfloat16 dot tiles to float32 on CPU tensors (the interpreter has no
+    # bfloat16 dot): answer as for a GPU, so bfloat16 launches compile the tensor-core path.
+    gpu = torch.device("cuda")
+    for module in (triton_decode_attention, triton_prefill_attention, triton_moe, triton_lora, triton_quant):
+        module.upcast_dot = lambda dtype, device: triton_common.upcast_dot(dtype, gpu)
 
     for dtype in (torch.bfloat16, torch.float32):
-        label["value"] = str(dtype).removeprefix("torch.")
-        pool = torch.zeros(4, 2, 2, 16, 8, 128, dtype=dtype)
-        k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+        name = str(dtype).removeprefix("torch.")
         q = torch.zeros(2, 32, 128, dtype=dtype)
         tables = torch.zeros(2, 4, dtype=torch.int32)
         lens = torch.tensor([5, 60], dtype=torch.int32)
-        triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1, 1)
-        triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1, 2)
         cu = torch.tensor([0, 1, 2], dtype=torch.int32)
-        triton_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.1)
+        # attention over a cache in the queries' dtype, then over an fp8 (e4m3) one as
+        # tests/kernels/test_fp8_kv.py drives it (ops folds k_scale / v_scale outside the kernels)
+        for kv_dtype, label["value"] in ((dtype, name), (torch.float8_e4m3fn, f"fp8_kv/{name}")):
+            pool = torch.zeros(4, 2, 2, 16, 8, 128, dtype=kv_dtype)
+            k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+            triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1, 1)
+            triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1, 2)
+            triton_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.1)
+            if dtype == torch.bfloat16:  # the kv write and block moves see only the cache's bytes
+                triton_ops.store_kv(q[:, :8], q[:, :8], k_cache, v_cache, lens, 0.5, 2.0)
+                triton_ops.pack_blocks(pool, torch.tensor([1, 2]))
+                triton_ops.unpack_blocks(pool[:2], pool, torch.tensor([1, 2]))
+        label["value"] = name
         if dtype == torch.bfloat16:
-            triton_ops.store_kv(q[:, :8], q[:, :8], k_cache, v_cache, lens)
-            triton_ops.pack_blocks(pool, torch.tensor([1, 2]))
-            triton_ops.unpack_blocks(pool[:2], pool, torch.tensor([1, 2]))
             triton_ops.rms_norm(torch.zeros(3, 4096, dtype=dtype), torch.zeros(4096, dtype=dtype), 1e-5)
             table = torch.zeros(2, 128, dtype=dtype)
             triton_ops.apply_rotary(q, q[:, :8], table, table)
+            # one dtype throughout (triton_fused.rotary_store_supported): an fp8 cache is written
+            # by apply_rotary and store_kv instead, both launched above
+            pool = torch.zeros(4, 2, 2, 16, 8, 128, dtype=dtype)
+            k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
             triton_fused.rotary_and_store_kv(q, q[:, :8], q[:, :8], table, table, k_cache, v_cache, lens)
             triton_fused.act_and_mul(torch.zeros(2, 2 * 14336, dtype=dtype))
             triton_fused.act_and_mul(torch.zeros(2, 2 * 1024, dtype=dtype), gelu=True)
@@ -68,6 +92,32 @@ def _launches():
         for tokens in (1, 300):
             ids = torch.arange(tokens * 2).view(tokens, 2) % 8
             triton_moe.fused_moe(torch.zeros(tokens, 2048, dtype=dtype), w13, w2, torch.ones(tokens, 2), ids)
+
+    # weight-only quantized linear, bfloat16 activations: GPTQ / AWQ 4-bit and 8-bit codes with
+    # offsets in groups of 128, FP8 codes (no offsets); 16-row tiles (decode) and 64-row (prefill)
+    n, k = 1024, 4096
+    weights = {
+        "int4_weight/bfloat16": QuantizedWeight(torch.zeros(n, k // 2, dtype=torch.uint8), torch.ones(n, k // 128),
+                                       torch.zeros(n, k // 128), 4, 128, k, n),
+        "int8_weight/bfloat16": QuantizedWeight(torch.zeros(n, k, dtype=torch.uint8), torch.ones(n, k // 128),
+                                       torch.zeros(n, k // 128), 8, 128, k, n),
+        "fp8_weight/bfloat16": QuantizedWeight(torch.zeros(n, k, dtype=torch.float8_e4m3fn), torch.ones(n, k // 128),
+                                      None, FP8, 128, k, n),
+    }
+    for label["value"], qw in weights.items():
+        for rows in (4, 300):
+            triton_quant.quantized_linear(torch.zeros(rows, k, dtype=torch.bfloat16), qw)
+    label["value"] = "int4_weight+bias/bfloat16"
+    triton_quant.quantized_linear(torch.zeros(4, k, dtype=torch.bfloat16), weights["int4_weight/bfloat16"],
+                                  torch.zeros(n, dtype=torch.bfloat16))
+
+    # LoRA, bfloat16: shrink (x @ A.T into float32) then expand-and-add (h @ B.T), ranks 16 and 64
+    label["value"] = "bfloat16"
+    perm = torch.arange(6)
+    for rank in (16, 64):
+        a, b = torch.zeros(3, rank, 4096, dtype=torch.bfloat16), torch.zeros(3, 4096, rank, dtype=torch.bfloat16)
+        out = torch.zeros(6, 4096, dtype=torch.bfloat16)
+        triton_lora.lora_delta(torch.zeros(6, 4096, dtype=torch.bfloat16), a, b, out, perm, [0, 2, 6], [0, 2])
     return captured
 
 

@@ -14,7 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"_decode_split_kernel", "_decode_merge_kernel", "_prefill_kernel", "_store_kv_kernel",
            "_copy_blocks_kernel", "_rms_norm_kernel", "_rotary_kernel", "_moe_gemm_kernel",
-           "_rotary_store_kernel", "_act_and_mul_kernel", "_add_rms_norm_kernel"}
+           "_rotary_store_kernel", "_act_and_mul_kernel", "_add_rms_norm_kernel", "_quant_linear_kernel",
+           "_sgmv_kernel"}
 
 
 def test_all_kernels_compile_to_sm90_cubins():
@@ -26,5 +27,11 @@ def test_all_kernels_compile_to_sm90_cubins():
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {r["kernel"] for r in results} == KERNELS
-    assert {r["dtype"] for r in results if r["kernel"] == "_prefill_kernel"} == {"bfloat16", "float32"}
     assert all(r["cubin_bytes"] > 0 and r["arch"] == "sm_90" for r in results)
+    compiled = {(r["kernel"], r["dtype"]) for r in results if r["cubin_bytes"] > 0}
+    for dtype in ("bfloat16", "float32"):  # queries' dtype; the cache in it, then fp8 (e4m3)
+        for kernel in ("_decode_split_kernel", "_prefill_kernel"):
+            assert {(kernel, dtype), (kernel, f"fp8_kv/{dtype}")} <= compiled
+    assert ("_store_kv_kernel", "fp8_kv/bfloat16") in compiled
+    for weight in ("int4", "int8", "fp8"):
+        assert ("_quant_linear_kernel", f"{weight}_weight/bfloat16") in compiled
