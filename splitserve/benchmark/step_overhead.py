@@ -15,7 +15,8 @@ tensor, so the step is host work alone (the figure the staging change was measur
 without it the CPU's forward is in `launch`.
 
 The heap is frozen after start-up as a worker freezes it (engine/heap.py). The requests
-are the workers' kind (`detokenize=False`: the router builds the text), greedy,
+are the workers' kind (`detokenize=False`: the router builds the text; delta outputs, as a
+worker's engine makes them; `--cumulative-outputs` for the offline API's kind), greedy,
 with long outputs so no request finishes inside the timed steps.
 """
 
@@ -80,7 +81,7 @@ def _timed_engine(engine, device: torch.device, null_model: bool):
 
 
 def measure(model: str, device: str, dtype: str, batch: int, steps: int, prompt_len: int,
-            null_model: bool) -> dict:
+            null_model: bool, delta_outputs: bool = True) -> dict:
     from splitserve.core.sampling_params import SamplingParams
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.llm_engine import LLMEngine
@@ -89,7 +90,7 @@ def measure(model: str, device: str, dtype: str, batch: int, steps: int, prompt_
     blocks_each = -(-(prompt_len + steps + 64) // 16)
     cfg = EngineConfig(model=model, dtype=dtype, device=device, max_num_seqs=batch,
                        num_kv_blocks=batch * blocks_each + 16, max_num_batched_tokens=max(4096, prompt_len),
-                       max_model_len=4096, warm_up=False)
+                       max_model_len=4096, warm_up=False, delta_outputs=delta_outputs)
     engine = LLMEngine(cfg)
     if engine.runner.decode_graphs is None:
         engine.runner.enable_decode_graphs(capture=False)
@@ -139,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--null-model", action="store_true",
                     help="no forward pass (fixed logits): host time alone (CPU only)")
+    ap.add_argument("--cumulative-outputs", action="store_true",
+                    help="outputs carry the whole request so far (the offline API's kind), not a worker's deltas")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     try:
@@ -154,11 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         from splitserve.engine.demo import ensure_demo_checkpoint
         args.model = str(ensure_demo_checkpoint())
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    rows = [measure(args.model, args.device, dtype, b, args.steps, args.prompt_tokens, args.null_model)
+    rows = [measure(args.model, args.device, dtype, b, args.steps, args.prompt_tokens, args.null_model,
+                    not args.cumulative_outputs)
             for b in batches]
     result = {"device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.machine()}, "
               f"{torch.get_num_threads()} threads)", "model": Path(args.model).name, "dtype": dtype,
-              "null_model": args.null_model, "torch": torch.__version__, "rows": rows}
+              "null_model": args.null_model, "delta_outputs": not args.cumulative_outputs, "torch": torch.__version__, "rows": rows}
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

@@ -47,6 +47,10 @@ class EngineConfig:
     lora_modules: dict[str, str] = field(default_factory=dict)  # name -> PEFT directory, loaded at start
     # --speculative-config (vLLM's JSON object, a dict or a SpeculativeConfig; core/speculative.py); None: off
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # outputs carry this step's part only (new tokens, logprobs, text), not the whole request's
+    # so far: a serving worker streams deltas, and copying a long prompt per token per sequence
+    # was O(context) of host time in every decode step (issue 37)
+    delta_outputs: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -244,7 +244,8 @@ class LLMEngine(Disaggregation, LoRAEngine, PeerPrefix):
             advance(seq.grammar, token, seq.request_id)
         delta = seq.text.add([token]) if seq.text is not None else None
         new_text = delta.text if delta is not None else ""
-        reason = self._stop_reason(seq, token, stop_string=delta is not None and delta.stopped)
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens  # (read once: this runs per token)
+        reason = self._stop_reason(seq, token, delta is not None and delta.stopped, num_output)
         if reason is not None:
             if seq.text is not None and not seq.text.stopped:
                 final = seq.text.add([], final=True)  # the rest, an incomplete character too
@@ -253,7 +254,8 @@ class LLMEngine(Disaggregation, LoRAEngine, PeerPrefix):
             self._finish(seq, reason)
         elif self.long_rope_after is not None and not seq.long_rope and seq.num_tokens > self.long_rope_after:
             self.scheduler.recompute_with_long_rope(seq)
-        return self._output(seq, [token], [lp] if lp is not None else [], new_text, seq.first_token_times())
+        times = seq.first_token_times() if num_output == 1 else None
+        return self._output(seq, [token], [lp] if lp is not None else [], new_text, times)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason, free_blocks=not seq.hold_kv)
@@ -261,22 +263,25 @@ class LLMEngine(Disaggregation, LoRAEngine, PeerPrefix):
         if seq.hold_kv:
             self.held[seq.request_id] = seq
 
-    def _stop_reason(self, seq: Sequence, token: int, stop_string: bool) -> str | None:
+    def _stop_reason(self, seq: Sequence, token: int, stop_string: bool, num_output: int) -> str | None:
         p = seq.params
         if seq.grammar is not None and seq.grammar.is_stopped():  # complete: nothing more may follow
             return "abort" if seq.grammar.is_error() else "stop"
-        if seq.num_output_tokens < p.min_tokens:  # (EOS and stop ids were masked in sampling)
+        if num_output < p.min_tokens:  # (EOS and stop ids were masked in sampling)
             stop_string = False
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids or stop_string:
             return "stop"
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+        if p.max_tokens is not None and num_output >= p.max_tokens:
             return "length"
-        if seq.num_tokens >= seq.max_total_tokens:
+        if num_output + seq.num_prompt_tokens >= seq.max_total_tokens:
             return "length"
         return None
 
     def _output(self, seq: Sequence, new_tokens: list[int], new_lps: list[TokenLogprobs],
                 new_text: str = "", times: dict | None = None) -> RequestOutput:
+        if self.config.delta_outputs:  # the cumulative fields left empty (EngineConfig.delta_outputs)
+            return RequestOutput(seq.request_id, [], [], new_tokens, "", new_text, seq.is_finished,
+                                 seq.finish_reason, max(seq.num_cached_tokens, 0), [], new_lps, **(times or {}))
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
             token_ids=seq.output_token_ids, new_token_ids=new_tokens,

@@ -10,6 +10,8 @@ from splitserve.core.logprobs import TokenLogprobs
 
 @dataclass
 class RequestOutput:
+    # With EngineConfig.delta_outputs (a serving worker's engine) the cumulative fields
+    # (prompt_token_ids, token_ids, text, logprobs) are left empty: only this step's part.
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]  # every output token so far

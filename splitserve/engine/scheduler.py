@@ -78,7 +78,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while self.bm.blocks_needed(seq, n) > self.bm.num_free_blocks:
+            need = self.bm.blocks_needed(seq, n)
+            while need > self.bm.num_free_blocks:
                 victim = self.running.pop()  # never one scheduled earlier this step (index < i)
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -86,9 +87,15 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            n += self._propose_drafts(seq, n, budget, len(self.running) - i - 1)
-            self.bm.grow(seq, n)
-            self._add_to_batch(batch, seq, n)
+            if self.speculator is not None:
+                n += self._propose_drafts(seq, n, budget, len(self.running) - i - 1)
+                need = self.bm.blocks_needed(seq, n)
+            if need:  # (a decode mostly writes into its last block: nothing to allocate)
+                seq.block_table.extend(self.bm.allocate_blocks(need))
+            if n == 1:
+                batch.decodes.append(seq)
+            else:
+                batch.prefills.append((seq, n))
             budget -= n
             i += 1
         # Admit new work only when nothing had to be preempted this step.
@@ -137,7 +144,7 @@ class Scheduler:
         pass): as many as the budget and the free blocks leave after one token for each of
         the `num_later` sequences still to schedule, so drafts never preempt or starve one."""
         seq.draft_token_ids = []
-        if self.speculator is None or n != 1 or seq.num_computed_tokens != seq.num_tokens - 1:
+        if n != 1 or seq.num_computed_tokens != seq.num_tokens - 1:
             return 0
         free_blocks = self.bm.num_free_blocks - self.bm.blocks_needed(seq, 1) - num_later
         slots = (len(seq.block_table) + self.bm.blocks_needed(seq, 1) + max(free_blocks, 0)) * self.bm.block_size

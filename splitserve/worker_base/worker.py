@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -82,13 +83,15 @@ class WorkerBase(abc.ABC):
                          on_step_timing=self._count_step, name=self.worker_id,
                          stall_timeout_s=self.config.engine_stall_timeout_s)
         loop = asyncio.get_running_loop()
-        if use_engine_process(self.config.engine, self.config.engine_process):
-            proc = EngineProcess(self.config.engine, loop, self._on_outputs, self._on_block_events, **callbacks,
+        # a worker streams each step's part: no copy of the prompt and the output so far per token
+        config = dataclasses.replace(self.config.engine, delta_outputs=True)
+        if use_engine_process(config, self.config.engine_process):
+            proc = EngineProcess(config, loop, self._on_outputs, self._on_block_events, **callbacks,
                                  heartbeat_timeout_s=self.config.engine_heartbeat_timeout_s)
             self.engine = engine = await asyncio.to_thread(proc.launch)
         else:
-            engine = await asyncio.to_thread(LLMEngine, self.config.engine)
-            if self.config.engine.tensor_parallel_size > 1:  # the ranks' pools, before the engine thread steps
+            engine = await asyncio.to_thread(LLMEngine, config)
+            if config.tensor_parallel_size > 1:  # the ranks' pools, before the engine thread steps
                 await asyncio.to_thread(engine.share_kv_pool)
             self.engine = AsyncEngine(engine, loop, self._on_outputs, self._on_block_events, **callbacks)
         freeze_startup_heap()  # engine/heap.py: full collections stop walking the start-up heap
