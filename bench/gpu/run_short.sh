@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check sized for a short lease (~8 minutes on one H100/H200 instead of ~30):
+# The GPU check sized for a short lease (~10 minutes on one H100/H200 instead of ~32):
 # the correctness stages side by side (kernel tests spread over pytest-xdist workers),
 # then the timed stages alone on the GPU, each stage capped at STAGE_LIMIT seconds.
 #   bench/gpu/run_short.sh             -> bench/results/gpu_check_<device>.json
@@ -23,5 +23,5 @@ case " $* " in *" --dry-run "*) ;; *)  # the engine stage's checkpoint, built on
   "$PY" -c "from splitserve.benchmark.gpu_check_stages import engine_checkpoint as e; print(e())" & ;;
 esac
 wait
-check --stages mbu_mfu,step_overhead,serve,engine --out "$W/part_4_timed.json" "$@"
+check --stages mbu_mfu,step_overhead,serve,features,engine --out "$W/part_4_timed.json" "$@"
 exec "$PY" -m splitserve.benchmark.gpu_check --merge "$W"/part_*.json

@@ -15,14 +15,19 @@ step_overhead  splitserve bench step-overhead: host time of a decode step  ~1 mi
            against the device's (CUDA events), batch 32/128/256, same model
 serve      splitserve serve --device cuda, 1 prefill + 1 decode worker, a    ~6 min
            64-request splitserve bench load, grpc then mooncake (tcp)
+features   n-gram speculative decoding and a LoRA adapter through            ~2 min
+           splitserve serve on CUDA, greedy outputs against the engine
+           without speculation / PeftModel; KV offload to host and back
+           (demo model; gpu_check_features.py)
 engine     splitserve bench engine at batch 32 vs transformers generate at   ~7 min
            batch 32, Llama-3.2-1B shape bf16 random weights
-About 30 minutes in all; the limits add up to 44 so one hang cannot eat the session.
+About 32 minutes in all; the limits add up to 49 so one hang cannot eat the session.
 
 --dry-run (any machine, CPU) runs what it can at tiny sizes: a kernel subset under
 TRITON_INTERPRET=1, fidelity on the CPU, the padded CUDA-graph step eagerly, serve on
 the CPU with the demo model, the kernel bench's toy shape, engine vs transformers with
-the demo model, the decode step's host time with no forward pass. A stage whose CPU run passes is still recorded as "skipped: no CUDA
+the demo model, the decode step's host time with no forward pass, the features with the
+demo model on the CPU. A stage whose CPU run passes is still recorded as "skipped: no CUDA
 device", never as passed; one whose CPU run fails is "failed".
 """
 

@@ -30,6 +30,7 @@ GPU_PART = {
     "serve": "splitserve serve did not run on CUDA",
     "engine": "no GPU throughput was measured",
     "step_overhead": "no device time was measured (the host's part alone, with no forward pass)",
+    "features": "speculative decoding, LoRA and KV offload did not run on CUDA",
 }
 
 
@@ -238,5 +239,48 @@ def step_overhead(ctx: Context) -> dict:
     return {"ok": r["exit_code"] == 0, "reason": reason, "figures": result, "targets": [target], **r}
 
 
+def features(ctx: Context) -> dict:
+    """Speculative decoding, LoRA and KV offload on the device, each a sub-check
+    (gpu_check_features.py), on the demo model unless --serve-model names one."""
+    from splitserve.benchmark.gpu_check_features import CHECKS
+
+    out = ctx.workdir / "features.json"
+    out.unlink(missing_ok=True)
+    cmd = [PY, "-m", "splitserve.benchmark.gpu_check_features", "--device", "cpu" if ctx.dry_run else "cuda",
+           "--out", str(out), "--workdir", str(ctx.workdir), *(["--model", ctx.serve_model] if ctx.serve_model else [])]
+    r = run(ctx, "features", cmd, 300)
+    result = _load(out)
+    ok, reason = features_verdict(result, r, CHECKS)
+    return {"ok": ok, "reason": reason, "checks": (result or {}).get("checks", []), **r}
+
+
+def features_verdict(result: dict | None, run: dict, expected: tuple[str, ...]) -> tuple[bool, str]:
+    """The features stage's (ok, reason) from its sub-checks' rows and the child process's exit:
+    a failed or missing sub-check fails it, a not-run one is named as such (never as passed),
+    and at least one must pass."""
+    rows = {row["name"]: row for row in (result or {}).get("checks", [])}
+    ok, parts = True, []
+    ended = "timed out" if run.get("timed_out") else f"exited {run.get('exit_code')}"
+    for name in expected:
+        row = rows.get(name)
+        if row is None:
+            ok = False
+            parts.append(f"{name}: no result (the check process {ended} before it)")
+        elif row.get("ok") is True:
+            parts.append(f"{name}: {row.get('reason', '')}")
+        elif row.get("ok") is None and str(row.get("reason", "")).startswith("not run"):
+            parts.append(f"{name}: {row['reason']}")
+        else:
+            ok = False
+            parts.append(f"{name}: FAILED: {row.get('reason', '')}")
+    if not any(rows.get(name, {}).get("ok") is True for name in expected):
+        ok = False
+        parts.append("no sub-check passed")
+    if run.get("exit_code") != 0 and ok:
+        ok = False
+        parts.append(f"the check process {ended}")
+    return ok, "; ".join(parts)
+
+
 STAGES = {"kernels": kernels, "fidelity": fidelity, "graphs": graphs, "mbu_mfu": mbu_mfu,
-          "step_overhead": step_overhead, "serve": serve, "engine": engine}
+          "step_overhead": step_overhead, "serve": serve, "features": features, "engine": engine}
