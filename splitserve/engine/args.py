@@ -32,8 +32,14 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--quantization", choices=list(QUANTIZATION_CHOICES),
                    help="the checkpoint's quantization, detected from config.json's quantization_config (or a "
-                        ".gguf file); given, it must match, else serve refuses in one line. All are weight-only: "
-                        "activations stay in --dtype (docs/architecture.md, Quantized checkpoints)")
+                        ".gguf file); given, it must match, else serve refuses in one line. Weight-only, "
+                        "activations in --dtype, except as --fp8-activations says (docs/architecture.md, "
+                        "Quantized checkpoints)")
+    g.add_argument("--fp8-activations", choices=["auto", "on", "off"], default="auto",
+                   help="FP8 weights with a scale per row (or tensor) multiply FP8 activations, quantized per "
+                        "token, on FP8 tensor cores (torch._scaled_mm), as vLLM does; auto: on a CUDA GPU of "
+                        "compute capability 8.9+ (Ada, Hopper); off: decoded to --dtype (the exact weight-only "
+                        "result) (default: %(default)s)")
     g.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N")
     g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     g.add_argument("--num-kv-blocks", type=int, help="KV blocks per worker (default: from --kv-cache-memory)")
@@ -110,6 +116,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str, served: str) -
                         max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_STEP_TOKENS,
                         max_model_len=args.max_model_len, model_id=served,
                         quantization=getattr(args, "quantization", None),
+                        fp8_activations={"on": True, "off": False}.get(getattr(args, "fp8_activations", "auto")),
                         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                         cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None,
                         warm_up=False if getattr(args, "no_warm_up", False) else None, **kv_offload_fields(args),

@@ -32,6 +32,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own limit
     enable_prefix_caching: bool = True
     quantization: str | None = None  # --quantization: must match the checkpoint's (core/quantization.py)
+    # FP8 weights (a scale per row) times FP8 activations via torch._scaled_mm (kernels/fp8_scaled_mm.py);
+    # None: where the device has FP8 tensor cores (CUDA 8.9+); False: weight-only, exact against dequantizing
+    fp8_activations: bool | None = None
     model_id: str | None = None  # seeds the block-hash space; default: the directory name
     seed: int = 0  # seed of the generator used by unseeded sampled requests
     cuda_graphs: bool | None = None  # decode steps replayed from CUDA graphs; None: on for CUDA, off on CPU
@@ -83,6 +86,14 @@ class EngineConfig:
         if self.cuda_graphs is None:  # (a graph would freeze one step's LoRA token grouping)
             return torch.device(self.device).type == "cuda" and self.tensor_parallel_size == 1 and not self.enable_lora
         return self.cuda_graphs
+
+    @property
+    def use_fp8_activations(self) -> bool:
+        if self.fp8_activations is None:
+            from splitserve.kernels.fp8_scaled_mm import device_has_fp8_matmul
+
+            return device_has_fp8_matmul(self.device)
+        return self.fp8_activations
 
     @property
     def use_warm_up(self) -> bool:

@@ -13,6 +13,7 @@ quantized embedding is dequantised (its lookup reads float rows)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from splitserve.engine.quant import iter_quantized_weights
 from splitserve.kernels import cpu_linear, ops
 from splitserve.kernels.quant_weight import QuantizedWeight
 
+log = logging.getLogger(__name__)
 Weights = Iterable[tuple[str, "torch.Tensor | QuantizedWeight"]]
 
 
@@ -54,8 +56,11 @@ def checkpoint_weights(model_dir: str | Path, cfg: ModelConfig, quantization: st
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
-               quantization: str | None = None, weights: Weights | None = None) -> nn.Module:
-    """`weights`: another source of (name, tensor or QuantizedWeight) than the directory's."""
+               quantization: str | None = None, weights: Weights | None = None,
+               fp8_activations: bool = False) -> nn.Module:
+    """`weights`: another source of (name, tensor or QuantizedWeight) than the directory's.
+    `fp8_activations`: FP8 weights with a scale per row multiply FP8 activations
+    (kernels/fp8_scaled_mm.py) instead of being decoded to the model's dtype."""
     # tensor parallelism: this rank loads its part of each tensor (engine/parallel/sharding.py)
     shard_of = (lambda name: checkpoint_shard(name, cfg, tp())) if tp().size > 1 else None
     if weights is None:
@@ -127,8 +132,14 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
     if missing:
         raise CheckpointError(f"{model_dir}: checkpoint lacks tensors for {missing[:5]}"
                               f"{' and more' if len(missing) > 5 else ''}")
+    fp8_parts = 0
     for linear in quantized.values():
         linear.finish()
+        if fp8_activations:
+            fp8_parts += linear.use_fp8_activations()
+    if fp8_parts:
+        log.info("%s: %d FP8 matmuls take FP8 activations quantized per token (torch._scaled_mm; "
+                 "--fp8-activations off: weight-only)", model_dir, fp8_parts)
     model.eval()
     if torch.device(device).type == "cpu" and dtype == torch.float32:
         pack_linear_weights(model)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.kernels import ops
+from splitserve.kernels.fp8_scaled_mm import Fp8RowwiseWeight, fp8_linear, rowwise
 from splitserve.kernels.quant_weight import QuantizedWeight
 
 Part = QuantizedWeight | torch.Tensor
@@ -28,6 +29,7 @@ class QuantizedLinear(nn.Module):
         self.rows: list[tuple[int, int]] = []  # each part's row range; after finish(), in order
         self.parts: list[Part] = []
         self.bias = bias
+        self.fp8_rowwise: dict[int, Fp8RowwiseWeight] = {}  # part index -> W8A8 form (use_fp8_activations)
 
     @classmethod
     def replacing(cls, linear: nn.Module) -> QuantizedLinear:
@@ -62,11 +64,20 @@ class QuantizedLinear(nn.Module):
                 parts.append(self.parts[i])
         self.rows, self.parts = rows, parts
 
+    def use_fp8_activations(self) -> int:
+        """FP8 parts with a scale per row multiply FP8 activations from now on
+        (kernels/fp8_scaled_mm.py); returns how many parts do."""
+        self.fp8_rowwise = {i: w for i, part in enumerate(self.parts)
+                            if isinstance(part, QuantizedWeight) and (w := rowwise(part)) is not None}
+        return len(self.fp8_rowwise)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         outs = []
-        for (start, stop), part in zip(self.rows, self.parts, strict=True):
+        for i, ((start, stop), part) in enumerate(zip(self.rows, self.parts, strict=True)):
             bias = None if self.bias is None else self.bias[start:stop]
-            if isinstance(part, QuantizedWeight):
+            if i in self.fp8_rowwise:
+                outs.append(fp8_linear(x, self.fp8_rowwise[i], bias))
+            elif isinstance(part, QuantizedWeight):
                 outs.append(ops.quantized_linear(x, part, bias))
             else:
                 outs.append(F.linear(x, part, bias))

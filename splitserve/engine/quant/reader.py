@@ -41,7 +41,7 @@ def quantized_linears(model_dir: str | Path, spec: QuantSpec) -> dict[str, set[s
 
 def iter_quantized_weights(model_dir: str | Path, spec: QuantSpec) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     plan = quantized_linears(model_dir, spec)
-    log.info("%s: %s, %d quantized linears; weight-only: activations stay in the model dtype%s", model_dir,
+    log.info("%s: %s, %d quantized linears; weight-only (FP8: unless --fp8-activations): activations stay in the model dtype%s", model_dir,
              spec.describe(), len(plan), f" (the checkpoint's {spec.activations} activation quantization is "
              "not applied)" if spec.activations else "")
     pending: dict[str, dict[str, torch.Tensor]] = {}
