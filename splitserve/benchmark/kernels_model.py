@@ -1,5 +1,5 @@
-"""A Llama-shaped decoder built straight from `splitserve.kernels.ops` and torch matmuls,
-for the kernel benchmark. Not the engine's model class: no checkpoint, no scheduler,
+"""A Llama-shaped decoder built straight from `splitserve.kernels.ops` (its matmuls through
+ops.linear, as the engine's), for the kernel benchmark. Not the engine's model class: no checkpoint, no scheduler,
 random weights - just the per-step work (norms, rotary, KV store, paged attention,
 projections, MLP, last-token logits) with byte and FLOP accounting next to it.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from splitserve.engine.kv_cache import KVCachePool, KVCacheSpec
 from splitserve.kernels import ops
@@ -112,7 +111,7 @@ class BenchModel:
                 h = ops.rms_norm(x, layer["in_norm"], s.rms_eps)
             else:
                 x, h = ops.add_rms_norm(x, pending, layer["in_norm"], s.rms_eps)
-            q, k, v = F.linear(h, layer["qkv"]).split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = ops.linear(h, layer["qkv"]).split([q_size, kv_size, kv_size], dim=-1)
             k_cache, v_cache = self.kv.layer(i)
             q = ops.rotary_and_store_kv(q.view(n, s.num_heads, s.head_dim), k.view(n, s.num_kv_heads, s.head_dim),
                                         v.view(n, s.num_kv_heads, s.head_dim), cos, sin, k_cache, v_cache,
@@ -123,10 +122,10 @@ class BenchModel:
                 o = ops.paged_prefill_attention(q, k_cache, v_cache, step.block_tables, step.cu_seqlens_q,
                                                 step.seq_lens, scale)
             # as the engine's layer: add + norm fused, act(gate) * up fused
-            x, h = ops.add_rms_norm(x, F.linear(o.reshape(n, q_size), layer["o"]), layer["post_norm"], s.rms_eps)
-            pending = F.linear(ops.act_and_mul(F.linear(h, layer["gate_up"])), layer["down"])
+            x, h = ops.add_rms_norm(x, ops.linear(o.reshape(n, q_size), layer["o"]), layer["post_norm"], s.rms_eps)
+            pending = ops.linear(ops.act_and_mul(ops.linear(h, layer["gate_up"])), layer["down"])
         _, h = ops.add_rms_norm(x[step.logit_rows], pending[step.logit_rows], self.final_norm, s.rms_eps)
-        return F.linear(h, self.lm_head)
+        return ops.linear(h, self.lm_head)
 
 
 def decode_inputs(shape: LlamaShape, batch: int, context: int, device: torch.device) -> StepInputs:

@@ -199,9 +199,15 @@ def quantized_linear(x, qw, bias=None):
 def linear(x, weight, bias=None):
     """x @ weight.T (+ bias): F.linear, except float32 on a CPU under the native backend: one
     row through the native gemv, several through oneDNN; a weight the loader packed for oneDNN
-    always through oneDNN (kernels/cpu_linear.py says why)."""
+    always through oneDNN (kernels/cpu_linear.py says why); and 1-4 rows of 16-bit x on a GPU
+    through the Triton GEMV (kernels/triton_gemv.py: faster than cuBLAS there)."""
     if weight.is_mkldnn:
         return cpu_linear.packed_linear(x, weight, bias)
+    if x.is_cuda and x.shape[0] <= 4 and backend_for(x) == "triton":  # a decode batch of 1-4 rows
+        from splitserve.kernels import triton_gemv  # lazily, like _triton()
+
+        if triton_gemv.eligible(x, weight):
+            return triton_gemv.gemv(x, weight, bias)
     if x.device.type == "cpu" and backend_for(x) == "native":
         if x.shape[0] >= cpu_linear.MIN_ROWS:
             if cpu_linear.eligible(x, weight):

@@ -30,6 +30,7 @@ def _launches():
         triton_common,
         triton_decode_attention,
         triton_fused,
+        triton_gemv,
         triton_lora,
         triton_moe,
         triton_ops,
@@ -110,6 +111,12 @@ def _launches():
     label["value"] = "int4_weight+bias/bfloat16"
     triton_quant.quantized_linear(torch.zeros(4, k, dtype=torch.bfloat16), weights["int4_weight/bfloat16"],
                                   torch.zeros(n, dtype=torch.bfloat16))
+
+    # the GEMV of 1-4 decode rows (ops.linear on a GPU), bfloat16, with and without a bias
+    label["value"] = "bfloat16"
+    for rows in (1, 4):
+        triton_gemv.gemv(torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16),
+                         torch.zeros(n, dtype=torch.bfloat16) if rows == 4 else None)
 
     # LoRA, bfloat16: shrink (x @ A.T into float32) then expand-and-add (h @ B.T), ranks 16 and 64
     label["value"] = "bfloat16"
