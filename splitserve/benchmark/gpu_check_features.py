@@ -6,6 +6,8 @@ each a sub-check with its own ok / reason / figures, on one device:
               equal to the cold run's
   spec_exact  offline engines with and without n-gram speculative decoding: the same greedy
               tokens, drafts accepted
+  async_exact offline engines with and without --async-scheduling (overlapped decode steps,
+              engine/overlap.py): the same tokens, greedy and seeded
   spec_serve  `splitserve serve --speculative-config` (n-gram), 1 prefill + 1 decode worker,
               copy-heavy prompts: all complete, the decode worker's /metrics count drafts
               proposed and accepted
@@ -21,7 +23,7 @@ engine measure that), and a tiny model keeps two serves and four engines near tw
 The random adapter is written in PEFT's file format directly, so building it needs no peft.
 A sub-check passes (ok True), fails (False) or is not run (None, with the reason);
 gpu_check_stages.features_verdict turns them into the stage's result. This module holds the
-offline checks, the helpers all five share, the registry and the runner; spec_serve and
+offline checks, the helpers all six share, the registry and the runner; spec_serve and
 lora_serve are in gpu_check_features_serve.py.
 
     python -m splitserve.benchmark.gpu_check_features --device cuda --out r.json
@@ -38,7 +40,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-CHECKS = ("kv_offload", "spec_exact", "spec_serve", "lora_serve", "lora_peft")
+CHECKS = ("kv_offload", "spec_exact", "async_exact", "spec_serve", "lora_serve", "lora_peft")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 ADAPTER = "gpu-check-lora"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -149,6 +151,30 @@ def spec_exact(env: Env, row: dict) -> str:
                                 f"{s.num_accepted_tokens} of {s.num_draft_tokens} draft tokens accepted")
 
 
+def async_exact(env: Env, row: dict) -> str:
+    """--async-scheduling (engine/overlap.py) against the synchronous engine: staggered
+    lengths so rows end while their next step is in flight, greedy and seeded sampling."""
+    from splitserve.core.sampling_params import SamplingParams
+    from splitserve.engine.llm import LLM
+
+    prompts = [random_ids(20 + s, 8 + 9 * s) for s in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=8 + 7 * i, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.8, seed=i, max_tokens=8 + 7 * i, ignore_eos=True) for i in range(6)]
+    kw = dict(dtype="float32", device=env.device, num_kv_blocks=128, max_num_batched_tokens=256)
+    with LLM(env.model, **kw) as base:
+        want = [o.token_ids for o in base.generate(prompts, params)]
+    with LLM(env.model, async_scheduling=True, **kw) as overlapped:
+        got = [o.token_ids for o in overlapped.generate(prompts, params)]
+        steps = overlapped.engine.overlap.steps
+    same = sum(a == b for a, b in zip(want, got, strict=True))
+    row.update(prompts=len(prompts), identical=same, overlapped_steps=steps)
+    problems = [f"{len(prompts) - same} of {len(prompts)} outputs differ with --async-scheduling"] * (same < len(prompts))
+    if not steps:
+        problems.append("no step overlapped: the comparison shows nothing")
+    return verdict_of(problems, f"{same} outputs (greedy and seeded) equal with and without --async-scheduling, "
+                                f"{steps} steps overlapped")
+
+
 def write_adapter(model: str, out: Path, seed: int = 1, r: int = 8, alpha: int = 16, b_scale: float = 0.3) -> Path:
     """A random LoRA adapter in PEFT's files (A as nn.Linear's init, B as well but scaled by
     b_scale, peft's init_lora_weights=False as tests/helpers/lora_adapters.py makes them)."""
@@ -224,7 +250,8 @@ def served(name: str):
     return check
 
 
-FUNCTIONS = {"kv_offload": kv_offload, "spec_exact": spec_exact, "spec_serve": served("spec_serve"),
+FUNCTIONS = {"kv_offload": kv_offload, "spec_exact": spec_exact, "async_exact": async_exact,
+             "spec_serve": served("spec_serve"),
              "lora_serve": served("lora_serve"), "lora_peft": lora_peft}
 
 

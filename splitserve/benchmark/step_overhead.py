@@ -34,7 +34,9 @@ import torch
 
 
 def _timed_engine(engine, device: torch.device, null_model: bool):
-    """Wrap the engine's decode path with phase clocks; returns (clocks, device_ms list)."""
+    """Wrap the engine's decode path with phase clocks; returns (clocks, device_ms list, the
+    CUDA events of each step: with the overlapped step they are read after the run, as waiting
+    for each would undo the overlap)."""
     graphs = engine.runner.decode_graphs
     clocks: dict[str, float] = defaultdict(float)
     device_ms: list[float] = []
@@ -42,6 +44,8 @@ def _timed_engine(engine, device: torch.device, null_model: bool):
     schedule, stage, execute = engine.scheduler.schedule, graphs.stage, graphs.execute
     vocab = engine.model_config.vocab_size
     fixed: dict[int, torch.Tensor] = {}
+    events: list[tuple] = []
+    overlapped = engine.overlap is not None
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
@@ -67,6 +71,9 @@ def _timed_engine(engine, device: torch.device, null_model: bool):
             end.record()
             t1 = time.perf_counter()
             clocks["launch"] += t1 - t0
+            if overlapped:
+                events.append((start, end))
+                return out
             end.synchronize()  # the wait, timed apart: host_ms leaves it out
             clocks["wait"] += time.perf_counter() - t1
             device_ms.append(start.elapsed_time(end))
@@ -77,11 +84,11 @@ def _timed_engine(engine, device: torch.device, null_model: bool):
     engine.scheduler.schedule = timed("schedule", schedule)
     graphs.stage = timed("stage", stage)
     graphs.execute = execute_timed
-    return clocks, device_ms
+    return clocks, device_ms, events
 
 
 def measure(model: str, device: str, dtype: str, batch: int, steps: int, prompt_len: int,
-            null_model: bool, delta_outputs: bool = True) -> dict:
+            null_model: bool, delta_outputs: bool = True, async_scheduling: bool = False) -> dict:
     from splitserve.core.sampling_params import SamplingParams
     from splitserve.engine.config import EngineConfig
     from splitserve.engine.llm_engine import LLMEngine
@@ -90,7 +97,8 @@ def measure(model: str, device: str, dtype: str, batch: int, steps: int, prompt_
     blocks_each = -(-(prompt_len + steps + 64) // 16)
     cfg = EngineConfig(model=model, dtype=dtype, device=device, max_num_seqs=batch,
                        num_kv_blocks=batch * blocks_each + 16, max_num_batched_tokens=max(4096, prompt_len),
-                       max_model_len=4096, warm_up=False, delta_outputs=delta_outputs)
+                       max_model_len=4096, warm_up=False, delta_outputs=delta_outputs,
+                       async_scheduling=async_scheduling)
     engine = LLMEngine(cfg)
     if engine.runner.decode_graphs is None:
         engine.runner.enable_decode_graphs(capture=False)
@@ -106,18 +114,22 @@ def measure(model: str, device: str, dtype: str, batch: int, steps: int, prompt_
     from splitserve.engine.heap import freeze_startup_heap
 
     freeze_startup_heap()  # as a serving worker does after start-up (engine/heap.py)
-    clocks, device_ms = _timed_engine(engine, dev, null_model)
+    clocks, device_ms, events = _timed_engine(engine, dev, null_model)
     graph_steps = engine.runner.decode_graphs.steps
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
+    if events:  # the overlapped step: the device's times once it is done
+        torch.cuda.synchronize(dev)
+        device_ms.extend(a.elapsed_time(b) for a, b in events)
     wall = time.perf_counter() - start
     if engine.runner.decode_graphs.steps - graph_steps != steps:
         raise RuntimeError("a timed step did not take the decode-graph path; the figures would mix step kinds")
     per = {k: 1e3 * v / steps for k, v in clocks.items()}
     wall_ms = 1e3 * wall / steps
     host_ms = wall_ms - per.get("wait", 0.0)
-    row = {"batch": batch, "steps": steps, "prompt_tokens": prompt_len, "wall_ms": round(wall_ms, 4),
+    row = {"batch": batch, "async_scheduling": async_scheduling, "steps": steps, "prompt_tokens": prompt_len,
+           "wall_ms": round(wall_ms, 4),
            "host_ms": round(host_ms, 4),
            "phases_ms": {"schedule": per.get("schedule", 0.0), "stage": per.get("stage", 0.0),
                          "launch": per.get("launch", 0.0), "wait": per.get("wait", 0.0),
@@ -126,6 +138,7 @@ def measure(model: str, device: str, dtype: str, batch: int, steps: int, prompt_
         device_ms.sort()
         row["device_ms"] = round(device_ms[len(device_ms) // 2], 4)
         row["host_below_device"] = host_ms < row["device_ms"]
+        row["wall_over_device"] = round(wall_ms / row["device_ms"], 3)  # 1.0: the device is the bound
     row["phases_ms"] = {k: round(v, 4) for k, v in row["phases_ms"].items()}
     return row
 
@@ -140,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--null-model", action="store_true",
                     help="no forward pass (fixed logits): host time alone (CPU only)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="also time the overlapped decode step (engine/overlap.py): a second row per batch size")
     ap.add_argument("--cumulative-outputs", action="store_true",
                     help="outputs carry the whole request so far (the offline API's kind), not a worker's deltas")
     ap.add_argument("--out", type=Path)
@@ -157,9 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         from splitserve.engine.demo import ensure_demo_checkpoint
         args.model = str(ensure_demo_checkpoint())
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    modes = (False, True) if args.async_scheduling else (False,)
     rows = [measure(args.model, args.device, dtype, b, args.steps, args.prompt_tokens, args.null_model,
-                    not args.cumulative_outputs)
-            for b in batches]
+                    not args.cumulative_outputs, overlap)
+            for overlap in modes for b in batches]
     result = {"device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.machine()}, "
               f"{torch.get_num_threads()} threads)", "model": Path(args.model).name, "dtype": dtype,
               "null_model": args.null_model, "delta_outputs": not args.cumulative_outputs, "torch": torch.__version__, "rows": rows}
@@ -170,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(text + "\n")
     for r in rows:
         dev = f", device {r['device_ms']:.3f} ms" if "device_ms" in r else ""
-        print(f"batch {r['batch']}: host {r['host_ms']:.3f} ms a decode step{dev}; phases "
+        print(f"batch {r['batch']}{' overlapped' if r['async_scheduling'] else ''}: host {r['host_ms']:.3f} ms "
+              f"a decode step{dev}; phases "
               + ", ".join(f"{k} {v:.3f}" for k, v in r["phases_ms"].items()), file=sys.stderr)
     return 0
 

@@ -67,6 +67,11 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     add_kv_offload_args(g)
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="run decode steps eagerly on CUDA (by default they replay CUDA graphs; off on CPU)")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="overlap pure-decode steps: the next step is scheduled and launched while the previous "
+                        "one's tokens are still on the device, its outputs processed after (vLLM's flag; same "
+                        "tokens; not with speculative decoding, LoRA or tensor parallelism). Off by default "
+                        "until measured on a GPU (docs/gpu.md)")
     g.add_argument("--speculative-config", metavar="JSON",
                    help='speculative decoding, vLLM\'s JSON object, e.g. {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} '
@@ -119,6 +124,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str, served: str) -
                         fp8_activations={"on": True, "off": False}.get(getattr(args, "fp8_activations", "auto")),
                         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                         cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None,
+                        async_scheduling=getattr(args, "async_scheduling", False),
                         warm_up=False if getattr(args, "no_warm_up", False) else None, **kv_offload_fields(args),
                         speculative_config=getattr(args, "speculative_config", None), **lora_fields(args))
 

@@ -38,6 +38,9 @@ class EngineConfig:
     model_id: str | None = None  # seeds the block-hash space; default: the directory name
     seed: int = 0  # seed of the generator used by unseeded sampled requests
     cuda_graphs: bool | None = None  # decode steps replayed from CUDA graphs; None: on for CUDA, off on CPU
+    # pure-decode steps overlapped: step N+1 scheduled and launched while step N's tokens are
+    # still on the device, its outputs processed after (engine/overlap.py; vLLM's --async-scheduling)
+    async_scheduling: bool = False
     warm_up: bool | None = None  # throwaway requests at start-up compile the kernels (engine/warmup.py); None: CUDA
     tensor_parallel_size: int = 1  # ranks (processes) the model is sharded over (engine/parallel/)
     kv_offload_bytes: int = 0  # host-memory KV tier under the device pool (engine/kv_offload/); 0: none
@@ -78,6 +81,10 @@ class EngineConfig:
             raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 or cuda_graphs=True yet")
         check_offload(self)
         self.speculative_config = parse_speculative_config(self.speculative_config, self.model)
+        if self.async_scheduling and (self.speculative_config is not None or self.enable_lora
+                                      or self.tensor_parallel_size > 1 or self.cuda_graphs is False):
+            raise ValueError("async_scheduling overlaps the padded decode step: it cannot be combined with "
+                             "speculative decoding, LoRA, tensor parallelism or cuda_graphs=False yet")
         if self.cuda_graphs and torch.device(self.device).type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got device={self.device!r}")
 

@@ -61,7 +61,7 @@ class DecodeGraphs:
     (`capture=True`, CUDA only) or run eagerly (`capture=False`)."""
 
     def __init__(self, model, kv_pool, ropes: dict[str, RopeTable], max_num_seqs: int, max_model_len: int,
-                 block_size: int, device: torch.device, capture: bool = True):
+                 block_size: int, device: torch.device, capture: bool = True, device_ids: bool = False):
         if kv_pool.scratch_block is None:
             raise ValueError("the decode graphs need a KV pool with a scratch block (scratch_blocks=1)")
         self.model, self.kv_pool, self.ropes = model, kv_pool, ropes
@@ -80,6 +80,10 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> logits written by its graph
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.steps = 0  # decode steps run through this path (replayed or padded eagerly)
+        # The overlapped decode (engine/overlap.py): an input id -(j + 1) is the token row j of
+        # the previous step sampled, still on the device; the step reads it from here.
+        self.previous_tokens = torch.zeros(self.buckets[-1], dtype=torch.int64, device=device) \
+            if device_ids else None
         if capture:
             self._check_capturable()
             self.pool = torch.cuda.graph_pool_handle()
@@ -145,6 +149,8 @@ class DecodeGraphs:
         """Logits [bucket, vocab] of the padded step held in `flat`: only device ops."""
         b = bucket
         ids, slots, seq_lens = flat[:b], flat[b : 2 * b], flat[2 * b : 3 * b].to(torch.int32)
+        if self.previous_tokens is not None:
+            ids = torch.where(ids >= 0, ids, self.previous_tokens[(-1 - ids).clamp_min(0)])
         start = 3 * b
         rows = {}
         for table in self.tables:

@@ -33,6 +33,7 @@ from splitserve.engine.kv_offload.offloader import build_offloader
 from splitserve.engine.lora.engine_setup import LoRAEngine, attach_lora, resolve_lora
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.overlap import OverlappedDecode
 from splitserve.engine.parallel.group import TensorParallelGroup
 from splitserve.engine.parallel.kv_shards import ShardedKVPool
 from splitserve.engine.parallel.sharding import check_shardable
@@ -87,6 +88,7 @@ class LLMEngine(Disaggregation, LoRAEngine, PeerPrefix):
         self.remote: dict[str, Sequence] = {}  # waiting for KV from a prefill worker
         self.step_seconds = 0.0  # wall time in step() so far (with prompt_tokens_computed: the prefill rate)
         self.loras = attach_lora(self)  # None unless enable_lora (engine/lora/)
+        self.overlap = OverlappedDecode(self) if config.async_scheduling else None
         if config.use_warm_up:
             warm_up(self)
 
@@ -183,6 +185,8 @@ class LLMEngine(Disaggregation, LoRAEngine, PeerPrefix):
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every scheduled request with `error` (after a failed step); blocks are freed."""
+        if self.overlap is not None:
+            self.overlap.in_flight = None  # its tokens belong to the requests failed here
         outputs = []
         for rid in list(self.sequences):
             seq = self.sequences[rid]
@@ -215,6 +219,15 @@ class LLMEngine(Disaggregation, LoRAEngine, PeerPrefix):
             self.step_seconds += time.perf_counter() - started
 
     def _step(self) -> list[RequestOutput]:
+        drained: list[RequestOutput] = []
+        if self.overlap is not None:  # engine/overlap.py: a pure-decode step launched ahead, or
+            launched = self.overlap.step()  # the outputs of the one in flight, then an ordinary step
+            if launched is not None:
+                return launched
+            drained = self.overlap.drain()
+        return drained + self._ordinary_step()
+
+    def _ordinary_step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -238,6 +251,10 @@ class LLMEngine(Disaggregation, LoRAEngine, PeerPrefix):
     def _append(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> RequestOutput:
         """A sampled token joins `seq`, which may finish with it."""
         seq.token_ids.append(token)
+        return self._took(seq, token, lp)
+
+    def _took(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> RequestOutput:
+        """`token`, now the last of `seq.token_ids`: its logprobs, grammar, text, stop checks."""
         if lp is not None:
             seq.logprobs.append(lp)
         if seq.grammar is not None:

@@ -51,13 +51,16 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         if cfg.use_cuda_graphs:
             self.enable_decode_graphs(capture=True)
+        elif cfg.async_scheduling:  # the overlapped decode runs the padded step (eagerly here)
+            self.enable_decode_graphs(capture=False)
 
     def enable_decode_graphs(self, capture: bool = True) -> None:
         """Run pure-decode batches padded to fixed buckets on static buffers: replayed from
         CUDA graphs captured now (`capture`, CUDA only), or eagerly (any device; the
         tests' way to check the padded step on the CPU)."""
         self.decode_graphs = DecodeGraphs(self.model, self.kv_pool, self.ropes, self.cfg.max_num_seqs,
-                                          self.max_model_len, self.block_size, self.device, capture)
+                                          self.max_model_len, self.block_size, self.device, capture,
+                                          device_ids=self.cfg.async_scheduling)
 
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)

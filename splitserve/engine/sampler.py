@@ -32,16 +32,10 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float)
     return logits
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator,
-           eos_token_ids: set[int] = frozenset(), mask: BatchMask | None = None
-           ) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: float32 [len(seqs), vocab] -> one token per sequence (+ logprobs if asked).
-    Penalties, logit_bias and min_tokens shape the choice, then the grammar's mask removes
-    what the output may not hold; logprobs stay the model's own."""
-    processed = apply_logits_processors(logits, seqs, eos_token_ids)
-    if mask is not None:
-        processed = apply_mask(processed, mask, copy=processed is logits)
-    tokens = processed.argmax(dim=-1).tolist()
+def draw(processed: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator) -> torch.Tensor:
+    """One token per row of the processed logits, as a tensor on their device (no host
+    read: the overlapped decode step keeps it there, engine/overlap.py)."""
+    tokens = processed.argmax(dim=-1)
     for row, seq in enumerate(seqs):
         p = seq.params
         if p.greedy:
@@ -52,8 +46,20 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
         # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p, using one
         # generator per request, so a seeded request does not depend on its batch.
         noise = torch.empty_like(probs).exponential_(generator=gen)
-        tokens[row] = int((probs / noise).argmax())
+        tokens[row] = (probs / noise).argmax()
+    return tokens
 
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator,
+           eos_token_ids: set[int] = frozenset(), mask: BatchMask | None = None
+           ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: float32 [len(seqs), vocab] -> one token per sequence (+ logprobs if asked).
+    Penalties, logit_bias and min_tokens shape the choice, then the grammar's mask removes
+    what the output may not hold; logprobs stay the model's own."""
+    processed = apply_logits_processors(logits, seqs, eos_token_ids)
+    if mask is not None:
+        processed = apply_mask(processed, mask, copy=processed is logits)
+    tokens = draw(processed, seqs, default_generator).tolist()
     want = [s.params.logprobs is not None for s in seqs]
     if not any(want):
         return tokens, [None] * len(seqs)

@@ -1,0 +1,157 @@
+"""Overlapped decode steps (`--async-scheduling`, vLLM's name for it; issue 37).
+
+A synchronous decode step leaves the GPU idle while the host reads the sampled tokens,
+checks stops, builds outputs, schedules and stages the next step: at batch 256 on an H100
+that host time was larger than the step itself. Here a pure-decode step is launched
+before the previous one's tokens reach the host:
+
+  launch N: its inputs staged with each sequence's last token as a *placeholder*
+            -(j + 1), "row j of the previous step's sampled tokens", which the padded
+            step reads from a device buffer (cuda_graphs.DecodeGraphs.previous_tokens);
+            sampled on the device, copied into that buffer and (asynchronously) to the host
+  then:     step N-1's tokens read (its copy is long done), placeholders replaced, stop
+            checks and outputs as usual (`LLMEngine._took`), its full blocks published
+  then:     N's sequences count the token in flight (computed + 1, a new placeholder)
+
+So each step's outputs arrive one step late, and a sequence that finished with step N-1's
+token still ran in step N: its row is ignored (as vLLM does). Tokens are those of the
+synchronous engine: the same padded step, the same sampler (`sampler.draw`), the same
+per-request generators (a finished row's extra draw only touches its own generator).
+
+Only steps the scheduler would have made the same way overlap: no waiting request, every
+running sequence decoding one token, a bucket and free blocks for all of them (so no
+preemption), and none needing the host between tokens: no grammar, penalties or logit
+bias, logprobs, drafts, LoRA, held KV or longrope switch. A sequence certain to finish with
+its token in flight (max_tokens, the context) is left out. Anything else drains first: the
+step in flight is finished, then the ordinary step runs. A block is published only after
+the step that wrote its last slot has completed (it may then be shared or written down).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.sampler import draw
+from splitserve.engine.sequence import Sequence
+
+
+@dataclass
+class InFlight:
+    seqs: list[Sequence]  # the step's rows, in order
+    host: torch.Tensor  # their sampled tokens, arriving on the host
+    ready: torch.cuda.Event | None  # recorded after the copy (None on the CPU: already there)
+
+
+class OverlappedDecode:
+    def __init__(self, engine):
+        if engine.long_rope_after is not None:
+            raise ValueError("async_scheduling is not supported for longrope models (a sequence passing the "
+                             "original length is recomputed, which needs its tokens on the host)")
+        self.engine = engine
+        self.graphs = engine.runner.decode_graphs
+        self.in_flight: InFlight | None = None
+        self.steps = 0  # overlapped steps launched (tests, the step-overhead bench)
+        size = self.graphs.buckets[-1]
+        pin = engine.runner.device.type == "cuda"
+        self._host = [torch.zeros(size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]  # alternating
+
+    # ---- the step ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput] | None:
+        """Launch the next decode step ahead and return the previous one's outputs, or
+        None when this step cannot overlap (the caller drains, then runs it ordinarily)."""
+        seqs = self._decode_batch()
+        if seqs is None:
+            return None
+        bm, bs = self.engine.scheduler.bm, self.engine.scheduler.bm.block_size
+        for seq in seqs:  # the scheduler's allocation for a decode (no preemption: _decode_batch checked)
+            if seq.num_computed_tokens // bs >= len(seq.block_table):
+                seq.block_table.extend(bm.allocate_blocks(1))
+        launched = self._launch(seqs)
+        outputs = self._finish(self.in_flight)
+        for row, seq in enumerate(seqs):
+            if not seq.is_finished:  # (finished by the previous token: this row's token is void)
+                seq.num_computed_tokens += 1
+                seq.token_ids.append(-(row + 1))
+        self.in_flight = launched
+        self.steps += 1
+        return outputs
+
+    def drain(self) -> list[RequestOutput]:
+        """The outputs of the step in flight, if any; afterwards every token is on the host."""
+        outputs = self._finish(self.in_flight)
+        self.in_flight = None
+        return outputs
+
+    # ---- parts ------------------------------------------------------------------------
+    def _decode_batch(self) -> list[Sequence] | None:
+        """The sequences the scheduler would decode now, when it would decode every running
+        one (minus those certain to finish with the token in flight) and could overlap."""
+        e = self.engine
+        s = e.scheduler
+        if s.waiting or not s.running:
+            return None
+        seqs, new_blocks = [], 0
+        for seq in s.running:
+            if seq.num_tokens - seq.num_computed_tokens != 1 or not _overlappable(seq):
+                return None
+            if _ends_by_length(seq):
+                continue
+            if seq.num_computed_tokens // s.bm.block_size >= len(seq.block_table):
+                new_blocks += 1
+                if len(seq.block_table) + 1 > self.graphs.width:
+                    return None
+            seqs.append(seq)
+        if not seqs or len(seqs) > min(self.graphs.buckets[-1], s.decoding_step_tokens) \
+                or new_blocks > s.num_free_blocks:
+            return None
+        return seqs
+
+    def _launch(self, seqs: list[Sequence]) -> InFlight:
+        graphs, n = self.graphs, len(seqs)
+        with torch.inference_mode():
+            logits = graphs.execute(graphs.stage(seqs))[:n]
+            tokens = draw(logits, seqs, self.engine.generator)
+            graphs.previous_tokens[:n].copy_(tokens)  # the next step's placeholders read these
+            host = self._host[self.steps % 2]
+            host[:n].copy_(tokens, non_blocking=True)
+        ready = None
+        if tokens.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        return InFlight(list(seqs), host, ready)
+
+    def _finish(self, flight: InFlight | None) -> list[RequestOutput]:
+        """Step `flight`'s tokens replace its placeholders and go through the usual
+        per-token path; a row whose request ended meanwhile (a stop, an abort) is skipped."""
+        if flight is None:
+            return []
+        self.in_flight = None
+        if flight.ready is not None:
+            flight.ready.synchronize()
+        e = self.engine
+        tokens = flight.host[: len(flight.seqs)].tolist()
+        outputs = []
+        for seq, token in zip(flight.seqs, tokens, strict=True):
+            if seq.is_finished or e.sequences.get(seq.request_id) is not seq:
+                continue
+            seq.token_ids[-1] = token
+            e.scheduler.bm.publish_full_blocks(seq)  # its blocks' KV is written: the step completed
+            outputs.append(e._took(seq, token, None))
+        return outputs
+
+
+def _overlappable(seq: Sequence) -> bool:
+    """Nothing between two of its tokens needs the host (module docstring)."""
+    p = seq.params
+    return (seq.grammar is None and not p.processes_logits and p.logprobs is None and not seq.draft_token_ids
+            and seq.lora is None and not seq.hold_kv)
+
+
+def _ends_by_length(seq: Sequence) -> bool:
+    """Its last token (maybe still in flight) reaches max_tokens or the context."""
+    p = seq.params
+    return (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) \
+        or seq.num_tokens >= seq.max_total_tokens
