@@ -78,6 +78,11 @@ class Metrics:
         self.num_preemptions = Counter(
             "splitserve_num_preemptions_total", "Requests preempted (recomputed) for lack of KV blocks.",
             ["role", "worker"], registry=r)
+        self.overlapped_steps = Counter(
+            "splitserve_engine_overlapped_steps_total", "Decode steps launched before the previous step's tokens "
+            "reached the host (--async-scheduling); flat while the flag is on means every step drained (requests "
+            "with logprobs, penalties or grammars, or a prompt to prefill, in every step).",
+            ["role", "worker"], registry=r)
         # KV offload tiers under a worker's device pool (engine/kv_offload/), and peer pulls.
         self.kv_offload_stored_blocks = Counter(
             "splitserve_kv_offload_stored_blocks_total", "Prefix-cache blocks written down to an offload tier "
@@ -260,10 +265,10 @@ class Metrics:
                          {"role": role, "worker": worker, "position": str(pos)}, total)
 
     def sync_engine_counters(self, role: str, worker: str, prefix_queries: int, prefix_hits: int,
-                             preemptions: int) -> None:
+                             preemptions: int, overlapped_steps: int = 0) -> None:
         """Engines keep running totals; counters advance by the difference since last time."""
         for counter, total in ((self.prefix_cache_queries, prefix_queries), (self.prefix_cache_hits, prefix_hits),
-                               (self.num_preemptions, preemptions)):
+                               (self.num_preemptions, preemptions), (self.overlapped_steps, overlapped_steps)):
             self.advance(counter, {"role": role, "worker": worker}, total)
 
 

@@ -127,6 +127,7 @@ class LLMEngine(RequestIntake, Disaggregation, LoRAEngine, PeerPrefix):
                            s.prompt_tokens_computed, self.step_seconds, loras=self.lora_state(),
                            kv_offload=self.offloader.stats() if self.offloader is not None else None,
                            spec_decode=self.speculator.stats.snapshot() if self.speculator is not None else None,
+                           overlapped_steps=self.overlap.steps if self.overlap is not None else 0,
                            taken_at=time.time())
 
     # ---- the loop ---------------------------------------------------------------------

@@ -30,6 +30,7 @@ class EngineStats:
     loras: tuple[tuple[str, int, bool, int], ...] = ()  # per loaded adapter: name, block-hash salt, holds a slot, swaps in
     kv_offload: object = None  # OffloadStats of the host/disk tiers (engine/kv_offload/stats.py); None: no tiers
     spec_decode: object = None  # SpecDecodeStats (engine/spec/speculator.py); None: no speculation
+    overlapped_steps: int = 0  # decode steps launched ahead (--async-scheduling, engine/overlap.py)
     # time.time() of the snapshot: it counts every request handed to the engine before then
     # (a worker adds what it handed over since: worker_base/worker.py). Not compared: a
     # snapshot that differs only in its time is not sent again.

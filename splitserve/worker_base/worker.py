@@ -172,7 +172,8 @@ class WorkerBase(abc.ABC):
         waiting, waiting_tokens = self._load_numbers(s)
         waiting_tokens += self._tokens_not_in(s)
         m, labels = self.metrics, {"role": self.role, "worker": self.worker_id}
-        m.sync_engine_counters(self.role, self.worker_id, s.prefix_query_tokens, s.prefix_hit_tokens, s.preemptions)
+        m.sync_engine_counters(self.role, self.worker_id, s.prefix_query_tokens, s.prefix_hit_tokens, s.preemptions,
+                               s.overlapped_steps)
         sync_lora(m, self.role, self.worker_id, s.loras)  # adapters resident, swaps in (engine/lora/)
         if s.spec_decode is not None:  # speculative decoding (engine/spec/)
             m.sync_spec_decode(self.role, self.worker_id, s.spec_decode)

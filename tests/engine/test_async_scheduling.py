@@ -68,6 +68,8 @@ def test_overlapped_steps_give_the_synchronous_engines_outputs(ckpt):
     sync, sync_engine = _run(ckpt, False, num_kv_blocks=96)
     overlapped, engine = _run(ckpt, True, num_kv_blocks=96)
     assert engine.overlap.steps >= 20  # the decode steps without f or g in them (~45 in all)
+    assert engine.stats().overlapped_steps == engine.overlap.steps  # splitserve_engine_overlapped_steps_total
+    assert sync_engine.stats().overlapped_steps == 0
     assert overlapped == sync
     assert all(r["reason"] is not None and r["outputs_after_finish"] == 0 for r in overlapped.values())
     assert sync["d"]["reason"] == "stop" and sync["b"]["reason"] == "length" and len(sync["a"]["tokens"]) == 40
