@@ -30,7 +30,7 @@ GPU_PART = {
     "serve": "splitserve serve did not run on CUDA",
     "engine": "no GPU throughput was measured",
     "step_overhead": "no device time was measured (the host's part alone, with no forward pass)",
-    "features": "speculative decoding, LoRA and KV offload did not run on CUDA",
+    "features": "speculative decoding, LoRA, KV offload and --async-scheduling did not run on CUDA",
 }
 
 
