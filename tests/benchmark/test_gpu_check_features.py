@@ -88,7 +88,7 @@ def test_stage_in_a_dry_run_is_skipped_or_failed_never_passed(fake_child, tmp_pa
     assert calls[0][:3] == [gpu_check_stages.PY, "-m", "splitserve.benchmark.gpu_check_features"]
     assert calls[0][calls[0].index("--device") + 1] == "cpu" and calls[0][-2:] == ["--model", "/models/x"]
     assert [c["name"] for c in stage["checks"]] == list(CHECKS)
-    assert stage["reason"].startswith("no CUDA device: speculative decoding, LoRA and KV offload did not run")
+    assert stage["reason"].startswith("no CUDA device: speculative decoding, LoRA, KV offload and --async-scheduling did not run")
     if failed:
         assert code == 1 and stage["status"] == "failed" and "lora_serve: FAILED: wrong tokens" in stage["reason"]
     else:
