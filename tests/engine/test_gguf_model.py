@@ -19,7 +19,7 @@ from splitserve.core.model_dir import checkpoint_problem, resolve_model
 from splitserve.core.tokenizer import Tokenizer
 from splitserve.engine.gguf_weights import iter_gguf_weights
 from splitserve.kernels.quant_weight import QuantizedWeight
-from tests.helpers.real_models import derived, gemma3_gguf, smollm2_gguf
+from tests.helpers.real_models import COMPLETION_PROMPTS, derived, gemma3_gguf, smollm2_gguf
 
 MODELS = {"smollm2": smollm2_gguf, "gemma3": gemma3_gguf}
 TEXTS = ["The capital of France is", "  leading spaces and\ttabs\n\nnewlines",
@@ -33,6 +33,28 @@ CONFIG_KEYS = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_att
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def gguf(request):
     return MODELS[request.param]()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def metadata_read_once():
+    """transformers reads a GGUF's metadata (all of Gemma 3's 262k-token vocabulary: ~10 s) for
+    AutoConfig and again for AutoTokenizer: read once per file here, a copy handed to each."""
+    import copy
+
+    from transformers import modeling_gguf_pytorch_utils as utils
+
+    original, read = utils.load_gguf_checkpoint, {}
+
+    def load(path, return_tensors=False, **kwargs):
+        if return_tensors or kwargs:
+            return original(path, return_tensors=return_tensors, **kwargs)
+        if str(path) not in read:
+            read[str(path)] = original(path, return_tensors=False)
+        return copy.deepcopy(read[str(path)])
+
+    utils.load_gguf_checkpoint = load
+    yield
+    utils.load_gguf_checkpoint = original
 
 
 def hf_tokenizer(gguf):
@@ -62,11 +84,13 @@ def test_config_is_what_transformers_derives_from_the_metadata(gguf):
 
 def test_tokenizer_encodes_and_decodes_as_transformers_does(gguf):
     ours, theirs = Tokenizer(derived(gguf)), hf_tokenizer(gguf)
-    for text in TEXTS:
+    for text in TEXTS + COMPLETION_PROMPTS:  # (the latter: tests/e2e/test_real_models.py serves them)
         ids = theirs(text)["input_ids"]
         assert ours.encode(text) == ids, text
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
     assert ours.eos_token == theirs.eos_token and ours.bos_token == theirs.bos_token
+    if "gemma" in gguf.name:  # Gemma 3 prompts begin with BOS
+        assert theirs(TEXTS[0])["input_ids"][0] == theirs.bos_token_id
 
 
 def test_the_chat_template_the_gguf_carries_renders_as_in_transformers():

