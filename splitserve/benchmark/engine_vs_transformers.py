@@ -62,11 +62,11 @@ def _sync(device: str) -> None:
 
 
 def run_engine(model_dir: str, prompts, outputs, dtype: str, device: str = "cpu", max_num_seqs: int = 64,
-               kv_cache_gib: float = 0.5) -> dict:
+               kv_cache_gib: float = 0.5, async_scheduling: bool = False) -> dict:
     from splitserve.engine import LLM, SamplingParams
 
     llm = LLM(model_dir, dtype=dtype, device=device, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
-              kv_cache_memory_bytes=int(kv_cache_gib * 2**30))
+              kv_cache_memory_bytes=int(kv_cache_gib * 2**30), async_scheduling=async_scheduling)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outputs]
     llm.generate(prompts[:2], params[:2])  # warm-up
     _sync(device)
@@ -78,7 +78,9 @@ def run_engine(model_dir: str, prompts, outputs, dtype: str, device: str = "cpu"
     assert produced == sum(outputs)
     return {"seconds": elapsed, "cpu_seconds": cpu, "output_tokens": produced,
             "output_tokens_per_s": produced / elapsed, "output_tokens_per_cpu_s": produced / cpu,
-            "preemptions": llm.engine.scheduler.num_preemptions, "max_num_seqs": max_num_seqs}
+            "preemptions": llm.engine.scheduler.num_preemptions, "max_num_seqs": max_num_seqs,
+            "async_scheduling": async_scheduling,
+            "overlapped_steps": llm.engine.overlap.steps if llm.engine.overlap is not None else 0}
 
 
 def run_transformers(model_dir: str, prompts, outputs, batch_size: int, dtype: str, device: str = "cpu") -> dict:
@@ -119,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N (both sides)")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="the engine's largest batch")
     ap.add_argument("--kv-cache-gib", type=float, default=0.5, help="the engine's KV cache")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="also run the engine with overlapped decode steps (engine/overlap.py); the ratio to "
+                         "transformers stays the synchronous engine's")
     ap.add_argument("--out", help="write JSON results here")
     args = ap.parse_args(argv)
     from splitserve.core.model_config import ModelConfig
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model_dir = str(ensure_moe_checkpoint() if args.family == "qwen3_moe" else ensure_demo_checkpoint())
     prompts, outputs = make_workload(args.requests, ModelConfig.from_dir(model_dir).vocab_size)
-    engine_runs, hf_runs = [], []
+    engine_runs, hf_runs, async_runs = [], [], []
     for threads in thread_counts:
         torch.set_num_threads(threads)
         torch.manual_seed(0)
@@ -139,6 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         engine_runs.append(e)
         print(f"splitserve engine  threads={threads}: {e['output_tokens_per_s']:8.1f} output tok/s "
               f"({e['seconds']:.1f} s, {e['output_tokens_per_cpu_s']:.1f} per CPU-second)", flush=True)
+        if args.async_scheduling:
+            a = {"threads": threads, **run_engine(model_dir, prompts, outputs, args.dtype, args.device,
+                                                     args.max_num_seqs, args.kv_cache_gib, async_scheduling=True)}
+            async_runs.append(a)
+            print(f"  overlapped steps  threads={threads}: {a['output_tokens_per_s']:8.1f} output tok/s "
+                  f"({a['overlapped_steps']} steps overlapped)", flush=True)
         for bs in (int(b) for b in args.hf_batch_sizes.split(",")):
             r = {"threads": threads, **run_transformers(model_dir, prompts, outputs, bs, args.dtype, args.device)}
             hf_runs.append(r)
@@ -154,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         "architecture": ModelConfig.from_dir(model_dir).architecture, "dtype": args.dtype, "device": args.device,
         "requests": args.requests, "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outputs),
         "engine_runs": engine_runs, "transformers_runs": hf_runs, "best_engine": engine,
-        "best_transformers": best, "ratio_vs_best_transformers": ratio,
+        "best_transformers": best, "ratio_vs_best_transformers": ratio, "engine_async_runs": async_runs,
+        "async_over_sync": (max(r["output_tokens_per_s"] for r in async_runs) / engine["output_tokens_per_s"]
+                            if async_runs else None),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "load_average_1m_at_end": os.getloadavg()[0],
                     "torch": torch.__version__,
