@@ -168,4 +168,8 @@ def engine_args(spec: InferenceSpec, role: RoleSpec) -> list[str]:
         args += ["--kv-cache-dtype", spec.kv_cache_dtype]
     if spec.speculative and role is spec.decode:  # drafts are verified where tokens are decoded
         args += ["--speculative-config", spec.speculative]
+    if spec.async_scheduling and role is spec.decode:  # prefill workers make one token: nothing to overlap
+        args += ["--async-scheduling"]
+    if spec.fp8_activations != "auto":
+        args += ["--fp8-activations", spec.fp8_activations]
     return args + spec.loras.flags()  # both roles: a remote prefill applies the request's adapter too

@@ -105,6 +105,8 @@ class InferenceSpec:
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_dtype: str = "auto"  # spec.engine.kvCacheDtype: every worker's --kv-cache-dtype
     speculative: str = ""  # spec.engine.speculative as the decode workers' --speculative-config JSON; "": off
+    async_scheduling: bool = False  # spec.engine.asyncScheduling: the decode workers' --async-scheduling
+    fp8_activations: str = "auto"  # spec.engine.fp8Activations: every worker's --fp8-activations
     loras: LoRASpec = field(default_factory=LoRASpec)  # spec.loras: adapters both worker roles load (spec_lora.py)
     kv_backend: str = "grpc"
     rdma_device: str = ""
@@ -257,15 +259,24 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
     kv_cache_dtype = str(object_field(spec, "engine", problems).get("kvCacheDtype", "auto"))
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         problems.append(f"spec.engine.kvCacheDtype must be auto, fp8 or fp8_e4m3, got {kv_cache_dtype!r}")
-    speculative = speculative_flag(object_field(spec, "engine", problems).get("speculative"), problems)
+    engine = object_field(spec, "engine", problems)
+    speculative = speculative_flag(engine.get("speculative"), problems)
     loras = parse_loras(spec, model, problems)
+    async_scheduling = bool_field(engine, "asyncScheduling", False, "spec.engine", problems)
+    if async_scheduling and (speculative or loras.modules or decode.tensor_parallel_size > 1):
+        problems.append("spec.engine.asyncScheduling cannot be combined with engine.speculative, loras or "
+                        "decode.tensorParallelSize > 1 yet")
+    fp8_activations = str(engine.get("fp8Activations", "auto"))
+    if fp8_activations not in ("auto", "on", "off"):
+        problems.append(f"spec.engine.fp8Activations must be auto, on or off, got {fp8_activations!r}")
     if problems:
         raise SpecError(problems)
     return InferenceSpec(
         name=name, namespace=namespace, image=image,
         image_pull_policy=str(image_d.get("pullPolicy", "IfNotPresent")), model=model, router=router,
         prefill=prefill, decode=decode, autoscaling=autoscaling, block_size=block_size,
-        kv_cache_dtype=kv_cache_dtype, speculative=speculative, loras=loras,
+        kv_cache_dtype=kv_cache_dtype, speculative=speculative, loras=loras, async_scheduling=async_scheduling,
+        fp8_activations=fp8_activations,
         kv_backend=kv_backend, rdma_device=rdma_device, redis_url=redis_url, redis_url_secret=redis_url_secret,
         tls_issuer=tls_issuer, redis_image=str(redis.get("image", "redis:7.4-alpine")),
         service_monitor=bool(monitoring.get("serviceMonitor", False)),
