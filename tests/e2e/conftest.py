@@ -1,5 +1,6 @@
 """`splitserve serve` with 2 prefill + 2 decode workers on a small random Llama, started for
-real (Ray, gRPC, KV transfer), once with the in-process bus and once with redis-server."""
+real (Ray, gRPC, KV transfer), once with the in-process bus and once with redis-server and
+overlapped decode steps (--async-scheduling)."""
 
 import secrets
 from dataclasses import dataclass
@@ -36,9 +37,9 @@ def cluster(request, make_ckpt, tmp_path_factory):
             "--decode-workers", "2", "--num-kv-blocks", "256", "--disagg-min-uncached-tokens", str(DISAGG_MIN),
             "--routing-seed", "7", "--cluster-token-file", str(token_file),
             "--strict-disaggregation"]  # every long prompt takes the KV transfer, idle decode workers too
-    if request.param == "redis-bus":
+    if request.param == "redis-bus":  # ... and overlapped decode steps: every test once through engine/overlap.py
         redis_url, redis_proc = start_redis(tmp_path_factory.mktemp("redis"))
-        args += ["--redis-url", redis_url]
+        args += ["--redis-url", redis_url, "--async-scheduling"]
     serve = SplitserveProcess("serve", args)
     yield Cluster(serve, model, redis_url, token_file)
     serve.stop()
