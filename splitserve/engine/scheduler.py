@@ -75,11 +75,13 @@ class Scheduler:
         if self.decoding_step_tokens < budget and any(s.num_tokens - s.num_computed_tokens <= 1 for s in self.running):
             budget = self.decoding_step_tokens
         i = 0
+        bm, bs, free = self.bm, self.bm.block_size, self.bm.free
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            need = self.bm.blocks_needed(seq, n)
-            while need > self.bm.num_free_blocks:
+            computed = seq.num_computed_tokens
+            n = min(len(seq.token_ids) - computed, budget)
+            need = max(0, -(-(computed + n) // bs) - len(seq.block_table))  # bm.blocks_needed, inlined (per seq)
+            while need > len(free):
                 victim = self.running.pop()  # never one scheduled earlier this step (index < i)
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -91,7 +93,7 @@ class Scheduler:
                 n += self._propose_drafts(seq, n, budget, len(self.running) - i - 1)
                 need = self.bm.blocks_needed(seq, n)
             if need:  # (a decode mostly writes into its last block: nothing to allocate)
-                seq.block_table.extend(self.bm.allocate_blocks(need))
+                seq.block_table.extend(bm.allocate_blocks(need))
             if n == 1:
                 batch.decodes.append(seq)
             else:
@@ -134,9 +136,14 @@ class Scheduler:
         """The batch's forward pass ran: its KV is in the pool, full blocks join the cache
         (of drafts, only what reject_drafts keeps counts afterwards)."""
         self.prompt_tokens_computed += sum(n for s, n in batch.prefills if not s.draft_token_ids)
-        for seq, n in batch.entries:
+        publish, bs = self.bm.publish_full_blocks, self.bm.block_size
+        for seq, n in batch.prefills:
             seq.num_computed_tokens += n
-            self.bm.publish_full_blocks(seq)
+            publish(seq)
+        for seq in batch.decodes:
+            seq.num_computed_tokens += 1
+            if seq.num_computed_tokens // bs > seq.num_registered_blocks:  # (publish's own first check, inlined)
+                publish(seq)
 
     # ---- speculative decoding (engine/spec/) ----------------------------------------------
     def _propose_drafts(self, seq: Sequence, n: int, budget: int, num_later: int) -> int:
