@@ -38,8 +38,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--fp8-activations", choices=["auto", "on", "off"], default="auto",
                    help="FP8 weights with a scale per row (or tensor) multiply FP8 activations, quantized per "
                         "token, on FP8 tensor cores (torch._scaled_mm), as vLLM does; auto: on a CUDA GPU of "
-                        "compute capability 8.9+ (Ada, Hopper); off: decoded to --dtype (the exact weight-only "
-                        "result) (default: %(default)s)")
+                        "compute capability 8.9+ (Ada, Hopper), matmuls of more than 4 rows (decode batches of "
+                        "1-4 stay weight-only); on: every matmul; off: decoded to --dtype (the exact "
+                        "weight-only result) (default: %(default)s)")
     g.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N")
     g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     g.add_argument("--num-kv-blocks", type=int, help="KV blocks per worker (default: from --kv-cache-memory)")

@@ -32,8 +32,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own limit
     enable_prefix_caching: bool = True
     quantization: str | None = None  # --quantization: must match the checkpoint's (core/quantization.py)
-    # FP8 weights (a scale per row) times FP8 activations via torch._scaled_mm (kernels/fp8_scaled_mm.py);
-    # None: where the device has FP8 tensor cores (CUDA 8.9+); False: weight-only, exact against dequantizing
+    # FP8 weights (a scale per row) times FP8 activations via torch._scaled_mm (kernels/fp8_scaled_mm.py):
+    # True: every matmul; None (auto): on FP8 tensor cores (CUDA 8.9+), matmuls of more rows than a decode
+    # batch's GEMV (prefill: compute-bound); False: weight-only, exact against dequantizing
     fp8_activations: bool | None = None
     model_id: str | None = None  # seeds the block-hash space; default: the directory name
     seed: int = 0  # seed of the generator used by unseeded sampled requests
@@ -95,12 +96,19 @@ class EngineConfig:
         return self.cuda_graphs
 
     @property
-    def use_fp8_activations(self) -> bool:
+    def fp8_activations_min_rows(self) -> int | None:
+        """The fewest rows of x a W8A8 matmul takes (1: every matmul), None: none does."""
         if self.fp8_activations is None:
             from splitserve.kernels.fp8_scaled_mm import device_has_fp8_matmul
 
-            return device_has_fp8_matmul(self.device)
-        return self.fp8_activations
+            if not device_has_fp8_matmul(self.device):
+                return None
+            from splitserve.kernels.triton_gemv import GEMV_MAX_ROWS
+
+            # decode-sized matmuls are memory-bound: the weight-only kernel reads the same bytes without the
+            # activation quantization's extra launches (not fused yet)
+            return GEMV_MAX_ROWS + 1
+        return 1 if self.fp8_activations else None
 
     @property
     def use_warm_up(self) -> bool:

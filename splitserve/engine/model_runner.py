@@ -32,7 +32,7 @@ class ModelRunner:
             cpu_native.library()
         self.block_size = cfg.block_size
         self.model = load_model(cfg.model, model_cfg, cfg.torch_dtype, self.device, cfg.quantization,
-                                fp8_activations=cfg.use_fp8_activations)
+                                fp8_min_rows=cfg.fp8_activations_min_rows)
         if cfg.kv_torch_dtype == FP8:  # the checkpoint's per-layer scales of an fp8 KV cache, if it has them
             for layer, (k_scale, v_scale) in read_kv_scales(cfg.model, model_cfg.num_layers).items():
                 attention = self.model.layers[layer].self_attn

@@ -14,7 +14,8 @@ from torch import nn
 
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.models.quant_linear import move_weight
+from splitserve.engine.models.quant_linear import QuantizedLinear, move_weight
+from splitserve.kernels import ops
 from splitserve.kernels.fp8_scaled_mm import (
     E4M3_MAX,
     device_has_fp8_matmul,
@@ -77,8 +78,21 @@ def test_only_weights_with_a_scale_per_row_and_cublas_shapes_take_the_path():
 
 
 def test_the_engine_takes_it_only_where_asked_or_where_fp8_tensor_cores_are():
-    assert EngineConfig(model="x", device="cpu").use_fp8_activations is False
-    assert EngineConfig(model="x", device="cpu", fp8_activations=True).use_fp8_activations is True
+    assert EngineConfig(model="x", device="cpu").fp8_activations_min_rows is None  # auto: no FP8 tensor cores
+    assert EngineConfig(model="x", device="cpu", fp8_activations=True).fp8_activations_min_rows == 1
+    assert EngineConfig(model="x", device="cpu", fp8_activations=False).fp8_activations_min_rows is None
+
+
+def test_auto_keeps_decode_sized_matmuls_weight_only():
+    """auto on a GPU: W8A8 from 5 rows up (prefill), the weight-only kernel below (decode)."""
+    qw = _fp8_weight(32, 64, per_tensor=False)
+    linear = QuantizedLinear(64, 32)
+    linear.set_part(None, qw)
+    linear.finish()
+    assert linear.use_fp8_activations(min_rows=5) == 1
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(linear(x[:4]), ops.quantized_linear(x[:4], qw))  # 4 rows: weight-only
+    assert torch.equal(linear(x), fp8_linear(x, rowwise(qw)))  # 5 rows: FP8 activations
 
 
 def _hf_w8a8_greedy(model_dir, prompt: list[int], new_tokens: int) -> list[int]:

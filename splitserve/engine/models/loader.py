@@ -57,10 +57,11 @@ def checkpoint_weights(model_dir: str | Path, cfg: ModelConfig, quantization: st
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
                quantization: str | None = None, weights: Weights | None = None,
-               fp8_activations: bool = False) -> nn.Module:
+               fp8_min_rows: int | None = None) -> nn.Module:
     """`weights`: another source of (name, tensor or QuantizedWeight) than the directory's.
-    `fp8_activations`: FP8 weights with a scale per row multiply FP8 activations
-    (kernels/fp8_scaled_mm.py) instead of being decoded to the model's dtype."""
+    `fp8_min_rows`: FP8 weights with a scale per row multiply FP8 activations
+    (kernels/fp8_scaled_mm.py) in matmuls of at least that many rows, instead of being
+    decoded to the model's dtype; None: never."""
     # tensor parallelism: this rank loads its part of each tensor (engine/parallel/sharding.py)
     shard_of = (lambda name: checkpoint_shard(name, cfg, tp())) if tp().size > 1 else None
     if weights is None:
@@ -135,11 +136,12 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
     fp8_parts = 0
     for linear in quantized.values():
         linear.finish()
-        if fp8_activations:
-            fp8_parts += linear.use_fp8_activations()
+        if fp8_min_rows is not None:
+            fp8_parts += linear.use_fp8_activations(fp8_min_rows)
     if fp8_parts:
-        log.info("%s: %d FP8 matmuls take FP8 activations quantized per token (torch._scaled_mm; "
-                 "--fp8-activations off: weight-only)", model_dir, fp8_parts)
+        log.info("%s: %d FP8 matmuls take FP8 activations quantized per token (torch._scaled_mm) with %s; "
+                 "--fp8-activations off: weight-only", model_dir, fp8_parts,
+                 "every batch" if fp8_min_rows == 1 else f"{fp8_min_rows}+ rows (prefill)")
     model.eval()
     if torch.device(device).type == "cpu" and dtype == torch.float32:
         pack_linear_weights(model)

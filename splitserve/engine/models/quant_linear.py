@@ -30,6 +30,7 @@ class QuantizedLinear(nn.Module):
         self.parts: list[Part] = []
         self.bias = bias
         self.fp8_rowwise: dict[int, Fp8RowwiseWeight] = {}  # part index -> W8A8 form (use_fp8_activations)
+        self.fp8_min_rows = 1  # matmuls of fewer rows keep the weight-only kernel
 
     @classmethod
     def replacing(cls, linear: nn.Module) -> QuantizedLinear:
@@ -64,18 +65,19 @@ class QuantizedLinear(nn.Module):
                 parts.append(self.parts[i])
         self.rows, self.parts = rows, parts
 
-    def use_fp8_activations(self) -> int:
+    def use_fp8_activations(self, min_rows: int = 1) -> int:
         """FP8 parts with a scale per row multiply FP8 activations from now on
-        (kernels/fp8_scaled_mm.py); returns how many parts do."""
+        (kernels/fp8_scaled_mm.py) in matmuls of at least `min_rows` rows; returns how many parts do."""
         self.fp8_rowwise = {i: w for i, part in enumerate(self.parts)
                             if isinstance(part, QuantizedWeight) and (w := rowwise(part)) is not None}
+        self.fp8_min_rows = min_rows
         return len(self.fp8_rowwise)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         outs = []
         for i, ((start, stop), part) in enumerate(zip(self.rows, self.parts, strict=True)):
             bias = None if self.bias is None else self.bias[start:stop]
-            if i in self.fp8_rowwise:
+            if i in self.fp8_rowwise and x.numel() >= self.fp8_min_rows * self.in_features:
                 outs.append(fp8_linear(x, self.fp8_rowwise[i], bias))
             elif isinstance(part, QuantizedWeight):
                 outs.append(ops.quantized_linear(x, part, bias))
