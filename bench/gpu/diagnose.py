@@ -1,9 +1,11 @@
-"""Where a GPU decode step's time goes (issue 20 follow-up; run on one GPU, ~2 min):
-1. the engine (Llama-3.2-1B shape, bf16, batch 32, the engine-stage workload) run three times in
-   one process: Triton compilations and CUDA-graph steps per run, then a cProfile of the third;
-2. the kernel bench's Llama-3-8B-shape decode step at batch 1: GPU time per kernel (torch profiler,
-   eager) beside the CUDA-graph step time.
-    python bench/gpu/diagnose.py OUTDIR
+"""Where a GPU step's time goes (issue 20 follow-up; run on one GPU, ~2 min in all):
+1. engine: the engine (Llama-3.2-1B shape, bf16, batch 32, the engine-stage workload) run three
+   times in one process: Triton compilations and CUDA-graph steps per run, then a cProfile of the third;
+2. kernel: the kernel bench's Llama-3-8B-shape decode step at batch 1: GPU time per kernel (torch
+   profiler, eager) beside the CUDA-graph step time;
+3. prefill: its 2,048-token prefill step (issue 37's MFU): GPU time per kernel, summed into
+   matmuls, attention and the rest, with the step's MFU against the datasheet.
+    python bench/gpu/diagnose.py OUTDIR [--parts engine,kernel,prefill]
 """
 import cProfile
 import io
@@ -106,19 +108,75 @@ def kernel_part(report: dict) -> None:
             for _ in range(5):
                 model.forward(step)
             torch.cuda.synchronize()
-        rows = []
-        for e in prof.key_averages():
-            us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-            if us > 0:
-                rows.append({"name": e.key[:90], "calls_per_step": e.count / 5, "us_per_step": us / 5})
-        rows.sort(key=lambda r: -r["us_per_step"])
+        rows = kernel_times(prof, 5)
         report["kernel_rows"] = rows[:30]
         report["kernel_sum_ms_per_step"] = sum(r["us_per_step"] for r in rows) / 1e3
         print(json.dumps(rows[:30], indent=1), flush=True)
 
 
+def kernel_times(prof, steps: int) -> list[dict]:
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us > 0:
+            rows.append({"name": e.key[:90], "calls_per_step": e.count / steps, "us_per_step": us / steps})
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    if "_prefill_kernel" in low or "attention" in low:
+        return "attention"
+    if any(k in low for k in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul", "_gemv_kernel")):
+        return "matmul"
+    return "other"
+
+
+def prefill_part(report: dict, tokens: int = 2048) -> None:
+    from splitserve.benchmark.datasheet import datasheet_peaks
+    from splitserve.benchmark.kernels_model import (
+        LLAMA3_8B,
+        BenchModel,
+        blocks_needed,
+        prefill_inputs,
+    )
+    from splitserve.kernels import ops
+
+    ops.set_backend("triton")
+    dev = torch.device("cuda")
+    with torch.no_grad():
+        model = BenchModel(LLAMA3_8B, torch.bfloat16, dev, blocks_needed(LLAMA3_8B, 1, tokens), tokens + 64)
+        step = prefill_inputs(LLAMA3_8B, tokens, dev)
+        for _ in range(3):
+            model.forward(step)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(10):
+            model.forward(step)
+        torch.cuda.synchronize()
+        seconds = (time.perf_counter() - t) / 10
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                model.forward(step)
+            torch.cuda.synchronize()
+    rows = kernel_times(prof, 3)
+    by_kind: dict[str, float] = {}
+    for r in rows:
+        by_kind[kind_of(r["name"])] = by_kind.get(kind_of(r["name"]), 0.0) + r["us_per_step"] / 1e3
+    sheet = datasheet_peaks(torch.cuda.get_device_name(0))
+    flops = LLAMA3_8B.prefill_flops(tokens)
+    report["prefill"] = {"tokens": tokens, "step_ms": seconds * 1e3, "ms_by_kind": by_kind,
+                         "kernel_rows": rows[:30], "tflops": flops / seconds / 1e12,
+                         "mfu_datasheet": (flops / seconds / sheet["bf16_flops_per_s"]) if sheet else None}
+    print(json.dumps(report["prefill"], indent=1)[:3000], flush=True)
+
+
+PARTS = {"engine": engine_part, "kernel": kernel_part, "prefill": prefill_part}
+chosen = sys.argv[sys.argv.index("--parts") + 1].split(",") if "--parts" in sys.argv else list(PARTS)
 report = {"device": torch.cuda.get_device_name(0)}
-for part in (engine_part, kernel_part):
+for part in (PARTS[name] for name in chosen):
     try:
         part(report)
     except Exception:  # noqa: BLE001

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (no package index there; see pack_deps.sh): unpack the carried
 # wheels, probe what a batch-1 matmul reaches, run the short GPU check, and leave the results
-# in $OUT (at most 8 files come back): the merged JSON, the probe's JSON, all logs in one tarball.
+# in $OUT (at most 8 files come back): the merged JSON, the probe's JSON, the kernel breakdown
+# (diagnose.json, diagnose.log), all logs in one tarball.
 #   bench/gpu/pack_deps.sh            # here, once: .gpucarry/site312.tar.xz (~48 MB)
 #   device run, carry [".gpucarry"]:  bash bench/gpu/lease.sh
 set -uo pipefail
@@ -30,5 +31,9 @@ for t in d.get("summary", {}).get("targets", []):
     print(f"target: {t['name']}: {t['value']} ({t['target']}) met={t['met']}")
 PY
 done
+# where the batch-1 decode step and the 2,048-token prefill spend their GPU time, kernel by kernel
+# (the MBU / MFU targets' next step); after the check, so a slow start cannot cost its results
+timeout "${DIAGNOSE_LIMIT:-90}" python3 bench/gpu/diagnose.py "$OUT" --parts prefill,kernel > "$OUT/diagnose.log" 2>&1
+echo "diagnose exit $?"
 tar czf "$OUT/gpu_check_work.tgz" -C /tmp gpu_check_work 2>/dev/null
 ls -la "$OUT"
