@@ -5,6 +5,7 @@
 # (diagnose.json, diagnose.log), all logs in one tarball.
 #   bench/gpu/pack_deps.sh            # here, once: .gpucarry/site312.tar.xz (~48 MB)
 #   device run, carry [".gpucarry"]:  bash bench/gpu/lease.sh
+# Limits (60 + 450 + 75 s) keep the one call under the device's 600 s per command.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/lease_out}
@@ -14,10 +15,10 @@ tar xJf .gpucarry/site312.tar.xz -C /tmp || exit 1
 export PYTHONPATH=/tmp/site312:$PWD LD_LIBRARY_PATH=/tmp/syslibs
 ldconfig -p | grep -q "libcurl.so.4 " || export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:/tmp/syslibs/curl
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
-timeout "${PROBE_LIMIT:-75}" python3 bench/gpu/gemv_probe.py "$OUT/gemv_probe.json"
+timeout "${PROBE_LIMIT:-60}" python3 bench/gpu/gemv_probe.py "$OUT/gemv_probe.json"
 touch /tmp/lease_marker
 PYTHON=python3 STAGE_LIMIT=${STAGE_LIMIT:-120} WORKDIR=/tmp/gpu_check_work KERNEL_WORKERS=8 \
-  timeout "${CHECK_LIMIT:-420}" bench/gpu/run_short.sh "$@" > "$OUT/run_short.log" 2>&1
+  timeout "${CHECK_LIMIT:-450}" bench/gpu/run_short.sh "$@" > "$OUT/run_short.log" 2>&1
 echo "run_short exit $?"
 for f in bench/results/gpu_check_*.json; do
   [ "$f" -nt /tmp/lease_marker ] || continue
@@ -33,7 +34,7 @@ PY
 done
 # where the batch-1 decode step and the 2,048-token prefill spend their GPU time, kernel by kernel
 # (the MBU / MFU targets' next step); after the check, so a slow start cannot cost its results
-timeout "${DIAGNOSE_LIMIT:-90}" python3 bench/gpu/diagnose.py "$OUT" --parts prefill,kernel > "$OUT/diagnose.log" 2>&1
+timeout "${DIAGNOSE_LIMIT:-75}" python3 bench/gpu/diagnose.py "$OUT" --parts prefill,kernel > "$OUT/diagnose.log" 2>&1
 echo "diagnose exit $?"
 tar czf "$OUT/gpu_check_work.tgz" -C /tmp gpu_check_work 2>/dev/null
 ls -la "$OUT"

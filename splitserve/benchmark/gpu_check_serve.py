@@ -91,13 +91,16 @@ class Server:
 
 
 def run_backend(backend: str, device: str, dtype: str, model: str | None, prompts: int, input_len: int,
-                output_len: int, workdir: Path, start_timeout: float) -> dict:
+                output_len: int, workdir: Path, start_timeout: float, extra: tuple[str, ...] = (),
+                name: str | None = None) -> dict:
+    """One serve with `backend` (plus `extra` flags; `name` labels its files and row)."""
+    name = name or backend
     args = ["--device", device, "--dtype", dtype, "--kv-backend", backend, "--prefill-workers", "1",
-            "--decode-workers", "1", "--disagg-min-uncached-tokens", str(input_len // 2)]
+            "--decode-workers", "1", "--disagg-min-uncached-tokens", str(input_len // 2), *extra]
     if model:
         args += ["--model", model]
-    server = Server(args, workdir / f"serve_{backend}.log")
-    row: dict = {"backend": backend, "command": " ".join(server.command[2:])}
+    server = Server(args, workdir / f"serve_{name}.log")
+    row: dict = {"backend": name, "command": " ".join(server.command[2:])}
     try:
         started = time.monotonic()
         if not server.wait_ready(start_timeout):
@@ -105,7 +108,7 @@ def run_backend(backend: str, device: str, dtype: str, model: str | None, prompt
                        log_tail="".join(server.lines[-30:])[-3000:])
             return row
         row["startup_seconds"] = time.monotonic() - started
-        result = workdir / f"bench_{backend}.json"
+        result = workdir / f"bench_{name}.json"
         load = [sys.executable, "-m", "splitserve.cli", "bench", "--base-url", f"http://127.0.0.1:{server.port}",
                 "--model", SERVED, "--num-prompts", str(prompts), "--input-len", str(input_len),
                 "--output-len", str(output_len), "--ignore-eos", "--max-concurrency", "8",

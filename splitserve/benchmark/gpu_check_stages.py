@@ -174,7 +174,15 @@ def serve(ctx: Context) -> dict:
             rows.append(run_backend(backend, model=ctx.serve_model, workdir=ctx.workdir, **size))
     reason = "; ".join(f"{r['backend']}: {r['reason']}" for r in rows)
     ok = rows[0]["ok"] and all(r["ok"] is not False for r in rows)  # gRPC must pass; Mooncake where it can run
-    return {"ok": ok, "reason": reason, "backends": rows, "seconds": round(time.monotonic() - start, 1)}
+    # A trial, not part of the verdict: the engine in a process of its own on CUDA (its KV pool crossing
+    # to the worker as CUDA IPC memory) is not the CUDA default; does it run, and does it help (issue 37)?
+    # (On the CPU the engine runs in its own process already: nothing to try.)
+    trials = [] if ctx.dry_run else [run_backend("grpc", model=ctx.serve_model, workdir=ctx.workdir,
+                                                 extra=("--engine-loop", "process"), name="grpc_engine_process",
+                                                 **size)]
+    reason += "".join(f"; trial, the engine in its own process: {t['reason']}" for t in trials)
+    return {"ok": ok, "reason": reason, "backends": rows, "trials": trials,
+            "seconds": round(time.monotonic() - start, 1)}
 
 
 def engine_checkpoint() -> str:
