@@ -105,7 +105,7 @@ class LLMEngine(RequestIntake, Disaggregation, LoRAEngine, PeerPrefix):
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every scheduled request with `error` (after a failed step); blocks are freed."""
         if self.overlap is not None:
-            self.overlap.in_flight = None  # its tokens belong to the requests failed here
+            self.overlap.abandon()  # its tokens belong to the requests failed here
         outputs = []
         for rid in list(self.sequences):
             seq = self.sequences[rid]

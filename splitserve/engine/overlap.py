@@ -85,6 +85,15 @@ class OverlappedDecode:
         self.in_flight = None
         return outputs
 
+    def abandon(self) -> None:
+        """A failed step: the tokens in flight are void; their placeholders leave the
+        sequences (whose requests are failed next), so no output carries one."""
+        if self.in_flight is not None:
+            for seq in self.in_flight.seqs:
+                if seq.token_ids and seq.token_ids[-1] < 0:
+                    seq.token_ids.pop()
+            self.in_flight = None
+
     # ---- parts ------------------------------------------------------------------------
     def _decode_batch(self) -> list[Sequence] | None:
         """The sequences the scheduler would decode now, when it would decode every running

@@ -108,3 +108,16 @@ def test_delta_outputs_and_refusals(ckpt):
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(model=str(ckpt), async_scheduling=True, speculative_config={"method": "ngram",
                                                                                  "num_speculative_tokens": 2})
+
+
+def test_a_failed_step_fails_every_request_with_no_placeholder_in_its_output(ckpt):
+    engine = LLMEngine(EngineConfig(model=str(ckpt), async_scheduling=True, num_kv_blocks=96))
+    for rid in "ab":
+        engine.add_request(rid, REQUESTS[rid][1], REQUESTS[rid][2])
+    for _ in range(4):
+        engine.step()
+    assert engine.overlap.in_flight is not None  # a step in flight, its placeholders in the sequences
+    failed = engine.fail_all("the GPU fell off the bus")
+    assert sorted(o.request_id for o in failed) == ["a", "b"]
+    assert all(o.error and o.finished and min(o.token_ids) >= 0 for o in failed)
+    assert engine.overlap.in_flight is None and engine.num_free_blocks == engine.num_total_blocks
