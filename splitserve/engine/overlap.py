@@ -29,6 +29,7 @@ the step that wrote its last slot has completed (it may then be shared or writte
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,8 @@ import torch
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampler import draw
 from splitserve.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,6 +53,10 @@ class OverlappedDecode:
         if engine.long_rope_after is not None:
             raise ValueError("async_scheduling is not supported for longrope models (a sequence passing the "
                              "original length is recomputed, which needs its tokens on the host)")
+        if engine.runner.device.type != "cuda":
+            log.warning("--async-scheduling on %s: the forward pass runs on this thread, so nothing overlaps; "
+                        "decode steps take the padded static-buffer path (for tests; leave it off here)",
+                        engine.runner.device)
         self.engine = engine
         self.graphs = engine.runner.decode_graphs
         self.in_flight: InFlight | None = None
