@@ -20,8 +20,9 @@ per-request generators (a finished row's extra draw only touches its own generat
 
 Only steps the scheduler would have made the same way overlap: no waiting request, every
 running sequence decoding one token, a bucket and free blocks for all of them (so no
-preemption), and none needing the host between tokens: no grammar, penalties or logit
-bias, logprobs, drafts, LoRA, held KV or longrope switch. A sequence certain to finish with
+preemption), and none needing the host between tokens: no grammar, penalties, logit bias
+or min_tokens, drafts, LoRA, held KV or longrope switch (logprobs are computed on the device
+with the token and read with it). A sequence certain to finish with
 its token in flight (max_tokens, the context) is left out. Anything else drains first: the
 step in flight is finished, then the ordinary step runs. A block is published only after
 the step that wrote its last slot has completed (it may then be shared or written down).
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.outputs import RequestOutput
-from splitserve.engine.sampler import draw
+from splitserve.engine.sampler import device_logprobs, draw, host_logprobs
 from splitserve.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class InFlight:
     seqs: list[Sequence]  # the step's rows, in order
     host: torch.Tensor  # their sampled tokens, arriving on the host
     ready: torch.cuda.Event | None  # recorded after the copy (None on the CPU: already there)
+    logprobs: list  # per row, sampler.device_logprobs' tensors or None
 
 
 class OverlappedDecode:
@@ -130,6 +132,7 @@ class OverlappedDecode:
         with torch.inference_mode():
             logits = graphs.execute(graphs.stage(seqs))[:n]
             tokens = draw(logits, seqs, self.engine.generator)
+            logprobs = device_logprobs(logits, tokens, seqs)  # (the logits are the graph's: read them now)
             graphs.previous_tokens[:n].copy_(tokens)  # the next step's placeholders read these
             host = self._host[self.steps % 2]
             host[:n].copy_(tokens, non_blocking=True)
@@ -137,7 +140,7 @@ class OverlappedDecode:
         if tokens.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
-        return InFlight(list(seqs), host, ready)
+        return InFlight(list(seqs), host, ready, logprobs)
 
     def _finish(self, flight: InFlight | None) -> list[RequestOutput]:
         """Step `flight`'s tokens replace its placeholders and go through the usual
@@ -150,20 +153,20 @@ class OverlappedDecode:
         e = self.engine
         tokens = flight.host[: len(flight.seqs)].tolist()
         outputs = []
-        for seq, token in zip(flight.seqs, tokens, strict=True):
+        for seq, token, part in zip(flight.seqs, tokens, flight.logprobs, strict=True):
             if seq.is_finished or e.sequences.get(seq.request_id) is not seq:
                 continue
             seq.token_ids[-1] = token
             e.scheduler.bm.publish_full_blocks(seq)  # its blocks' KV is written: the step completed
-            outputs.append(e._took(seq, token, None))
+            outputs.append(e._took(seq, token, host_logprobs(part, token)))
         return outputs
 
 
 def _overlappable(seq: Sequence) -> bool:
     """Nothing between two of its tokens needs the host (module docstring)."""
     p = seq.params
-    return (seq.grammar is None and not p.processes_logits and p.logprobs is None and not seq.draft_token_ids
-            and seq.lora is None and not seq.hold_kv)
+    return (seq.grammar is None and not p.processes_logits and not seq.draft_token_ids and seq.lora is None
+            and not seq.hold_kv)
 
 
 def _ends_by_length(seq: Sequence) -> bool:

@@ -59,20 +59,31 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
     processed = apply_logits_processors(logits, seqs, eos_token_ids)
     if mask is not None:
         processed = apply_mask(processed, mask, copy=processed is logits)
-    tokens = draw(processed, seqs, default_generator).tolist()
-    want = [s.params.logprobs is not None for s in seqs]
-    if not any(want):
-        return tokens, [None] * len(seqs)
+    drawn = draw(processed, seqs, default_generator)
+    tokens = drawn.tolist()
+    return tokens, [host_logprobs(part, token) for part, token in zip(device_logprobs(logits, drawn, seqs), tokens,
+                                                                     strict=True)]
+
+
+def device_logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> list[tuple | None]:
+    """Per sequence that asks for logprobs, (the drawn token's logprob, its top-N or None), as
+    tensors on the logits' device (read later: the overlapped step, engine/overlap.py)."""
+    if all(s.params.logprobs is None for s in seqs):
+        return [None] * len(seqs)
     logprobs = torch.log_softmax(logits, dim=-1)
-    out: list[TokenLogprobs | None] = []
+    out: list[tuple | None] = []
     for row, seq in enumerate(seqs):
-        if not want[row]:
+        n = seq.params.logprobs
+        if n is None:
             out.append(None)
             continue
-        n = seq.params.logprobs
-        top = []
-        if n:
-            values, ids = torch.topk(logprobs[row], n)
-            top = list(zip(ids.tolist(), values.tolist(), strict=True))
-        out.append(TokenLogprobs(tokens[row], float(logprobs[row, tokens[row]]), top))
-    return tokens, out
+        out.append((logprobs[row, tokens[row]], torch.topk(logprobs[row], n) if n else None))
+    return out
+
+
+def host_logprobs(part: tuple | None, token: int) -> TokenLogprobs | None:
+    if part is None:
+        return None
+    chosen, top = part
+    pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else []
+    return TokenLogprobs(token, float(chosen), pairs)

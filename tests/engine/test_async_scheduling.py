@@ -26,8 +26,9 @@ REQUESTS = {  # id: (arrival step, prompt, params)
     "c": (0, _prompt(3, 15), SamplingParams(temperature=0.8, seed=11, max_tokens=30, ignore_eos=True)),
     "d": (0, _prompt(4, 9), SamplingParams(max_tokens=25, stop=[" the"], temperature=0)),
     "e": (5, _prompt(5, 40), SamplingParams(max_tokens=20, **GREEDY)),  # a prefill between overlapped steps
-    "f": (12, _prompt(6, 12), SamplingParams(max_tokens=6, logprobs=1, **GREEDY)),  # cannot overlap: drains
-    "g": (14, _prompt(7, 18), SamplingParams(max_tokens=9, repetition_penalty=1.3, **GREEDY)),
+    "f": (12, _prompt(6, 12), SamplingParams(max_tokens=16, logprobs=3, **GREEDY)),  # logprobs read with tokens
+    "k": (2, _prompt(10, 14), SamplingParams(max_tokens=12, logprobs=0, temperature=0.7, seed=5, ignore_eos=True)),
+    "g": (14, _prompt(7, 18), SamplingParams(max_tokens=9, repetition_penalty=1.3, **GREEDY)),  # drains
     "h": (3, _prompt(8, 17), SamplingParams(max_tokens=33, temperature=1.0, seed=3, top_k=20, ignore_eos=True)),
 }
 
@@ -36,8 +37,8 @@ def _run(ckpt, async_scheduling: bool, requests=REQUESTS, aborts=None, **config)
     engine = LLMEngine(EngineConfig(model=str(ckpt), async_scheduling=async_scheduling, **config))
     if engine.runner.decode_graphs is None:  # the synchronous reference takes the same padded step
         engine.runner.enable_decode_graphs(capture=False)
-    got: dict[str, dict] = {rid: {"tokens": [], "text": "", "reason": None, "outputs_after_finish": 0}
-                            for rid in requests}
+    got: dict[str, dict] = {rid: {"tokens": [], "text": "", "reason": None, "outputs_after_finish": 0,
+                                  "logprobs": []} for rid in requests}
     step = 0
     while step < 400:
         for rid, (at, prompt, params) in requests.items():
@@ -51,6 +52,7 @@ def _run(ckpt, async_scheduling: bool, requests=REQUESTS, aborts=None, **config)
             r = got[out.request_id]
             r["outputs_after_finish"] += r["reason"] is not None
             r["tokens"] += out.new_token_ids
+            r["logprobs"] += [(lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs]
             r["text"] += out.new_text
             r["reason"] = out.finish_reason if out.finished else None
         step += 1
@@ -73,6 +75,8 @@ def test_overlapped_steps_give_the_synchronous_engines_outputs(ckpt):
     assert overlapped == sync
     assert all(r["reason"] is not None and r["outputs_after_finish"] == 0 for r in overlapped.values())
     assert sync["d"]["reason"] == "stop" and sync["b"]["reason"] == "length" and len(sync["a"]["tokens"]) == 40
+    assert len(sync["f"]["logprobs"]) == 16 and len(sync["f"]["logprobs"][0][2]) == 3  # (equal bit for bit above)
+    assert len(sync["k"]["logprobs"]) == 12 and sync["k"]["logprobs"][0][2] == []
     # nothing leaked, and the prefix cache holds the same blocks (published only once computed)
     assert engine.num_free_blocks == engine.num_total_blocks == sync_engine.num_free_blocks
     assert sorted(engine.cached_block_hashes()) == sorted(sync_engine.cached_block_hashes())
