@@ -20,9 +20,10 @@ per-request generators (a finished row's extra draw only touches its own generat
 
 Only steps the scheduler would have made the same way overlap: no waiting request, every
 running sequence decoding one token, a bucket and free blocks for all of them (so no
-preemption), and none needing the host between tokens: no grammar, penalties, logit bias
-or min_tokens, drafts, LoRA, held KV or longrope switch (logprobs are computed on the device
-with the token and read with it). A sequence certain to finish with
+preemption), and none needing the host between tokens: no grammar, penalties (they read the
+tokens so far), drafts, LoRA, held KV or longrope switch. Logit bias and min_tokens apply as
+in the synchronous step (min_tokens counts the token in flight); logprobs are computed on
+the device with the token and read with it. A sequence certain to finish with
 its token in flight (max_tokens, the context) is left out. Anything else drains first: the
 step in flight is finished, then the ordinary step runs. A block is published only after
 the step that wrote its last slot has completed (it may then be shared or written down).
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.logits_processors import apply_logits_processors
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampler import device_logprobs, draw, host_logprobs
 from splitserve.engine.sequence import Sequence
@@ -131,7 +133,9 @@ class OverlappedDecode:
         graphs, n = self.graphs, len(seqs)
         with torch.inference_mode():
             logits = graphs.execute(graphs.stage(seqs))[:n]
-            tokens = draw(logits, seqs, self.engine.generator)
+            # logit bias and min_tokens read no token (min_tokens counts them, the one in flight included)
+            processed = apply_logits_processors(logits, seqs, self.engine.eos_token_ids)
+            tokens = draw(processed, seqs, self.engine.generator)
             logprobs = device_logprobs(logits, tokens, seqs)  # (the logits are the graph's: read them now)
             graphs.previous_tokens[:n].copy_(tokens)  # the next step's placeholders read these
             host = self._host[self.steps % 2]
@@ -165,7 +169,8 @@ class OverlappedDecode:
 def _overlappable(seq: Sequence) -> bool:
     """Nothing between two of its tokens needs the host (module docstring)."""
     p = seq.params
-    return (seq.grammar is None and not p.processes_logits and not seq.draft_token_ids and seq.lora is None
+    penalties = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0  # (read the tokens)
+    return (seq.grammar is None and not penalties and not seq.draft_token_ids and seq.lora is None
             and not seq.hold_kv)
 
 

@@ -28,6 +28,8 @@ REQUESTS = {  # id: (arrival step, prompt, params)
     "e": (5, _prompt(5, 40), SamplingParams(max_tokens=20, **GREEDY)),  # a prefill between overlapped steps
     "f": (12, _prompt(6, 12), SamplingParams(max_tokens=16, logprobs=3, **GREEDY)),  # logprobs read with tokens
     "k": (2, _prompt(10, 14), SamplingParams(max_tokens=12, logprobs=0, temperature=0.7, seed=5, ignore_eos=True)),
+    "m": (1, _prompt(11, 10), SamplingParams(max_tokens=14, min_tokens=10, temperature=0)),  # EOS masked a while
+    "n": (1, _prompt(12, 10), SamplingParams(max_tokens=14, logit_bias={7: 4.0, 9: -100.0}, **GREEDY)),
     "g": (14, _prompt(7, 18), SamplingParams(max_tokens=9, repetition_penalty=1.3, **GREEDY)),  # drains
     "h": (3, _prompt(8, 17), SamplingParams(max_tokens=33, temperature=1.0, seed=3, top_k=20, ignore_eos=True)),
 }
@@ -77,6 +79,7 @@ def test_overlapped_steps_give_the_synchronous_engines_outputs(ckpt):
     assert sync["d"]["reason"] == "stop" and sync["b"]["reason"] == "length" and len(sync["a"]["tokens"]) == 40
     assert len(sync["f"]["logprobs"]) == 16 and len(sync["f"]["logprobs"][0][2]) == 3  # (equal bit for bit above)
     assert len(sync["k"]["logprobs"]) == 12 and sync["k"]["logprobs"][0][2] == []
+    assert 9 not in sync["n"]["tokens"] and len(sync["m"]["tokens"]) >= 10
     # nothing leaked, and the prefix cache holds the same blocks (published only once computed)
     assert engine.num_free_blocks == engine.num_total_blocks == sync_engine.num_free_blocks
     assert sorted(engine.cached_block_hashes()) == sorted(sync_engine.cached_block_hashes())
