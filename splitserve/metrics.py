@@ -81,7 +81,7 @@ class Metrics:
         self.overlapped_steps = Counter(
             "splitserve_engine_overlapped_steps_total", "Decode steps launched before the previous step's tokens "
             "reached the host (--async-scheduling); flat while the flag is on means every step drained (requests "
-            "with logprobs, penalties or grammars, or a prompt to prefill, in every step).",
+            "with penalties or grammars, or a prompt to prefill, in every step).",
             ["role", "worker"], registry=r)
         # KV offload tiers under a worker's device pool (engine/kv_offload/), and peer pulls.
         self.kv_offload_stored_blocks = Counter(
