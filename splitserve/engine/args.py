@@ -94,6 +94,18 @@ def speculative_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def async_scheduling_problem(args: argparse.Namespace) -> str | None:
+    """Why --async-scheduling cannot be served with these flags (EngineConfig's refusal, one line)."""
+    if not getattr(args, "async_scheduling", False):
+        return None
+    other = next((flag for flag, on in (
+        ("--speculative-config", getattr(args, "speculative_config", None)),
+        ("--enable-lora", getattr(args, "enable_lora", False)),
+        ("--tensor-parallel-size > 1", getattr(args, "tensor_parallel_size", 1) > 1),
+        ("--no-cuda-graphs", getattr(args, "no_cuda_graphs", False))) if on), None)
+    return f"--async-scheduling cannot be combined with {other} yet" if other else None
+
+
 def tensor_parallel_problem(args: argparse.Namespace) -> str | None:
     """Why this --tensor-parallel-size cannot serve with this --kv-backend, or None. mooncake
     writes one-sided into one registered region of a pool, and a tensor-parallel worker's

@@ -8,9 +8,12 @@ check times it."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from splitserve.core.sampling_params import SamplingParams
+from splitserve.engine.args import add_engine_args, async_scheduling_problem
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 
@@ -112,6 +115,14 @@ def test_delta_outputs_and_refusals(ckpt):
     delta, _ = _run(ckpt, True, {rid: REQUESTS[rid] for rid in "ab"}, num_kv_blocks=96, delta_outputs=True)
     plain, _ = _run(ckpt, False, {rid: REQUESTS[rid] for rid in "ab"}, num_kv_blocks=96)
     assert delta == plain
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    problem = async_scheduling_problem  # serve and the workers' mains say it in one line, exit 2
+    assert problem(parser.parse_args(["--async-scheduling"])) is None
+    assert problem(parser.parse_args(["--async-scheduling", "--enable-lora"])) == \
+        "--async-scheduling cannot be combined with --enable-lora yet"
+    assert problem(parser.parse_args(["--async-scheduling", "-tp", "2"])) == \
+        "--async-scheduling cannot be combined with --tensor-parallel-size > 1 yet"
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(model=str(ckpt), async_scheduling=True, speculative_config={"method": "ngram",
                                                                                  "num_speculative_tokens": 2})
