@@ -73,13 +73,12 @@ class OverlappedDecode:
     def step(self) -> list[RequestOutput] | None:
         """Launch the next decode step ahead and return the previous one's outputs, or
         None when this step cannot overlap (the caller drains, then runs it ordinarily)."""
-        seqs = self._decode_batch()
-        if seqs is None:
+        batch = self._decode_batch()
+        if batch is None:
             return None
-        bm, bs = self.engine.scheduler.bm, self.engine.scheduler.bm.block_size
-        for seq in seqs:  # the scheduler's allocation for a decode (no preemption: _decode_batch checked)
-            if seq.num_computed_tokens // bs >= len(seq.block_table):
-                seq.block_table.extend(bm.allocate_blocks(1))
+        seqs, growing = batch
+        for seq in growing:  # the scheduler's allocation for a decode (no preemption: _decode_batch checked)
+            seq.block_table.extend(self.engine.scheduler.bm.allocate_blocks(1))
         launched = self._launch(seqs)
         outputs = self._finish(self.in_flight)
         for row, seq in enumerate(seqs):
@@ -106,28 +105,29 @@ class OverlappedDecode:
             self.in_flight = None
 
     # ---- parts ------------------------------------------------------------------------
-    def _decode_batch(self) -> list[Sequence] | None:
-        """The sequences the scheduler would decode now, when it would decode every running
-        one (minus those certain to finish with the token in flight) and could overlap."""
+    def _decode_batch(self) -> tuple[list[Sequence], list[Sequence]] | None:
+        """(the sequences the scheduler would decode now, those of them needing a new block),
+        when it would decode every running one (minus those certain to finish with the token
+        in flight) and could overlap; else None."""
         e = self.engine
         s = e.scheduler
         if s.waiting or not s.running:
             return None
-        seqs, new_blocks = [], 0
+        seqs, growing = [], []
         for seq in s.running:
             if seq.num_tokens - seq.num_computed_tokens != 1 or not _overlappable(seq):
                 return None
             if _ends_by_length(seq):
                 continue
-            if seq.num_computed_tokens // s.bm.block_size >= len(seq.block_table):
-                new_blocks += 1
+            if seq.num_computed_tokens // s.bm.block_size >= len(seq.block_table):  # its next slot: a new block
                 if len(seq.block_table) + 1 > self.graphs.width:
                     return None
+                growing.append(seq)
             seqs.append(seq)
         if not seqs or len(seqs) > min(self.graphs.buckets[-1], s.decoding_step_tokens) \
-                or new_blocks > s.num_free_blocks:
+                or len(growing) > s.num_free_blocks:
             return None
-        return seqs
+        return seqs, growing
 
     def _launch(self, seqs: list[Sequence]) -> InFlight:
         graphs, n = self.graphs, len(seqs)
