@@ -75,20 +75,44 @@ def engine_part(report: dict) -> None:
                 (OUT / f"engine_profile_{key}.txt").write_text(s.getvalue())
 
 
-def kernel_part(report: dict) -> None:
+def bench_step(kind: str, tokens: int):
+    """The kernel bench's Llama-3-8B model (bf16, Triton kernels) and one step's inputs: a
+    decode at batch 1 over `tokens` of context, or a prefill of `tokens`."""
     from splitserve.benchmark.kernels_model import (
         LLAMA3_8B,
         BenchModel,
         blocks_needed,
         decode_inputs,
+        prefill_inputs,
     )
     from splitserve.kernels import ops
 
     ops.set_backend("triton")
     dev = torch.device("cuda")
+    model = BenchModel(LLAMA3_8B, torch.bfloat16, dev, blocks_needed(LLAMA3_8B, 1, tokens), tokens + 76)
+    step = decode_inputs(LLAMA3_8B, 1, tokens, dev) if kind == "decode" else prefill_inputs(LLAMA3_8B, tokens, dev)
+    return model, step
+
+
+def kernel_times(model, step, steps: int) -> list[dict]:
+    """GPU time per kernel of `steps` eager steps (torch profiler), most first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            model.forward(step)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us > 0:
+            rows.append({"name": e.key[:90], "calls_per_step": e.count / steps, "us_per_step": us / steps})
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
+def kernel_part(report: dict) -> None:
     with torch.no_grad():
-        model = BenchModel(LLAMA3_8B, torch.bfloat16, dev, blocks_needed(LLAMA3_8B, 1, 1024), 1100)
-        step = decode_inputs(LLAMA3_8B, 1, 1024, dev)
+        model, step = bench_step("decode", 1024)
         for _ in range(3):
             model.forward(step)
         graph = torch.cuda.CUDAGraph()
@@ -102,25 +126,10 @@ def kernel_part(report: dict) -> None:
             graph.replay()
         torch.cuda.synchronize()
         report["graph_step_ms"] = (time.perf_counter() - t) / 50 * 1e3
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                model.forward(step)
-            torch.cuda.synchronize()
-        rows = kernel_times(prof, 5)
-        report["kernel_rows"] = rows[:30]
-        report["kernel_sum_ms_per_step"] = sum(r["us_per_step"] for r in rows) / 1e3
-        print(json.dumps(rows[:30], indent=1), flush=True)
-
-
-def kernel_times(prof, steps: int) -> list[dict]:
-    rows = []
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if us > 0:
-            rows.append({"name": e.key[:90], "calls_per_step": e.count / steps, "us_per_step": us / steps})
-    return sorted(rows, key=lambda r: -r["us_per_step"])
+        rows = kernel_times(model, step, 5)
+    report["kernel_rows"] = rows[:30]
+    report["kernel_sum_ms_per_step"] = sum(r["us_per_step"] for r in rows) / 1e3
+    print(json.dumps(rows[:30], indent=1), flush=True)
 
 
 def kind_of(name: str) -> str:
@@ -134,19 +143,10 @@ def kind_of(name: str) -> str:
 
 def prefill_part(report: dict, tokens: int = 2048) -> None:
     from splitserve.benchmark.datasheet import datasheet_peaks
-    from splitserve.benchmark.kernels_model import (
-        LLAMA3_8B,
-        BenchModel,
-        blocks_needed,
-        prefill_inputs,
-    )
-    from splitserve.kernels import ops
+    from splitserve.benchmark.kernels_model import LLAMA3_8B
 
-    ops.set_backend("triton")
-    dev = torch.device("cuda")
     with torch.no_grad():
-        model = BenchModel(LLAMA3_8B, torch.bfloat16, dev, blocks_needed(LLAMA3_8B, 1, tokens), tokens + 64)
-        step = prefill_inputs(LLAMA3_8B, tokens, dev)
+        model, step = bench_step("prefill", tokens)
         for _ in range(3):
             model.forward(step)
         torch.cuda.synchronize()
@@ -155,13 +155,7 @@ def prefill_part(report: dict, tokens: int = 2048) -> None:
             model.forward(step)
         torch.cuda.synchronize()
         seconds = (time.perf_counter() - t) / 10
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                model.forward(step)
-            torch.cuda.synchronize()
-    rows = kernel_times(prof, 3)
+        rows = kernel_times(model, step, 3)
     by_kind: dict[str, float] = {}
     for r in rows:
         by_kind[kind_of(r["name"])] = by_kind.get(kind_of(r["name"]), 0.0) + r["us_per_step"] / 1e3
