@@ -61,8 +61,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
         processed = apply_mask(processed, mask, copy=processed is logits)
     drawn = draw(processed, seqs, default_generator)
     tokens = drawn.tolist()
-    return tokens, [host_logprobs(part, token) for part, token in zip(device_logprobs(logits, drawn, seqs), tokens,
-                                                                     strict=True)]
+    parts = device_logprobs(logits, drawn, seqs)
+    if all(p is None for p in parts):  # no request asked: no call per sequence
+        return tokens, parts
+    return tokens, [host_logprobs(part, token) for part, token in zip(parts, tokens, strict=True)]
 
 
 def device_logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> list[tuple | None]:
