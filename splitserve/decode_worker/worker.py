@@ -130,6 +130,14 @@ class DecodeWorker(RemotePrefill, PeerPull, LoRAService, WorkerBase, DecodeWorke
             if q is not None:
                 q.put_nowait(out)
 
+    def _stream_failure(self, rid: str, out) -> str | None:
+        """Why a stream's next item ends it: the engine gone, or a failed step; else None."""
+        if isinstance(out, EngineFailed):
+            return f"request {rid}: {out.reason}"
+        if out.error is not None:
+            return f"request {rid}: decode worker {self.worker_id}: {out.error}"
+        return None
+
     def _in_flight(self) -> list[str]:
         return sorted(self.streams)
 
@@ -195,11 +203,10 @@ class DecodeWorker(RemotePrefill, PeerPull, LoRAService, WorkerBase, DecodeWorke
                 out = first if first is not None else await queue.get()
                 first = None
                 while True:
-                    if isinstance(out, EngineFailed):
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: {out.reason}")
-                    if out.error is not None:  # a failed engine step: the router retries elsewhere
-                        await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                            f"request {rid}: decode worker {self.worker_id}: {out.error}")
+                    failure = self._stream_failure(rid, out)
+                    if failure is not None:
+                        break
+                    last = out
                     held.token_ids.extend(out.new_token_ids)
                     if out.new_logprobs:
                         held.logprobs.extend(logprob_to_proto(lp) for lp in out.new_logprobs)
@@ -209,20 +216,25 @@ class DecodeWorker(RemotePrefill, PeerPull, LoRAService, WorkerBase, DecodeWorke
                     if out.finished or queue.empty():
                         break
                     out = queue.get_nowait()
-                if not (header or out.finished or len(held.token_ids) >= interval):
+                if failure is None and not (header or out.finished or len(held.token_ids) >= interval):
                     continue
-                chunk, held = held, pb.GenerateChunk()
-                chunk.finish_reason = out.finish_reason or ""
-                produced += len(chunk.token_ids)
-                if header and tracing.enabled():  # decode: from the first token to the finish
-                    decode_span = tracing.start("decode", span, attributes={"splitserve.worker": self.worker_id})
-                if header:
-                    chunk.num_prompt_tokens = len(request.prompt_token_ids)
-                    chunk.num_cached_tokens = out.num_cached_tokens
-                    chunk.worker_id, chunk.prefill_worker_id = self.worker_id, prefill_worker
-                    chunk.prefill_fallback, chunk.prefill_cached_tokens = fallback, prefill_cached
-                    header = False
-                yield chunk
+                # Tokens made before a failure still go out first (merged, or held for the stream
+                # interval): the router resumes after them, not from the start.
+                if failure is None or held.token_ids:
+                    chunk, held = held, pb.GenerateChunk()
+                    chunk.finish_reason = (out.finish_reason or "") if failure is None else ""
+                    produced += len(chunk.token_ids)
+                    if header and tracing.enabled():  # decode: from the first token to the finish
+                        decode_span = tracing.start("decode", span, attributes={"splitserve.worker": self.worker_id})
+                    if header:
+                        chunk.num_prompt_tokens = len(request.prompt_token_ids)
+                        chunk.num_cached_tokens = last.num_cached_tokens
+                        chunk.worker_id, chunk.prefill_worker_id = self.worker_id, prefill_worker
+                        chunk.prefill_fallback, chunk.prefill_cached_tokens = fallback, prefill_cached
+                        header = False
+                    yield chunk
+                if failure is not None:  # the router retries elsewhere
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, failure)
                 if out.finished:
                     finished = True
                     span.set_attributes({"gen_ai.usage.output_tokens": produced,

@@ -9,6 +9,7 @@ token-exact, and after SIGCONT it registers again with every block free."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -17,6 +18,7 @@ import aiohttp
 import pytest
 import requests
 
+from splitserve.engine.faults import ENV
 from tests.chaos.conftest import LONG_TOKENS, Serve
 from tests.reliability.conftest import (
     SERVED,
@@ -29,15 +31,19 @@ from tests.reliability.conftest import (
 )
 
 BOUND_S = 2.0
-# Long enough that the engine is still generating when the client has seen 4 tokens of every
-# stream: at 120 the demo model sometimes finished all of them first (nothing left to migrate).
 TOKENS = 480
+# Decode steps 10 ms longer (engine/faults.py "slow"): a 480-token stream stays open 5 s or
+# more whatever the machine's speed, so the engine is still generating when the client has
+# seen 4 tokens of every stream. Unslowed, the demo model's engine sometimes finished them all
+# while a loaded test client was still reading (CI: nothing left to migrate).
+SLOW_DECODE = [{"engine": f"decode-{i}", "fault": "slow", "at_step": 0, "step_ms": 10} for i in (0, 1)]
 
 
 @pytest.fixture(scope="module")
 def serve(make_ckpt, tmp_path_factory):
     s = Serve(make_ckpt("llama"), tmp_path_factory.mktemp("freeze"),
-              extra_args=["--engine-heartbeat-timeout", str(BOUND_S), "--engine-loop", "process"])
+              extra_args=["--engine-heartbeat-timeout", str(BOUND_S), "--engine-loop", "process"],
+              env={ENV: json.dumps(SLOW_DECODE)})
     yield s
     s.stop()
 

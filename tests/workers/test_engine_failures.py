@@ -1,6 +1,7 @@
 """A decode worker whose engine hangs in a step (a wedged kernel): it tells the truth on
 /health and /livez, leaves the registry so routers migrate its streams, and once stuck
-for twice --engine-stall-timeout gives itself up (`fatal`), so its process is replaced."""
+for twice --engine-stall-timeout gives itself up (`fatal`), so its process is replaced; and
+one whose step raises sends the tokens made before it ahead of the error."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from splitserve.cluster.inproc_bus import InProcBus
 from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
-from splitserve.engine import EngineConfig, SamplingParams
+from splitserve.engine import LLM, EngineConfig, SamplingParams
 from splitserve.engine.faults import ENV, release_hangs
 from splitserve.proto.convert import pb, sampling_to_proto
 from splitserve.proto.worker_pb2_grpc import DecodeWorkerStub
@@ -58,3 +59,33 @@ async def test_a_hung_engine_step_is_reported_withdrawn_then_given_up(make_ckpt,
     finally:
         release_hangs()
         await worker.stop()
+
+
+async def test_tokens_made_before_a_failed_step_reach_the_router_before_the_error(make_ckpt, monkeypatch):
+    """Tokens the stream had not sent yet (held for --stream-interval, or merged while it was
+    busy) go out before the failure: the router resumes after them. Before, the error won and
+    they were lost, so a stream migrated from its start ("failed after 0 tokens")."""
+    monkeypatch.setenv(ENV, json.dumps([{"engine": "d-raise", "fault": "raise", "at_step": 6}]))
+    path = str(make_ckpt("llama"))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompt = list(range(5, 40))
+    want = LLM(path, num_kv_blocks=64).generate(prompt, params)[0].token_ids
+    worker = DecodeWorker(DecodeWorkerConfig(EngineConfig(model=path, num_kv_blocks=64, model_id="test-model"),
+                                             worker_id="d-raise"), bus=InProcBus())
+    await worker.start()
+    try:
+        async with grpc.aio.insecure_channel(worker.address) as ch:
+            call = DecodeWorkerStub(ch).Generate(pb.GenerateRequest(
+                request_id="r", prompt_token_ids=prompt, sampling=sampling_to_proto(params), stream_interval=16))
+            chunks = []
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for chunk in call:
+                    chunks.append(chunk)
+    finally:
+        await worker.stop()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "injected step failure" in err.value.details()
+    # steps 0-5 ran (prefill, then 5 decode steps): the header chunk with the first token, then
+    # the 5 held back for the 16-token interval
+    assert [len(c.token_ids) for c in chunks] == [1, 5]
+    assert chunks[0].worker_id == "d-raise" and not chunks[1].worker_id
+    assert [t for c in chunks for t in c.token_ids] == want[:6]
