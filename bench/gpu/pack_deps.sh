@@ -2,7 +2,8 @@
 # Packs what the GPU check needs beyond a CUDA machine's PyTorch stack, for a GPU machine that
 # cannot reach a package index (the lent H100/H200 of issue 20): Python 3.12 x86-64 wheels of
 # Ray, the Mooncake Transfer Engine (non-CUDA build), llguidance, jsonschema and its parts,
-# and gRPC/protobuf at the versions this project's venv runs, unpacked and trimmed of what the
+# gRPC/protobuf, and peft with accelerate (the reference of the lora_peft check) at the
+# versions this project's venv runs, unpacked and trimmed of what the
 # serving path never loads (Ray's Java jar, dashboard build, rllib/data/serve/tune/train/llm;
 # Mooncake's store, master, client and bench binaries), plus the system libraries Mooncake
 # links (libibverbs, libnuma, libnl; libcurl and its closure in syslibs/curl). ~48 MB, xz.
@@ -24,7 +25,8 @@ mkdir -p "$WORK/wheels" "$WORK/site312" "$WORK/syslibs/curl" "$(dirname "$OUT")"
 SPECS=$("$PY" - <<'EOF'
 from importlib import metadata
 names = ["ray", "jsonschema", "jsonschema-specifications", "referencing", "rpds-py",
-         "mooncake-transfer-engine-non-cuda", "grpcio", "grpcio-tools", "protobuf"]
+         "mooncake-transfer-engine-non-cuda", "grpcio", "grpcio-tools", "protobuf",
+         "peft", "accelerate"]  # pure Python: the lora_peft check (transformers is on the machine)
 print(" ".join(f"{n}=={metadata.version(n)}" for n in names))
 EOF
 )

@@ -14,7 +14,7 @@ each a sub-check with its own ok / reason / figures, on one device:
   lora_serve  `splitserve serve --enable-lora --lora-modules`: requests naming the adapter and
               the base model all complete, the adapter changes some prompt's output
   lora_peft   the adapter's greedy tokens in the engine against transformers + PeftModel; not
-              run where peft (a test dependency, not in bench/gpu/pack_deps.sh) is missing
+              run where peft is missing (bench/gpu/pack_deps.sh packs it and accelerate)
 
 The offline checks run float32, as the fidelity stage's exact comparisons do (bfloat16 paths
 may part at a near-tie); the serves run the device's serving dtype. The model is the demo

@@ -139,6 +139,10 @@ class LLMEngine(RequestIntake, Disaggregation, LoRAEngine, PeerPrefix):
             self.step_seconds += time.perf_counter() - started
 
     def _step(self) -> list[RequestOutput]:
+        # A rank process gone before the step: said now. Gloo does not always fail a collective
+        # whose peer died (a broadcast from rank 0 only sends): it could block here for good.
+        if self.tp_group is not None and (lost := self.tp_group.lost_rank()) is not None:
+            raise lost
         drained: list[RequestOutput] = []
         if self.overlap is not None:  # engine/overlap.py: a pure-decode step launched ahead, or
             launched = self.overlap.step()  # the outputs of the one in flight, then an ordinary step

@@ -16,6 +16,7 @@ from splitserve.core.sampling_params import SamplingParams
 from splitserve.engine.args import add_engine_args, async_scheduling_problem
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
+from tests.helpers.real_models import smollm2_gguf
 
 
 def _prompt(i: int, n: int) -> list[int]:
@@ -139,3 +140,15 @@ def test_a_failed_step_fails_every_request_with_no_placeholder_in_its_output(ckp
     assert sorted(o.request_id for o in failed) == ["a", "b"]
     assert all(o.error and o.finished and min(o.token_ids) >= 0 for o in failed)
     assert engine.overlap.in_flight is None and engine.num_free_blocks == engine.num_total_blocks
+
+
+def test_a_real_trained_model_gives_the_same_outputs_overlapped():
+    """SmolLM2-135M-Instruct as it ships (GGUF Q4_1): real logits, where near-ties are rare
+    and a token read from the wrong step or row would change the text at once."""
+    gguf = smollm2_gguf()
+    requests = {rid: REQUESTS[rid] for rid in "abcdf"}
+    sync, _ = _run(gguf, False, requests, num_kv_blocks=64, max_model_len=256)
+    overlapped, engine = _run(gguf, True, requests, num_kv_blocks=64, max_model_len=256)
+    assert engine.overlap.steps >= 10
+    assert overlapped == sync
+    assert len(sync["a"]["tokens"]) == 40 and sync["a"]["text"]

@@ -44,7 +44,7 @@ async def test_an_idle_engine_whose_rank_is_killed_dies_at_once(make_ckpt):
         assert not died.is_set()  # idle and whole: nothing to say
         os.kill(rank1, signal.SIGKILL)
         await asyncio.wait_for(died.wait(), timeout=5)
-        assert f"rank process {rank1} (splitserve-tp-rank1) is gone" in str(errors[0])
+        assert f"a rank process is gone (pid {rank1}, splitserve-tp-rank1, exit code -9)" in str(errors[0])
         ok, why = proc.health()
         assert not ok, why
     finally:

@@ -125,8 +125,8 @@ class TensorParallelGroup:
         dead = next((p for p in self.procs if not p.is_alive()), None) if self.running else None
         if dead is None:
             return None
-        return RankLost(f"tensor parallelism: rank process {dead.pid} ({dead.name}) is gone "
-                        f"(exit code {dead.exitcode})")
+        return RankLost(f"tensor parallelism: a rank process is gone (pid {dead.pid}, {dead.name}, "
+                        f"exit code {dead.exitcode})")
 
     def close(self) -> None:
         """Stop the other ranks (a None step) and leave the group. Idempotent."""
