@@ -10,12 +10,9 @@ import json
 
 import pytest
 
-from splitserve.cluster.inproc_bus import InProcBus
-from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from splitserve.engine import LLM, EngineConfig, SamplingParams
 from splitserve.engine.faults import ENV
-from splitserve.router.dispatch import DispatchConfig, Dispatcher
-from splitserve.router.policy import RouteDecision
+from tests.helpers.migration_pair import migration_pair, to
 
 PROMPT = [(29 * j) % 700 + 30 for j in range(40)]
 
@@ -28,31 +25,17 @@ async def test_an_overlapped_stream_migrates_token_exact_then_hits_the_prefix(ma
     monkeypatch.setenv(ENV, json.dumps([{"engine": "d-fail", "fault": "raise", "at_step": 8}]))
     path = str(make_ckpt("llama"))
     want = LLM(path, num_kv_blocks=64).generate(PROMPT, params)[0].token_ids
-    bus = InProcBus()
-    workers = [DecodeWorker(DecodeWorkerConfig(EngineConfig(model=path, num_kv_blocks=64, model_id="test-model",
-                                                            async_scheduling=True), worker_id=w), bus=bus)
-               for w in ("d-fail", "d-ok")]
-    for w in workers:
-        await w.start()
-    dispatcher = Dispatcher(DispatchConfig(model_id="test-model"), bus)
-    await dispatcher.start()
-    try:
-        await dispatcher.sync.refresh()
-        events = [e async for e in dispatcher.generate("r", PROMPT, params, RouteDecision(
-            "d-fail", None, 4, 0, 0, 0, "test", "test"))]
+    async with migration_pair(EngineConfig(model=path, num_kv_blocks=64, async_scheduling=True)) as (dispatcher,
+                                                                                                  workers):
+        events = [e async for e in dispatcher.generate("r", PROMPT, params, to("d-fail"))]
         failed_overlapped = workers[0].stats.overlapped_steps
         resumed_overlapped = workers[1].stats.overlapped_steps
-        again = [e async for e in dispatcher.generate("r2", PROMPT, params, RouteDecision(
-            "d-ok", None, 4, 0, 0, 0, "test", "test"))]
+        again = [e async for e in dispatcher.generate("r2", PROMPT, params, to("d-ok"))]
         for _ in range(100):  # the stats snapshot follows the step that freed the blocks
             free = [(w.stats.free_blocks, w.stats.total_blocks) for w in workers]
             if all(f == t for f, t in free):
                 break
             await asyncio.sleep(0.05)
-    finally:
-        await dispatcher.stop()
-        for w in workers:
-            await w.stop()
     assert [e.decode_worker for e in events if e.decode_worker] == ["d-fail", "d-ok"]  # it did migrate
     moved = next(i for i, e in enumerate(events) if e.decode_worker == "d-ok")
     # steps 0-7 ran (prefill, then decode steps each returning the previous one's token): 7

@@ -8,13 +8,10 @@ import json
 
 import pytest
 
-from splitserve.cluster.inproc_bus import InProcBus
-from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from splitserve.engine import LLM, EngineConfig, SamplingParams
 from splitserve.engine.faults import ENV
-from splitserve.router.dispatch import DispatchConfig, Dispatcher
-from splitserve.router.policy import RouteDecision
 from tests.engine.test_spec_decode_exact import NGRAM, copy_heavy
+from tests.helpers.migration_pair import migration_pair, to
 
 
 @pytest.mark.parametrize("params", [
@@ -28,23 +25,10 @@ async def test_a_migrated_speculating_stream_resumes_token_exact(make_ckpt, monk
     config = NGRAM if method == "ngram" else {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
     prompt = copy_heavy(61, 20, 3)
     want = LLM(path, num_kv_blocks=64).generate(prompt, params)[0].token_ids
-    bus = InProcBus()
-    workers = [DecodeWorker(DecodeWorkerConfig(EngineConfig(model=path, num_kv_blocks=64, model_id="test-model",
-                                                            speculative_config=config), worker_id=w), bus=bus)
-               for w in ("d-fail", "d-ok")]
-    for w in workers:
-        await w.start()
-    dispatcher = Dispatcher(DispatchConfig(model_id="test-model"), bus)
-    await dispatcher.start()
-    try:
-        await dispatcher.sync.refresh()
-        decision = RouteDecision("d-fail", None, 4, 0, 0, 0, "test", "test")
-        events = [e async for e in dispatcher.generate("r", prompt, params, decision)]
+    async with migration_pair(EngineConfig(model=path, num_kv_blocks=64, speculative_config=config)) as (
+            dispatcher, workers):
+        events = [e async for e in dispatcher.generate("r", prompt, params, to("d-fail"))]
         resumed = workers[1].stats.spec_decode
-    finally:
-        await dispatcher.stop()
-        for w in workers:
-            await w.stop()
     assert [e.decode_worker for e in events if e.decode_worker] == ["d-fail", "d-ok"]  # it did migrate
     moved = next(i for i, e in enumerate(events) if e.decode_worker == "d-ok")
     first_part = sum(len(e.token_ids) for e in events[:moved])

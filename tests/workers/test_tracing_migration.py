@@ -11,13 +11,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from splitserve.cluster.inproc_bus import InProcBus
 from splitserve.core import tracing
-from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from splitserve.engine import EngineConfig, SamplingParams
 from splitserve.engine.faults import ENV
-from splitserve.router.dispatch import DispatchConfig, Dispatcher
-from splitserve.router.policy import RouteDecision
+from tests.helpers.migration_pair import migration_pair, to
 
 
 async def test_a_migrated_stream_is_one_trace_with_a_migration_span(make_ckpt, monkeypatch):
@@ -27,23 +24,10 @@ async def test_a_migrated_stream_is_one_trace_with_a_migration_span(make_ckpt, m
     monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))  # this test's own, undone after it
     monkeypatch.setenv(ENV, json.dumps([{"engine": "d-fail", "fault": "raise", "at_step": 3}]))
     path = make_ckpt("llama")
-    bus = InProcBus()
-    workers = [DecodeWorker(DecodeWorkerConfig(EngineConfig(model=str(path), num_kv_blocks=64, model_id="test-model"),
-                                               worker_id=w), bus=bus) for w in ("d-fail", "d-ok")]
-    for w in workers:
-        await w.start()
-    dispatcher = Dispatcher(DispatchConfig(model_id="test-model"), bus)
-    await dispatcher.start()
-    try:
-        await dispatcher.sync.refresh()
-        decision = RouteDecision("d-fail", None, 4, 0, 0, 0, "test", "test")
+    async with migration_pair(EngineConfig(model=str(path), num_kv_blocks=64)) as (dispatcher, _):
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         with tracing.current_span("request") as root:  # the router's request span
-            events = [e async for e in dispatcher.generate("r", [5, 6, 7, 8], params, decision)]
-    finally:
-        await dispatcher.stop()
-        for w in workers:
-            await w.stop()
+            events = [e async for e in dispatcher.generate("r", [5, 6, 7, 8], params, to("d-fail"))]
     assert sum(len(e.token_ids) for e in events) == 8 and events[-1].finish_reason == "length"
     assert [e.decode_worker for e in events if e.decode_worker] == ["d-fail", "d-ok"]
 
