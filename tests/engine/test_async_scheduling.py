@@ -16,7 +16,7 @@ from splitserve.core.sampling_params import SamplingParams
 from splitserve.engine.args import add_engine_args, async_scheduling_problem
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
-from tests.helpers.real_models import smollm2_gguf
+from tests.helpers.real_models import gemma3_gguf, smollm2_gguf
 
 
 def _prompt(i: int, n: int) -> list[int]:
@@ -142,10 +142,12 @@ def test_a_failed_step_fails_every_request_with_no_placeholder_in_its_output(ckp
     assert engine.overlap.in_flight is None and engine.num_free_blocks == engine.num_total_blocks
 
 
-def test_a_real_trained_model_gives_the_same_outputs_overlapped():
-    """SmolLM2-135M-Instruct as it ships (GGUF Q4_1): real logits, where near-ties are rare
-    and a token read from the wrong step or row would change the text at once."""
-    gguf = smollm2_gguf()
+@pytest.mark.parametrize("gguf_file", [smollm2_gguf, gemma3_gguf], ids=["smollm2", "gemma3"])
+def test_a_real_trained_model_gives_the_same_outputs_overlapped(gguf_file):
+    """SmolLM2-135M-Instruct (GGUF Q4_1) and Gemma 3 270M (Q4_K_M, sliding-window layers) as
+    they ship: real logits, where near-ties are rare and a token read from the wrong step or
+    row would change the text at once."""
+    gguf = gguf_file()
     requests = {rid: REQUESTS[rid] for rid in "abcdf"}
     sync, _ = _run(gguf, False, requests, num_kv_blocks=64, max_model_len=256)
     overlapped, engine = _run(gguf, True, requests, num_kv_blocks=64, max_model_len=256)
