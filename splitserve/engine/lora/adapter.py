@@ -79,6 +79,11 @@ def read_config(name: str, path: Path) -> tuple[dict, bytes]:
         cfg = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {file} is not JSON ({exc.msg})") from None
+    if not isinstance(cfg, dict):
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {CONFIG} must be a JSON object, got {_json_type(cfg)}")
+    problem = _field_problem(cfg)
+    if problem:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {CONFIG}: {problem}")
     refuse = [
         (cfg.get("peft_type", "LORA") != "LORA", f"peft_type is {cfg.get('peft_type')!r}, only LORA is served"),
         (bool(cfg.get("use_dora")), "DoRA (use_dora) is not supported"),
@@ -87,7 +92,6 @@ def read_config(name: str, path: Path) -> tuple[dict, bytes]:
         (bool(cfg.get("rank_pattern") or cfg.get("alpha_pattern")), "per-module ranks (rank_pattern / "
          "alpha_pattern) are not supported"),
         (cfg.get("layers_to_transform") is not None, "layers_to_transform is not supported"),
-        (not isinstance(cfg.get("r"), int) or cfg["r"] < 1, f"r must be a positive integer, got {cfg.get('r')!r}"),
     ]
     for bad, why in refuse:
         if bad:
@@ -95,16 +99,65 @@ def read_config(name: str, path: Path) -> tuple[dict, bytes]:
     return cfg, raw
 
 
+def _json_type(value: object) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# The fields we read, each with its check and what it must be: a config written by hand
+# (or by an attacker) is refused naming the field, never a TypeError deep in the load.
+_FIELDS = {
+    "r": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a positive integer"),
+    "lora_alpha": (_is_number, "a finite number"),
+    "use_rslora": (lambda v: isinstance(v, bool), "true or false"),
+    "use_dora": (lambda v: isinstance(v, bool), "true or false"),
+    "peft_type": (lambda v: isinstance(v, str), "a string"),
+    "bias": (lambda v: isinstance(v, str), "a string"),
+    "target_modules": (lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(m, str) for m in v)),
+                       "a string or a list of strings"),
+    "modules_to_save": (lambda v: isinstance(v, list), "a list"),
+    "rank_pattern": (lambda v: isinstance(v, dict), "an object"),
+    "alpha_pattern": (lambda v: isinstance(v, dict), "an object"),
+}
+_OPTIONAL = set(_FIELDS) - {"r"}  # null or absent is PEFT's default for these
+
+
+def _field_problem(cfg: dict) -> str | None:
+    """The first field of `cfg` that has the wrong type or value, in one line; None if all fit."""
+    for key, (ok, what) in _FIELDS.items():
+        value = cfg.get(key)
+        if value is None and key in _OPTIONAL:
+            continue
+        if not ok(value):
+            shown = repr(value) if isinstance(value, int | float | str) and len(repr(value)) <= 40 else _json_type(value)
+            return f"{key} must be {what}, got {shown}"
+    return None
+
+
 def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int) -> LoRAAdapter:
-    """Read and check one adapter against `model` (raises LoRAAdapterError)."""
-    path = Path(path)
+    """Read and check one adapter against `model` (raises LoRAAdapterError, and only that:
+    whatever else reading a hostile directory raises is still a bad adapter, said in one line)."""
+    try:
+        return _read_adapter(name, Path(path), model, max_rank)
+    except LoRAAdapterError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - files we do not control: any library error is possible
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: cannot be read from {path} ({type(exc).__name__})") from None
+
+
+def _read_adapter(name: str, path: Path, model: nn.Module, max_rank: int) -> LoRAAdapter:
     if not path.is_dir():
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {path} is not a directory")
     cfg, config_bytes = read_config(name, path)
     rank = cfg["r"]
     if rank > max_rank:
         raise LoRAAdapterError(f"LoRA adapter {name!r} has rank {rank}, above --max-lora-rank {max_rank}")
-    scale = cfg.get("lora_alpha", rank) / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
+    alpha = rank if cfg.get("lora_alpha") is None else cfg["lora_alpha"]
+    scale = alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
     weights_file = path / WEIGHTS
     if not weights_file.is_file():
         raise LoRAAdapterError(f"LoRA adapter {name!r}: no {WEIGHTS} in {path}")

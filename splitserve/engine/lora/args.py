@@ -10,6 +10,7 @@ import argparse
 import re
 from pathlib import Path
 
+from splitserve.core.lora_names import lora_name_problem
 from splitserve.core.model_config import ModelConfig
 from splitserve.engine.lora.adapter import WEIGHTS, LoRAAdapterError, read_config
 
@@ -31,7 +32,10 @@ def parse_lora_modules(specs: list[str]) -> dict[str, str]:
     for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
-            raise ValueError(f"--lora-modules takes NAME=PATH, got {spec!r}")
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {spec[:300]!r}")
+        problem = lora_name_problem(name)
+        if problem:  # the rule requests and the runtime API follow (core/lora_names.py)
+            raise ValueError(f"--lora-modules: {problem}")
         if name in modules:
             raise ValueError(f"--lora-modules names {name!r} twice")
         modules[name] = path
@@ -76,6 +80,8 @@ def shape_problem(name: str, path: Path, model_dir: Path) -> str | None:
                             "(trained on another base model?)")
     except OSError as exc:
         return f"LoRA adapter {name!r}: cannot read {path / WEIGHTS}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - a damaged file: safetensors' own error types, any index error
+        return f"LoRA adapter {name!r}: cannot read {path / WEIGHTS} ({type(exc).__name__})"
     return None
 
 

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from splitserve.core.lora_names import lora_name_problem
 from splitserve.engine.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter, lora_targets
 from splitserve.engine.lora.apply import LoRAStep, install_hooks
 from splitserve.engine.lora.slots import LoRASlots
@@ -43,8 +44,9 @@ class LoRAManager:
     def add(self, name: str, path: str) -> LoRAAdapter:
         """Load an adapter under `name` (raises LoRAAdapterError; nothing changes then).
         Loading the same name again is a no-op if the content is the same."""
-        if not name or name.strip() != name:
-            raise LoRAAdapterError(f"LoRA adapter name {name!r} must be non-empty, without surrounding spaces")
+        problem = lora_name_problem(name)
+        if problem:
+            raise LoRAAdapterError(problem)
         adapter = load_adapter(name, path, self.model, self.max_rank)
         old = self.adapters.get(name)
         if old is not None and old.salt != adapter.salt:
