@@ -220,6 +220,7 @@ class Metrics:
         self.lora_resident = Gauge(
             "splitserve_lora_resident", "1 while a loaded adapter holds one of the worker's --max-loras slots, "
             "else 0.", ["role", "worker", "adapter"], registry=r)
+        self.lora_synced: dict[tuple[str, str], set[str]] = {}  # (role, worker) -> adapters in lora_resident
         self.lora_slot_loads = Counter(
             "splitserve_lora_slot_loads_total", "Times an adapter was copied into a slot (swaps in).",
             ["role", "worker", "adapter"], registry=r)
@@ -273,11 +274,20 @@ class Metrics:
 
 
 def sync_lora(metrics: Metrics, role: str, worker: str, loras) -> None:
-    """A worker's adapters (EngineStats.loras: name, salt, resident, slot loads) into its metrics."""
+    """A worker's adapters (EngineStats.loras: name, salt, resident, slot loads) into its metrics.
+    An adapter unloaded since last time loses its residency series: the gauge lists exactly
+    the loaded adapters, at most --max-loras of them at 1."""
+    names = set()
     for name, _, resident, loads in loras:
         labels = {"role": role, "worker": worker, "adapter": name}
         metrics.lora_resident.labels(**labels).set(1 if resident else 0)
         metrics.advance(metrics.lora_slot_loads, labels, loads)
+        names.add(name)
+    synced = metrics.lora_synced.setdefault((role, worker), set())
+    for gone in synced - names:
+        metrics.lora_resident.remove(role, worker, gone)
+    synced.clear()
+    synced.update(names)
 
 
 def sync_kv_offload(metrics: Metrics, role: str, worker: str, stats) -> None:

@@ -19,6 +19,7 @@ from splitserve.decode_worker.peer_pull import PeerPull
 from splitserve.decode_worker.prefill_timeout import DEFAULT_PREFILL_TIMEOUT_S
 from splitserve.decode_worker.remote_prefill import RemotePrefill
 from splitserve.engine.async_engine import EngineDeadError
+from splitserve.engine.intake import UnknownModelError
 from splitserve.engine.llm_engine import InvalidPromptError, RequestOutput
 from splitserve.engine.stats import EngineStats
 from splitserve.kvtransfer import KVReceiver, KVTransferConfig
@@ -242,6 +243,8 @@ class DecodeWorker(RemotePrefill, PeerPull, LoRAService, WorkerBase, DecodeWorke
                                          "splitserve.prefill_worker": prefill_worker,
                                          "splitserve.prefill_fallback": fallback})
                     return
+        except UnknownModelError as exc:  # its adapter is not (or no longer) loaded: the router's 404
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid}: {exc}")
         except InvalidPromptError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {exc}")
         except EngineDeadError as exc:

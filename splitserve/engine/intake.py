@@ -21,6 +21,11 @@ class InvalidPromptError(ValueError):
     """The prompt cannot be served (empty, out-of-vocabulary ids, too long)."""
 
 
+class UnknownModelError(InvalidPromptError):
+    """The request names a LoRA adapter this engine does not have (never loaded, or just
+    unloaded): workers answer NOT_FOUND, which the router turns into 404 model_not_found."""
+
+
 class RequestIntake:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     hold_kv: bool = False, num_draws_done: int = 0, detokenize: bool = True) -> Sequence:

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 ROUTING_MODES = ("prefix", "round-robin", "random")
 
-# Every gRPC code except INVALID_ARGUMENT ("this request is bad") means "this worker
+# Every gRPC code except INVALID_ARGUMENT ("this request is bad") and, for a request under
+# an adapter, NOT_FOUND ("that adapter is not loaded here": unloaded) means "this worker
 # failed" (crashed, restarting, draining, refusing our certificate...): migrate.
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
                     # a restarted worker is dialled again within 2 s (gRPC's default backoff grows to 2 min)
@@ -182,7 +183,7 @@ class Dispatcher:
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                        decision: RouteDecision) -> AsyncIterator[StreamEvent]:
         """Stream one choice. Worker failures migrate the request (bounded); a request the
-        worker rejects raises APIError (400)."""
+        worker rejects raises APIError (400; 404 for an adapter it no longer has)."""
         produced: list[int] = []
         failed: set[str] = set()
         attempt = 0
@@ -241,6 +242,8 @@ class Dispatcher:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise errors.invalid_request(exc.details() or "rejected by the decode worker") from None
+                if exc.code() == grpc.StatusCode.NOT_FOUND and params.lora_name:  # unloaded while routed
+                    raise errors.model_not_found(params.lora_name, self.loras.models()) from None
                 reason = f"{exc.code().name}: {exc.details()}"
             except _Gone:
                 reason = "it left the registry (stopped heartbeating)"

@@ -8,23 +8,29 @@ worker's last listed adapters even while its report has expired (a worker too bu
 report on time still has them). A runtime load or unload through the router is applied to
 every live decode and prefill worker, all or nothing, and recorded here at once, so the next
 request sees it without waiting for a report. A worker that registers later has only its
---lora-modules.
+--lora-modules. An adapter being unloaded is no longer served from the moment the unload
+starts (requests naming it get 404 model_not_found up front, not a worker's refusal), and a
+name has one change in flight at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 
 import grpc
 
 from splitserve.core.hashing import hash_seed
+from splitserve.core.lora_names import lora_name_problem
 from splitserve.proto.convert import pb
 from splitserve.proto.worker_pb2_grpc import DecodeWorkerStub, PrefillWorkerStub
 from splitserve.router import errors
 from splitserve.router.errors import APIError
+
+log = logging.getLogger(__name__)
 
 RUNTIME_ENV = "SPLITSERVE_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
 PENDING_S = 30.0  # how long a runtime change outlives reports that do not show it
@@ -44,6 +50,8 @@ class RouterLoRA:
         # worker -> runtime changes its reports have not shown yet: name -> (salt, or None when
         # unloaded; when). A report built just before the change must not undo it.
         self._pending: dict[str, dict[str, tuple[int | None, float]]] = {}
+        self._busy: set[str] = set()  # names with a load or unload in flight
+        self._unloading: set[str] = set()  # ... of which unloads: served no more
 
     # ---- what is served -------------------------------------------------------------------
     def worker_loras(self) -> dict[str, dict[str, int]]:
@@ -81,12 +89,14 @@ class RouterLoRA:
         known, out = self.worker_loras(), {}
         for w in self.sync.live("decode"):
             out.update(known.get(w, {}))
+        for name in self._unloading:
+            out.pop(name, None)
         return out
 
     def have(self, workers: list[str], lora: str) -> list[str]:
         """Those of `workers` that have `lora` loaded."""
         known = self.worker_loras()
-        return [w for w in workers if lora in known.get(w, {})]
+        return [w for w in workers if lora in known.get(w, {}) and lora not in self._unloading]
 
     def models(self) -> list[str]:
         return [self.served, *sorted(self.adapters())]
@@ -141,11 +151,24 @@ class RouterLoRA:
                 stubs.append((w, stub_class(self._channels[address])))
         return stubs
 
+    def _claim(self, name: str) -> None:
+        if name in self._busy:
+            raise APIError(409, f"LoRA adapter '{name}' is being loaded or unloaded; retry when that has finished",
+                           "invalid_request_error", "lora_name", "lora_busy")
+        self._busy.add(name)
+
     async def load(self, name: str, path: str) -> None:
         """Load on every live worker; if any refuses, unload it where it loaded (nothing
         changes) and raise the refusal as a 400."""
         if name == self.served or name in self.adapters():
             raise errors.invalid_request(f"The model '{name}' is already loaded (unload it first)", "lora_name")
+        self._claim(name)
+        try:
+            await self._load(name, path)
+        finally:
+            self._busy.discard(name)
+
+    async def _load(self, name: str, path: str) -> None:
         workers = self._workers()
         if not workers:
             raise APIError(503, "no live worker to load the adapter on; retry shortly", "service_unavailable",
@@ -157,10 +180,13 @@ class RouterLoRA:
         if failed:
             await self._unload([(w, s) for (w, s), r in zip(workers, results, strict=True)
                                 if not isinstance(r, BaseException)], name)
-            worker, exc = failed[0]
-            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            worker, exc = next(((w, e) for w, e in failed if _refused(e)), failed[0])
+            if _refused(exc):  # the adapter is bad: the worker's one-line reason, without its id
                 raise errors.invalid_request(exc.details().partition(": ")[2] or exc.details(), "lora_path")
-            raise APIError(503, f"worker {worker} did not load the adapter ({exc!r}); nothing was loaded",
+            # anything else is ours, not the client's: the details go to the log (one line), never the body
+            log.error("LoRA adapter %r: worker %s did not load it (%s); unloaded everywhere again", name, worker,
+                      _one_line(exc))
+            raise APIError(503, f"worker {worker} could not load LoRA adapter '{name}'; nothing was loaded",
                            "service_unavailable", code="worker_failure")
         for (w, _), reply in zip(workers, results, strict=True):
             self._record(w, name, reply.salt)
@@ -168,18 +194,37 @@ class RouterLoRA:
     async def unload(self, name: str) -> None:
         if name not in self.adapters():
             raise errors.model_not_found(name, self.models())
-        await self._unload(self._workers(), name)
+        self._claim(name)
+        self._unloading.add(name)  # from now on requests naming it get 404, before any worker refuses them
+        try:
+            await self._unload(self._workers(), name)
+        finally:
+            self._unloading.discard(name)
+            self._busy.discard(name)
 
     async def _unload(self, workers, name: str) -> None:
         request = pb.LoRAAdapterRequest(lora_name=name)
-        await asyncio.gather(*(stub.UnloadLoRA(request, timeout=30, metadata=self.security.metadata)
-                               for _, stub in workers), return_exceptions=True)
-        for w, _ in workers:
+        results = await asyncio.gather(*(stub.UnloadLoRA(request, timeout=30, metadata=self.security.metadata)
+                                         for _, stub in workers), return_exceptions=True)
+        for (w, _), r in zip(workers, results, strict=True):
+            if isinstance(r, BaseException):  # its next report says whether it still has it
+                log.warning("LoRA adapter %r: worker %s did not confirm the unload (%s)", name, w, _one_line(r))
             self._record(w, name, None)
 
     async def close(self) -> None:
         for ch in self._channels.values():
             await ch.close()
+
+
+def _refused(exc: BaseException) -> bool:
+    """A worker's "this adapter is bad" (its reason is for the client), not a failure of its own."""
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}".replace("\n", " ")[:300]
+    return f"{type(exc).__name__}: {exc}".replace("\n", " ")[:300]
 
 
 def lora_candidates(workers: list[str], having: list[str], loads: dict, lora: str | None,
@@ -215,4 +260,10 @@ def parse_lora_body(raw: bytes, need_path: bool) -> tuple[str, str]:
     for f in fields:
         if not isinstance(body.get(f), str) or not body[f].strip():
             raise errors.invalid_request(f"'{f}' must be a non-empty string", f)
+    problem = lora_name_problem(body["lora_name"])
+    if problem:  # it would become a model id, a log field and a metric label
+        raise errors.invalid_request(f"'lora_name': {problem}", "lora_name")
+    if need_path and ("\0" in body["lora_path"] or len(body["lora_path"]) > 4096):
+        raise errors.invalid_request("'lora_path' must be a directory path (at most 4096 characters, no NUL)",
+                                     "lora_path")
     return body["lora_name"], body.get("lora_path", "") if need_path else ""

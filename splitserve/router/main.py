@@ -50,6 +50,12 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
                          "prefer --api-key-file or the environment variable")
     ap.add_argument("--api-key-file", default=os.environ.get("SPLITSERVE_API_KEY_FILE"),
                     help="read the API key from this file (default: $SPLITSERVE_API_KEY_FILE)")
+    ap.add_argument("--admin-api-key", default=os.environ.get("SPLITSERVE_ADMIN_API_KEY"),
+                    help="the bearer key runtime LoRA load / unload need (with "
+                         "SPLITSERVE_ALLOW_RUNTIME_LORA_UPDATING=1), distinct from --api-key, which does not grant "
+                         "them (default: $SPLITSERVE_ADMIN_API_KEY). Visible in `ps`: prefer --admin-api-key-file")
+    ap.add_argument("--admin-api-key-file", default=os.environ.get("SPLITSERVE_ADMIN_API_KEY_FILE"),
+                    help="read the admin key from this file (default: $SPLITSERVE_ADMIN_API_KEY_FILE)")
     ap.add_argument("--disagg-min-uncached-tokens", type=int, default=256,
                     help="prompts with fewer uncached tokens are prefilled by the decode worker")
     ap.add_argument("--strict-disaggregation", action="store_true",
@@ -96,6 +102,15 @@ def api_key_from_args(args: argparse.Namespace) -> str | None:
     return read_secret_file(args.api_key_file, "--api-key-file") if args.api_key_file else args.api_key
 
 
+def admin_key_from_args(args: argparse.Namespace) -> str | None:
+    """The admin key; refused (one line) when it is the API key: every client would be an admin."""
+    file = getattr(args, "admin_api_key_file", None)
+    admin = read_secret_file(file, "--admin-api-key-file") if file else getattr(args, "admin_api_key", None)
+    if admin and admin == api_key_from_args(args):
+        raise SystemExit("--admin-api-key must differ from --api-key (the API key would then grant admin calls)")
+    return admin
+
+
 def bind_http(host: str, port: int) -> socket.socket:
     """The HTTP port, taken before anything slow starts: a port in use fails at once, with a
     clear message, and nothing started meanwhile (Ray picks random ports) can take it."""
@@ -112,6 +127,7 @@ async def start_router(args: argparse.Namespace, model: str, served: str, bus: C
                        sock: socket.socket | None = None) -> tuple[web.AppRunner, Dispatcher]:
     """The router on `sock` if given (bound early by the caller), else on --host/--port."""
     tracing.configure(tracing_config_from_args(args, "splitserve router"), "splitserve-router")
+    api_key, admin_key = api_key_from_args(args), admin_key_from_args(args)  # a bad one: exit before starting
     try:
         admission = AdmissionConfig(args.max_queued_requests, args.request_timeout, args.no_worker_wait)
         limits = HTTPLimits(args.max_request_body_mb, args.body_read_timeout, args.http_idle_timeout)
@@ -125,7 +141,8 @@ async def start_router(args: argparse.Namespace, model: str, served: str, bus: C
                             strict_disaggregation=args.strict_disaggregation)), bus, metrics)
     await dispatcher.start()
     gc.freeze()  # the index is long-lived: keep it out of collections (routing-latency spikes)
-    server = RouterServer(ServerConfig(model, served, api_key=api_key_from_args(args), max_model_len=max_model_len,
+    server = RouterServer(ServerConfig(model, served, api_key=api_key, admin_api_key=admin_key,
+                                       max_model_len=max_model_len,
                                        admission=admission, limits=limits, expected_workers=expected_workers or {},
                                        content_as_text=not args.parse_control_tokens_in_content, hold=hold),
                           dispatcher)

@@ -49,11 +49,13 @@ log = logging.getLogger(__name__)
 
 INLINE_BODY_BYTES = 256 << 10  # parsing a body this large takes a few milliseconds at most
 KEYED_PATHS = ("/tokenize", "/detokenize")  # outside /v1/, but they spend the router's CPU: the key guards them
+ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # --admin-api-key, not --api-key
 @dataclass
 class ServerConfig:
     model_dir: str
     served_model_name: str
     api_key: str | None = None
+    admin_api_key: str | None = None  # runtime LoRA load / unload (ADMIN_PATHS): never the API key
     max_model_len: int | None = None
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     limits: HTTPLimits = field(default_factory=HTTPLimits)
@@ -75,6 +77,7 @@ class RouterServer:
         self.created = int(time.time())
         self.admission = Admission(config.admission)
         self.loras = dispatcher.loras  # LoRA adapters: served names, runtime load / unload (router/lora.py)
+        self.runtime_lora = False  # the load / unload routes exist (set by app())
         self.holder = RequestHolder(config.hold, dispatcher.sync.bus, self.metrics.router_held_requests)
         self._openapi = json.dumps(openapi_document(config.served_model_name, self.max_model_len,
                                                     auth=bool(config.api_key))).encode()
@@ -86,9 +89,13 @@ class RouterServer:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model_id:.+}", self.model)  # served names may hold a "/"
-        if runtime_updates_allowed():  # vLLM's convention: off unless the operator turns it on
+        self.runtime_lora = runtime_updates_allowed()  # vLLM's convention: off unless the operator turns it on
+        if self.runtime_lora:
             app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
             app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
+            if self.config.api_key and not self.config.admin_api_key:
+                log.warning("runtime LoRA updating is on but no --admin-api-key is set: load / unload are "
+                            "refused (403); the API key does not grant them")
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
@@ -136,15 +143,29 @@ class RouterServer:
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         key = self.config.api_key
-        if key and (request.path.startswith("/v1/") or request.path in KEYED_PATHS):
-            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-            # compare_digest: constant time, a wrong guess does not reveal how much of it matched
-            # (aiohttp keeps undecodable header bytes as surrogates: encode them back, never fail)
-            given_bytes = given.strip().encode("utf-8", "surrogateescape")
-            if not (hmac.compare_digest(given_bytes, key.encode()) and scheme.lower() == "bearer"):
+        if request.path in ADMIN_PATHS and self.runtime_lora:
+            self._admin_auth(request)
+        elif key and (request.path.startswith("/v1/") or request.path in KEYED_PATHS):
+            if not _bearer_is(request, key):
                 raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                                "authentication_error", code="invalid_api_key")
         return await handler(request)
+
+    def _admin_auth(self, request: web.Request) -> None:
+        """Runtime adapter changes alter what every client is served: they take the admin key.
+        With neither key set (an unauthenticated development server) they are open, as all is;
+        with only --api-key set they are refused to everyone."""
+        admin, key = self.config.admin_api_key, self.config.api_key
+        if admin and _bearer_is(request, admin):
+            return
+        if not admin and not key:
+            return
+        if key and _bearer_is(request, key):  # a client, known, but not an admin
+            raise APIError(403, "Loading and unloading LoRA adapters needs the admin key (--admin-api-key)"
+                           + ("" if admin else ", and this server has none") + ", not the API key.",
+                           "permission_error", code="insufficient_permissions")
+        raise APIError(401, "Incorrect or missing admin key: send 'Authorization: Bearer <admin key>' "
+                       "(--admin-api-key).", "authentication_error", code="invalid_api_key")
 
     # ---- simple endpoints ------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -162,7 +183,7 @@ class RouterServer:
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
         name, path = parse_lora_body(await self._body(request), need_path=True)
         await self.loras.load(name, path)
-        log.info("LoRA adapter %s loaded from %s on every worker", name, path)
+        log.info("LoRA adapter %s loaded from %r on every worker", name, path)  # %r: a path may hold a newline
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
@@ -319,8 +340,10 @@ class RouterServer:
         timeout = self.admission.config.request_timeout_s
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         if req.stream:
+            # under an adapter the 200 waits for the worker's first reply: one unloaded meanwhile is a 404
             return await stream_choices(request, req, choices, chat, headers, deadline,
-                                        self.admission.config.request_timeout_s, self._count_error)
+                                        self.admission.config.request_timeout_s, self._count_error,
+                                        hold=params.lora_name is not None)
         try:
             async with asyncio.timeout_at(deadline):
                 await asyncio.gather(*(c.run_to_end() for c in choices))
@@ -344,3 +367,12 @@ class RouterServer:
     def _choice_params(params, index: int):
         seed = None if params.seed is None else params.seed + index
         return replace(params, n=1, seed=seed)
+
+
+def _bearer_is(request: web.Request, key: str) -> bool:
+    """Whether the request's `Authorization: Bearer` token is `key`, compared in constant time
+    (a wrong guess does not reveal how much of it matched). aiohttp keeps undecodable header
+    bytes as surrogates: encode them back, never fail."""
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    given_bytes = given.strip().encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given_bytes, key.encode()) and scheme.lower() == "bearer"

@@ -14,22 +14,42 @@ from splitserve.router.dispatch import WorkerFailure
 from splitserve.router.errors import APIError
 
 
+class _Response:
+    """The stream's response; with `hold`, its 200 goes out with the first chunk, so an error
+    before any (a request under a LoRA adapter unloaded meanwhile: 404) is the HTTP status."""
+
+    def __init__(self, request: web.Request, resp: web.StreamResponse):
+        self.request, self.resp = request, resp
+
+    @property
+    def prepared(self) -> bool:
+        return self.resp.prepared
+
+    async def write(self, data: bytes) -> None:
+        if not self.resp.prepared:
+            await self.resp.prepare(self.request)
+        await self.resp.write(data)
+
+
 async def stream_choices(request: web.Request, req, choices: list[ChoiceRun], chat: bool, headers: dict,
                          deadline: float | None, timeout_s: float | None,
-                         count_error: Callable[[APIError], None]) -> web.StreamResponse:
+                         count_error: Callable[[APIError], None], hold: bool = False) -> web.StreamResponse:
     """The choices' chunks as server-sent events as they come; an error after the 200 is an
-    error event (counted by `count_error`), then usage and [DONE]; a deadline ends it all."""
-    resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache"})
-    await resp.prepare(request)
+    error event (counted by `count_error`), then usage and [DONE]; a deadline ends it all.
+    `hold`: no 200 before the first chunk; an error before it is raised (an HTTP error)."""
+    stream = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
+                                         "Cache-Control": "no-cache"})
+    resp = _Response(request, stream)
+    if not hold:
+        await stream.prepare(request)
     created = R.now()
-    stream = _stream_one if len(choices) == 1 else _stream_many  # one: no pump task and queue hop per token
-    await stream(resp, req, choices, chat, created, deadline, timeout_s, count_error)
+    run = _stream_one if len(choices) == 1 else _stream_many  # one: no pump task and queue hop per token
+    await run(resp, req, choices, chat, created, deadline, timeout_s, count_error)
     try:
-        await resp.write_eof()
+        await stream.write_eof()
     except ConnectionResetError:  # the client closed after [DONE]: it has everything
         pass
-    return resp
+    return stream
 
 
 async def _stream_one(resp, req, choices: list[ChoiceRun], chat: bool, created: int, deadline: float | None,
@@ -111,6 +131,8 @@ def _usage(choices: list[ChoiceRun]) -> R.Usage:
     return R.Usage(len(choices[0].prompt), sum(len(c.text.token_ids) for c in choices), choices[0].cached_tokens)
 
 
-async def _error_event(resp: web.StreamResponse, err: APIError, count_error: Callable[[APIError], None]) -> None:
+async def _error_event(resp: _Response, err: APIError, count_error: Callable[[APIError], None]) -> None:
+    if not resp.prepared:  # held, nothing sent yet: the error is the answer (the server counts it)
+        raise err
     count_error(err)
     await resp.write(R.sse_error(err))

@@ -6,8 +6,9 @@ worker under the same adapter, KV moved under the adapter's block hashes) and co
 (short prompts prefilled on the decode worker, and a `--prefill-workers 0` serve with 2 slots
 for the 3 adapters); the same prompt under adapter B after adapter A gets B's tokens on each
 path; /v1/models lists the adapters with `parent`;
-runtime load, use, unload and use-after-unload (404 model_not_found), behind the API key
-(401 without it); bad adapters refused with a 400 in one line and nothing changed."""
+runtime load, use, unload and use-after-unload (404 model_not_found), behind the admin key
+(401 without a key, 403 with the API key); bad adapters refused with a 400 in one line and
+nothing changed."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from tests.helpers.lora_adapters import ADAPTERS, make_adapter, peft_greedy
 from tests.helpers.processes import SplitserveProcess
 
 SERVED = "lora-base"
-KEY = "lora-test-key"  # with an API key on, loading and unloading adapters need it too
+KEY = "lora-test-key"
+ADMIN_KEY = "lora-admin-key"  # loading and unloading adapters take this one, not the API key
 NEW = 12
 
 
@@ -37,10 +39,12 @@ def stack(make_ckpt, tmp_path_factory):
         "--model", str(base), "--served-model-name", SERVED, "--prefill-workers", "1", "--decode-workers", "1",
         "--num-kv-blocks", "256", "--disagg-min-uncached-tokens", "24", "--strict-disaggregation", "--enable-lora", "--max-loras", "3",
         "--max-lora-rank", "16", "--lora-modules", *modules],
-        env={"SPLITSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1", "SPLITSERVE_API_KEY": KEY})
+        env={"SPLITSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1", "SPLITSERVE_API_KEY": KEY,
+             "SPLITSERVE_ADMIN_API_KEY": ADMIN_KEY})
     client = openai.OpenAI(base_url=serve.base_url + "/v1", api_key=KEY, max_retries=0)
+    admin = openai.OpenAI(base_url=serve.base_url + "/v1", api_key=ADMIN_KEY, max_retries=0)
     try:
-        yield base, adapters, root, serve, client
+        yield base, adapters, root, serve, client, admin
     finally:
         serve.stop()
         log = serve.log()
@@ -65,8 +69,8 @@ def unload(client, name: str) -> str:
 
 
 def test_adapters_and_base_interleaved_match_peft_on_both_paths(stack):
-    base, adapters, _, serve, client = stack
-    assert load(client, "mlp-r16", adapters["mlp-r16"]) == "Success: LoRA adapter 'mlp-r16' added successfully."
+    base, adapters, _, serve, client, admin = stack
+    assert load(admin, "mlp-r16", adapters["mlp-r16"]) == "Success: LoRA adapter 'mlp-r16' added successfully."
     models = {m.id: m for m in client.models.list().data}
     assert set(models) == {SERVED, *ADAPTERS}
     assert all(models[n].model_extra["parent"] == SERVED for n in ADAPTERS)
@@ -89,7 +93,7 @@ def test_adapters_and_base_interleaved_match_peft_on_both_paths(stack):
 
 @pytest.mark.parametrize("length", [40, 15], ids=["disaggregated", "colocated"])
 def test_same_prompt_under_b_after_a_gets_b_tokens(stack, length):
-    base, adapters, _, serve, client = stack
+    base, adapters, _, serve, client, _ = stack
     tok = Tokenizer(base)
     prompt = [random.Random(length).randrange(5, 1000) for _ in range(length)]
     blocks = length // 16
@@ -107,16 +111,19 @@ def test_same_prompt_under_b_after_a_gets_b_tokens(stack, length):
 
 
 def test_runtime_load_use_unload_and_bad_adapters(stack, make_ckpt):
-    base, adapters, root, serve, client = stack
+    base, adapters, root, serve, client, admin = stack
     tok = Tokenizer(base)
     prompt = list(range(30, 70))
     anonymous = requests.post(serve.base_url + "/v1/load_lora_adapter", timeout=10,
                               json={"lora_name": "late", "lora_path": str(adapters["qv-r4-rslora"])})
     assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == "invalid_api_key"
-    assert load(client, "late", adapters["qv-r4-rslora"]).startswith("Success")
+    with pytest.raises(openai.PermissionDeniedError) as err:  # the API key is not the admin key
+        load(client, "late", adapters["qv-r4-rslora"])
+    assert err.value.body["code"] == "insufficient_permissions"
+    assert load(admin, "late", adapters["qv-r4-rslora"]).startswith("Success")
     out, _ = complete(client, "late", prompt)
     assert out.choices[0].text == tok.decode(peft_greedy(base, adapters["qv-r4-rslora"], prompt, NEW))
-    assert unload(client, "late") == "Success: LoRA adapter 'late' removed successfully."
+    assert unload(admin, "late") == "Success: LoRA adapter 'late' removed successfully."
     with pytest.raises(openai.NotFoundError) as err:
         complete(client, "late", prompt)
     assert err.value.body["code"] == "model_not_found"
@@ -127,17 +134,17 @@ def test_runtime_load_use_unload_and_bad_adapters(stack, make_ckpt):
                             ("other", other, "does not fit this model"),
                             ("missing", root / "missing", "is not a directory")]:
         with pytest.raises(openai.BadRequestError) as err:
-            load(client, name, path)
+            load(admin, name, path)
         message = err.value.body["message"]
         assert why in message and "\n" not in message, message
     assert sorted(m.id for m in client.models.list().data) == before
     with pytest.raises(openai.NotFoundError):
-        unload(client, "never-loaded")
+        unload(admin, "never-loaded")
 
 
 def test_colocated_serve_interleaves_adapters_as_peft_does(stack):
     """`serve --prefill-workers 0`: every prompt prefilled on the one decode worker."""
-    base, adapters, _, _, _ = stack
+    base, adapters, _, _, _, _ = stack
     modules = [f"{name}={path}" for name, path in adapters.items()]
     serve = SplitserveProcess("serve", [
         "--model", str(base), "--served-model-name", SERVED, "--prefill-workers", "0", "--decode-workers", "1",

@@ -42,8 +42,13 @@ def test_keys_are_compared_in_constant_time():
     guess matched); checked in the source, since timing assertions do not belong in tests."""
     import inspect
 
-    from splitserve.router.server import RouterServer
+    from splitserve.router import server
 
-    source = inspect.getsource(RouterServer._auth)
-    assert "hmac.compare_digest(given_bytes, key.encode())" in source
-    assert "given ==" not in source and "== key" not in source and "== given" not in source
+    compare = inspect.getsource(server._bearer_is)
+    assert "hmac.compare_digest(given_bytes, key.encode())" in compare
+    for check in (compare, inspect.getsource(server.RouterServer._auth),
+                  inspect.getsource(server.RouterServer._admin_auth)):  # the API key and the admin key
+        assert "given ==" not in check and "== key" not in check and "== given" not in check
+        assert "== admin" not in check and "admin ==" not in check
+    assert "_bearer_is(request, key)" in inspect.getsource(server.RouterServer._auth)
+    assert "_bearer_is(request, admin)" in inspect.getsource(server.RouterServer._admin_auth)

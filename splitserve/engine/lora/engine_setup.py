@@ -25,18 +25,18 @@ def attach_lora(engine) -> LoRAManager | None:
 
 
 def resolve_lora(manager: LoRAManager | None, name: str | None) -> LoRAAdapter | None:
-    """The adapter a request names; an unknown one is a bad request (InvalidPromptError:
-    workers answer INVALID_ARGUMENT, never "this worker failed")."""
-    from splitserve.engine.llm_engine import InvalidPromptError  # (llm_engine imports this module)
+    """The adapter a request names; an unknown one is a bad request (UnknownModelError, an
+    InvalidPromptError: workers answer NOT_FOUND, never "this worker failed")."""
+    from splitserve.engine.intake import UnknownModelError  # (intake imports this module)
 
     if name is None:
         return None
     if manager is None:
-        raise InvalidPromptError(f"The model `{name}` does not exist (LoRA adapters are not enabled: --enable-lora).")
+        raise UnknownModelError(f"The model `{name}` does not exist (LoRA adapters are not enabled: --enable-lora).")
     try:
         return manager.resolve(name)
     except UnknownLoRAError as exc:
-        raise InvalidPromptError(str(exc)) from None
+        raise UnknownModelError(str(exc)) from None
 
 
 class LoRAEngine:
