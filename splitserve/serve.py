@@ -29,7 +29,7 @@ import time
 from splitserve import ray_watch
 from splitserve.core.banner import serving_banner
 from splitserve.core.checkpoint_check import cache_dir_problem
-from splitserve.core.cli_types import positive_int
+from splitserve.core.cli_types import OneLineParser, positive_int
 from splitserve.core.cpus import (
     CpuPlan,
     available_cpus,
@@ -37,6 +37,7 @@ from splitserve.core.cpus import (
     pin_this_process,
     threads_per_worker,
 )
+from splitserve.core.machine_limits import kv_sizes_problem
 from splitserve.core.model_dir import checkpoint_problem, demo_dir
 from splitserve.core.tracing_config import tracing_config, tracing_config_from_args
 from splitserve.decode_worker.prefill_timeout import add_prefill_timeout_arg
@@ -60,8 +61,8 @@ log = logging.getLogger("splitserve.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="splitserve serve", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="splitserve serve", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_router_args(ap)
     ap.add_argument("--prefill-workers", type=int, default=1)
     ap.add_argument("--decode-workers", type=int, default=1)
@@ -301,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     problem = checkpoint_problem(args.model, args.quantization) if args.model is not None else (
         None if (demo_dir() / "config.json").is_file() else cache_dir_problem(demo_dir()))
     problem = (problem or tensor_parallel_problem(args) or speculative_problem(args) or kv_offload_problem(args)
+               or kv_sizes_problem(args, args.prefill_workers + args.decode_workers)
                or lora_problem(args) or async_scheduling_problem(args))
     if problem:
         print(f"splitserve serve: {problem}", file=sys.stderr)

@@ -10,15 +10,23 @@ and deeper text is refused before the parser sees it.
 
 128 levels, as serde_json's default (which llguidance uses for schemas): an OpenAI request needs
 a handful, a JSON schema with dozens of levels inside a tool still fits.
+
+`load_file` is the same for the JSON files a checkpoint ships (config.json, tokenizer.json, the
+shard index), read at start-up: it also refuses a file larger than `max_bytes` unread, so a
+hostile checkpoint can neither crash the start-up check nor make it read gigabytes.
 """
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 
 MAX_DEPTH = 128
+MAX_CONFIG_BYTES = 16 * 2**20  # config.json and the like: real ones are a few KB (Mixtral's: 1 KB)
+MAX_TOKENIZER_BYTES = 256 * 2**20  # tokenizer.json: Gemma 3's is 33 MB, the largest shipped are under 100 MB
 
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _STEP = np.zeros(256, np.int32)
@@ -33,6 +41,14 @@ class NestedTooDeeply(json.JSONDecodeError):
         doc = text if isinstance(text, str) else text.decode("utf-8", "replace")
         super().__init__(f"nested deeper than the {max_depth} levels allowed", doc, 0)
         self.args = (self.msg,)  # no "line 1 column 1": the depth is the whole story
+
+
+class FileTooLarge(json.JSONDecodeError):
+    """A JSON file larger than allowed, refused unread; a JSONDecodeError, as NestedTooDeeply."""
+
+    def __init__(self, path: str | os.PathLike, size: int, max_bytes: int) -> None:
+        super().__init__(f"{size} bytes, more than the {max_bytes} allowed for this file", "", 0)
+        self.args = (self.msg,)
 
 
 def deepest(text: str | bytes, stop_above: int | None = None) -> int:
@@ -64,3 +80,18 @@ def loads(text: str | bytes, *, max_depth: int = MAX_DEPTH, **kwargs):
     if too_deep(text, max_depth):
         raise NestedTooDeeply(text, max_depth)
     return json.loads(text, **kwargs)
+
+
+def load_file(path: str | os.PathLike, *, max_bytes: int = MAX_CONFIG_BYTES, max_depth: int = MAX_DEPTH):
+    """The JSON value of the file at `path`: FileTooLarge over `max_bytes` (unread),
+    NestedTooDeeply deeper than `max_depth` (unparsed), else as `json.loads` (OSError,
+    UnicodeDecodeError and JSONDecodeError as it raises them)."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise FileTooLarge(path, size, max_bytes)
+    with path.open("rb") as f:
+        raw = f.read(max_bytes + 1)  # the file may have grown since stat()
+    if len(raw) > max_bytes:
+        raise FileTooLarge(path, len(raw), max_bytes)
+    return loads(raw.decode("utf-8"), max_depth=max_depth)

@@ -14,7 +14,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
+
+from splitserve.core import bounded_json
 
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
@@ -34,7 +37,7 @@ def safetensors_header(path: Path) -> tuple[dict | None, str | None]:
             if n > MAX_HEADER_BYTES or n > size - 8:
                 return None, (f"{path}: its header claims {n} bytes in a file of {size}: not a safetensors "
                               "file, or a truncated or garbled one")
-            header = json.loads(f.read(n))
+            header = bounded_json.loads(f.read(n))  # a header is 2 levels deep; deeper is garbage
     except OSError as exc:
         return None, f"{path}: cannot be read ({exc.strerror or exc})"
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -64,9 +67,9 @@ def weight_files_problem(root: Path) -> tuple[list[Path], str | None]:
     index = root / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = bounded_json.load_file(index)["weight_map"]
             files = sorted(set(weight_map.values()))
-        except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             return [], f"{index}: expected a JSON object with a 'weight_map' field ({exc})"
         missing = [name for name in files if not (root / name).is_file()]
         if missing:
@@ -78,10 +81,34 @@ def weight_files_problem(root: Path) -> tuple[list[Path], str | None]:
     return files, None
 
 
-def checkpoint_files_problem(model_dir: str, vocab_size: int, hidden_size: int, quantization=None) -> str | None:
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")  # the decoder layers' tensors, as the engine's loader names them
+
+
+def layers_problem(headers: dict[str, dict], num_layers: int, source: str) -> str | None:
+    """One line when the layers the tensors hold are not those config.json's num_hidden_layers
+    names (the engine would build every layer, then fail on the missing or extra tensors)."""
+    present = {int(m.group(1)) for m in map(_LAYER.match, headers) if m}
+    if not present or present == set(range(num_layers)):
+        return None  # no layer tensors at all: the loader names what is missing
+    missing = sorted(set(range(num_layers)) - present)
+    extra = sorted(present - set(range(num_layers)))
+    said = f"config.json says num_hidden_layers {num_layers}, but the weights hold {len(present)} layer(s)"
+    if missing:
+        return f"{source}: {said}: none for layer(s) {_some(missing)}"
+    return f"{source}: {said}: layer(s) {_some(extra)} are beyond it"
+
+
+def _some(numbers: list[int]) -> str:
+    return ", ".join(map(str, numbers[:5])) + (f" and {len(numbers) - 5} more" if len(numbers) > 5 else "")
+
+
+def checkpoint_files_problem(model_dir: str, vocab_size: int, hidden_size: int, quantization=None,
+                             num_layers: int | None = None) -> str | None:
     """The first problem with the checkpoint's weight and tokenizer files, or None.
     `quantization` (core/quantization.QuantSpec or None) is checked against the tensors:
-    quantized tensors need a quantization_config, and a quantization_config its tensors."""
+    quantized tensors need a quantization_config, and a quantization_config its tensors
+    (names, dtypes and group sizes against the weights' shapes). `num_layers`, given, must be
+    the layers the tensors hold."""
     from splitserve.core.quantization import tensors_problem
 
     root = Path(model_dir)
@@ -98,15 +125,16 @@ def checkpoint_files_problem(model_dir: str, vocab_size: int, hidden_size: int, 
             if name.endswith("embed_tokens.weight") and list(info["shape"]) != [vocab_size, hidden_size]:
                 return (f"{path}: {name} is {info['shape']}, but config.json says vocab_size {vocab_size} and "
                         f"hidden_size {hidden_size}: the weights and the config are of different models")
-    problem = tensors_problem(quantization, headers, str(root))
+    problem = (layers_problem(headers, num_layers, str(root)) if num_layers is not None else None) or \
+        tensors_problem(quantization, headers, str(root))
     if problem:
         return problem
     tokenizer = root / "tokenizer.json"
     if not tokenizer.is_file():
         return f"{tokenizer}: not found (only fast tokenizers, tokenizer.json, are supported)"
     try:
-        json.loads(tokenizer.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        bounded_json.load_file(tokenizer, max_bytes=bounded_json.MAX_TOKENIZER_BYTES)
+    except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError (bounds included), UnicodeDecodeError
         return f"{tokenizer}: not a readable JSON tokenizer ({exc})"
     return None
 

@@ -7,6 +7,11 @@ types), so opening the file takes 7 s (SmolLM2) to 15 s (Gemma 3 270M) on this m
 paid by the check `serve` runs before it starts and again by every worker loading the
 weights. This walks the same layout (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md),
 skipping arrays by their lengths, and checks every tensor's bytes lie inside the file.
+
+Limits, for files from strangers: metadata arrays nest at most MAX_ARRAY_DEPTH (4) deep (no
+writer nests them at all, llama.cpp refuses any nesting; 1,500 levels were a RecursionError
+here), and `general.alignment` must be a positive power of two, as llama.cpp requires (the spec
+asks for a multiple of 8; 0 was a ZeroDivisionError).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from splitserve.core.model_config import CheckpointError
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 DEFAULT_ALIGNMENT = 32
+MAX_ARRAY_DEPTH = 4  # arrays of arrays of ...: see above
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,7 @@ def _parse(path: Path, buf, sizes, qtypes) -> GGUFHeader:
         pos += n
         return bytes(buf[pos - n:pos]).decode("utf-8", errors="replace")
 
-    def value(kind: int):
+    def value(kind: int, depth: int = 0):
         nonlocal pos
         if kind in _SCALARS:
             return take(_SCALARS[kind])
@@ -92,12 +98,15 @@ def _parse(path: Path, buf, sizes, qtypes) -> GGUFHeader:
             return string()
         if kind != _ARRAY:
             raise CheckpointError(f"{path}: not a readable GGUF file, truncated or garbled (value type {kind})")
+        if depth >= MAX_ARRAY_DEPTH:  # recursion bounded long before Python's own limit
+            raise CheckpointError(f"{path}: metadata arrays nested more than {MAX_ARRAY_DEPTH} deep (at byte {pos}): "
+                                  "not a GGUF file any writer produces")
         elem, count = take("I"), take("Q")
         if elem in _SCALARS:  # skipped by length: the vocabulary is most of the header
             pos += count * struct.calcsize(_SCALARS[elem])
         else:
             for _ in range(count):
-                value(elem)
+                value(elem, depth + 1)
         return count
 
     version = take("I")
@@ -113,7 +122,9 @@ def _parse(path: Path, buf, sizes, qtypes) -> GGUFHeader:
         name = string()
         dims = [take("Q") for _ in range(take("I"))]
         infos.append((name, tuple(reversed(dims)), take("I"), take("Q")))
-    align = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    align = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise CheckpointError(f"{path}: general.alignment is {align!r}; it must be a positive power of two")
     start = -(-pos // align) * align
     tensors = []
     for name, shape, kind, offset in infos:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -123,16 +124,21 @@ def gguf_checkpoint_problem(model: str, quantization: str | None = None) -> str 
         cfg = ModelConfig.from_dir(derived)
     except CheckpointError as exc:
         return str(exc)
-    return gguf_tensors_problem(gguf, cfg.vocab_size, cfg.hidden_size) or (
+    return gguf_tensors_problem(gguf, cfg.vocab_size, cfg.hidden_size, cfg.num_layers) or (
         None if (derived / "tokenizer.json").is_file() else f"{derived}/tokenizer.json: not found")
 
 
-def gguf_tensors_problem(gguf: Path, vocab_size: int, hidden_size: int) -> str | None:
-    """A tensor type this build cannot convert, or an embedding whose shape is not the
-    config's, or None."""
+def gguf_tensors_problem(gguf: Path, vocab_size: int, hidden_size: int, num_layers: int | None = None) -> str | None:
+    """A tensor type this build cannot convert, an embedding whose shape is not the config's,
+    or (with `num_layers`) blocks other than the metadata's block_count, or None."""
     from splitserve.core.gguf_file import read_gguf_header
 
-    for t in read_gguf_header(gguf).tensors:
+    tensors = read_gguf_header(gguf).tensors
+    blocks = {int(m.group(1)) for m in (re.match(r"blk\.(\d+)\.", t.name) for t in tensors) if m}
+    if num_layers is not None and blocks and blocks != set(range(num_layers)):
+        return (f"{gguf}: its metadata says {num_layers} block(s) (block_count), but its tensors hold "
+                f"{len(blocks)}, numbered {min(blocks)} to {max(blocks)}")
+    for t in tensors:
         if t.type_name not in FLOAT_TYPES + QUANT_TYPES:
             return (f"{gguf}: tensor {t.name} is {t.type_name}, which is not supported (supported: "
                     f"{', '.join(FLOAT_TYPES + QUANT_TYPES)})")

@@ -9,10 +9,10 @@ when a field is absent are applied here the same way.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from splitserve.core import bounded_json
 from splitserve.core.architectures import ARCHITECTURES, architecture_for, unsupported
 from splitserve.core.rope_config import RopeSpec, read_rope
 
@@ -68,9 +68,11 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise CheckpointError(f"{path}: not found (a Hugging Face checkpoint directory needs config.json)")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
+        try:  # bounded: a hostile config.json (100,000 nested brackets, gigabytes) is one line, not a crash
+            raw = bounded_json.load_file(path)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+        except ValueError as exc:  # JSONDecodeError (too deep, too large, garbled) or UnicodeDecodeError
             raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
         return cls.from_dict(raw, source=str(path))
 
@@ -88,6 +90,7 @@ class ModelConfig:
                 raise CheckpointError(f"{source}: required field '{name}' is missing")
             return raw[name]
 
+        _check_sizes(raw, source)
         gemma = family in ("gemma2", "gemma3")
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
@@ -147,6 +150,50 @@ class ModelConfig:
     @property
     def max_model_len(self) -> int:
         return self.max_position_embeddings
+
+
+def shardable_problem(cfg: ModelConfig, size: int) -> str | None:
+    """Why this model cannot be split over `size` tensor-parallel ranks (engine/parallel/sharding.py
+    splits heads, KV heads and intermediate sizes evenly), or None; torch-free, so that serve
+    refuses it before any process starts."""
+    if size <= 1:
+        return None
+    if cfg.family == "phi3":
+        return "its checkpoint stores q/k/v and gate/up fused in one tensor, which the loader does not split per rank"
+    if cfg.num_heads % size:
+        return f"num_attention_heads ({cfg.num_heads}) is not divisible by it"
+    if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
+        return f"num_key_value_heads ({cfg.num_kv_heads}) neither divides it nor is divisible by it"
+    if cfg.num_layers > len(cfg.moe_layers) and cfg.intermediate_size % size:  # some layer has a dense MLP
+        return f"intermediate_size ({cfg.intermediate_size}) is not divisible by it"
+    if cfg.num_experts and cfg.moe_intermediate_size % size:
+        return f"moe_intermediate_size ({cfg.moe_intermediate_size}) is not divisible by it"
+    return None
+
+
+# Sanity bounds on a config's sizes, far above any released model (Llama 3.1 405B: 126 layers,
+# 128 heads, hidden 16,384, intermediate 53,248; Gemma 3: a 262,144-token vocabulary; DeepSeek-V3:
+# 256 experts): a config beyond them is hostile or garbled, and is refused before a worker tries
+# to build it (num_hidden_layers 100,000 took 194 s and 8 GB before failing inside a worker).
+SIZE_LIMITS = {"num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024,
+               "hidden_size": 2**20, "intermediate_size": 2**20, "moe_intermediate_size": 2**20, "head_dim": 2**16,
+               "vocab_size": 2**22, "num_local_experts": 4096, "num_experts": 4096, "num_experts_per_tok": 4096}
+
+
+def _check_sizes(raw: dict, source: str) -> None:
+    """Each size field that is present: an integer within SIZE_LIMITS (0 allowed for expert counts)."""
+    for name, limit in SIZE_LIMITS.items():
+        value = raw.get(name)
+        if value is None:
+            continue
+        least = 0 if name in ("num_local_experts", "num_experts") else 1
+        if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= limit:
+            raise CheckpointError(f"{source}: field '{name}' is {value!r}; it must be an integer from {least} "
+                                  f"to {limit}")
+    heads, kv_heads = raw.get("num_attention_heads"), raw.get("num_key_value_heads")
+    if heads and kv_heads and heads % kv_heads:
+        raise CheckpointError(f"{source}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads "
+                              f"({kv_heads})")
 
 
 def _moe_fields(raw: dict, family: str, layers: int, act: str, source: str) -> dict:

@@ -75,7 +75,21 @@ def checkpoint_problem(model_dir: str, quantization: str | None = None) -> str |
     if spec is not None and cfg.num_experts:
         return (f"{model_dir}/config.json: a quantized ({spec.describe()}) mixture-of-experts model: quantized "
                 "experts are not supported yet (serve its float checkpoint)")
-    return checkpoint_files_problem(model_dir, cfg.vocab_size, cfg.hidden_size, spec)
+    return checkpoint_files_problem(model_dir, cfg.vocab_size, cfg.hidden_size, spec, cfg.num_layers)
+
+
+def served_config(model: str | None):
+    """The ModelConfig of the checkpoint --model names (None: the demo's; a .gguf: its derived
+    directory's), or None where it cannot be read yet (checkpoint_problem says why)."""
+    from splitserve.core.gguf_model import derived_dir, find_gguf
+    from splitserve.core.model_config import CheckpointError, ModelConfig
+
+    try:
+        gguf = find_gguf(model) if model is not None else None
+        directory = demo_dir() if model is None else derived_dir(gguf) if gguf is not None else Path(model)
+        return ModelConfig.from_dir(directory) if (directory / "config.json").is_file() else None
+    except (CheckpointError, OSError):
+        return None
 
 
 def model_is_gguf(model: str) -> bool:

@@ -12,10 +12,11 @@ nothing here implements it, and the CRD refuses it with a message saying so.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from dataclasses import dataclass
+
+from splitserve.core.cli_types import OneLineParser
 
 # Hugging Face repo ids are ORG/NAME; a revision is a branch, tag or commit (refs/pr/1 too).
 HF_URI = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*)"
@@ -58,9 +59,9 @@ def fetch_model(uri: str, dest: str, weights: bool = True, file: str | None = No
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="splitserve fetch-model",
-                                 description="Download a model URI into a directory (the operator's init "
-                                             "container). HF_TOKEN, if set, authenticates.")
+    ap = OneLineParser(prog="splitserve fetch-model",
+                       description="Download a model URI into a directory (the operator's init "
+                                   "container). HF_TOKEN, if set, authenticates.")
     ap.add_argument("uri", help="hf://ORG/NAME or hf://ORG/NAME@REVISION")
     ap.add_argument("dest", help="directory the snapshot is written to")
     ap.add_argument("--no-weights", action="store_true",

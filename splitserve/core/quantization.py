@@ -220,9 +220,49 @@ def tensors_problem(spec: QuantSpec | None, headers: dict[str, dict], source: st
         plan = quantized_linears(spec, headers, source)
     except CheckpointError as exc:
         return str(exc)
+    for module in plan:
+        problem = shapes_problem(spec, module, headers, source)
+        if problem:
+            return problem
     for name in sorted(quantized):
         module = name.rsplit(".", 1)[0]
         if module not in plan:
             return (f"{source}: {name} ({headers[name].get('dtype')}) belongs to no quantized linear: there is no "
                     f"{module}.{marker} ({spec.describe()})")
+    return None
+
+
+def _shape(headers: dict[str, dict], name: str) -> tuple[int, ...] | None:
+    shape = headers.get(name, {}).get("shape")
+    return tuple(shape) if isinstance(shape, list) and all(isinstance(v, int) for v in shape) else None
+
+
+def shapes_problem(spec: QuantSpec, module: str, headers: dict[str, dict], source: str) -> str | None:
+    """One line when a quantized linear's tensor shapes (from the safetensors headers) do not fit
+    the config's group size or block, as engine/quant/{gptq,awq,fp8}.py would find loading them
+    (a GPTQ group_size of 7 over 256 input columns). Formats whose input width is not in the
+    headers (pack-quantized keeps it in a tensor's values) are left to the loader."""
+    if spec.format in ("gptq", "awq"):
+        qweight, scales, qzeros = (_shape(headers, f"{module}.{s}") for s in ("qweight", "scales", "qzeros"))
+        if qweight is None or len(qweight) != 2:
+            return f"{source}: {module}.qweight has shape {qweight}; {spec.describe()} stores a 2-D one"
+        # GPTQ packs eight 4-bit codes per int32 down the input dimension, AWQ across the outputs
+        k, n = (qweight[0] * 8, qweight[1]) if spec.format == "gptq" else (qweight[0], qweight[1] * 8)
+        group = k if spec.group_size == -1 else spec.group_size
+        if k % group:
+            return (f"{source}: {module} has {k} input columns, which group_size {group} does not divide "
+                    f"({spec.describe()}): the config's group size is not the weights'")
+        want_scales, want_zeros = (k // group, n), (k // group, n // 8)
+        if scales != want_scales or qzeros != want_zeros:
+            return (f"{source}: {module} has scales {list(scales or ())} and qzeros {list(qzeros or ())}; {k} inputs, "
+                    f"{n} outputs and group_size {group} need {list(want_scales)} and {list(want_zeros)} "
+                    f"({spec.describe()})")
+    elif spec.format == "fp8-block":
+        weight, scale = _shape(headers, f"{module}.weight"), _shape(headers, f"{module}.weight_scale_inv")
+        if weight is None or len(weight) != 2:
+            return f"{source}: {module}.weight has shape {weight}; {spec.describe()} stores a 2-D one"
+        want = (-(-weight[0] // spec.block[0]), -(-weight[1] // spec.block[1]))
+        if scale != want:
+            return (f"{source}: {module}.weight_scale_inv has shape {list(scale or ())}; blocks of "
+                    f"{spec.block[0]}x{spec.block[1]} over a {weight[0]}x{weight[1]} weight need {list(want)}")
     return None

@@ -11,6 +11,13 @@ the workers and the operator refuse a bad one before anything starts).
   this (speculation costs compute that a full batch no longer has to spare).
 - eagle is recognised and checked (its model must exist and share the target's vocabulary)
   but not built yet: it is refused at start, never silently ignored.
+
+Limits: num_speculative_tokens and prompt_lookup_max at most MAX_SPECULATIVE_TOKENS (32). vLLM
+sets none, but its examples and published recipes use 2-8 (ngram 3-5, EAGLE up to 8): past
+that, nearly every drafted token is rejected, and each costs a verification position in every
+step. A million were accepted once: every step and metrics sync then walked a million-entry
+list per position, and idle workers fell out of the registry. The JSON itself is parsed with
+core/bounded_json.py (1,000 nested brackets were a RecursionError).
 """
 
 from __future__ import annotations
@@ -19,8 +26,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitserve.core import bounded_json
+
 METHODS = ("ngram", "draft_model", "eagle")
 BUILT = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 32  # num_speculative_tokens and prompt_lookup_max (see above)
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
          "model"}
 
@@ -49,12 +59,15 @@ class SpeculativeConfig:
         return json.dumps(fields, separators=(",", ":"))
 
 
-def _positive(raw: dict, key: str, default: int | None) -> int | None:
+def _positive(raw: dict, key: str, default: int | None, limit: int | None = None) -> int | None:
     value = raw.get(key, default)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise SpeculativeConfigError(f"{key} must be a positive integer, got {value!r}")
+    if limit is not None and value > limit:
+        raise SpeculativeConfigError(f"{key} is {value}; at most {limit} is supported (drafts that long are "
+                                     "almost all rejected; docs/architecture.md, Speculative decoding)")
     return value
 
 
@@ -69,7 +82,7 @@ def parse_speculative_config(value: str | dict | SpeculativeConfig | None, targe
         if not value.strip():
             return None
         try:
-            value = json.loads(value)
+            value = bounded_json.loads(value)  # depth-bounded: deep nesting is a refusal, not a RecursionError
         except json.JSONDecodeError as exc:
             raise SpeculativeConfigError(f"not a JSON object: {exc}") from None
     if not isinstance(value, dict):
@@ -82,8 +95,9 @@ def parse_speculative_config(value: str | dict | SpeculativeConfig | None, targe
         raise SpeculativeConfigError(f"unknown method {method!r} (one of {', '.join(METHODS)})")
     if "num_speculative_tokens" not in value:
         raise SpeculativeConfigError("num_speculative_tokens is required")
-    k = _positive(value, "num_speculative_tokens", None)
-    lo, hi = _positive(value, "prompt_lookup_min", 1), _positive(value, "prompt_lookup_max", 4)
+    k = _positive(value, "num_speculative_tokens", None, MAX_SPECULATIVE_TOKENS)
+    lo = _positive(value, "prompt_lookup_min", 1, MAX_SPECULATIVE_TOKENS)
+    hi = _positive(value, "prompt_lookup_max", 4, MAX_SPECULATIVE_TOKENS)
     if method == "ngram" and lo > hi:
         raise SpeculativeConfigError(f"prompt_lookup_min {lo} is above prompt_lookup_max {hi}")
     model = value.get("model")
@@ -104,10 +118,13 @@ def _vocab_size(model: str, what: str) -> int | None:
     if not config.is_file():
         raise SpeculativeConfigError(f"{what} {model}: no config.json there")
     try:
-        raw = json.loads(config.read_text())
+        raw = bounded_json.load_file(config)
     except (OSError, ValueError) as exc:
         raise SpeculativeConfigError(f"{what} {model}: cannot read config.json: {exc}") from None
-    return raw.get("vocab_size", raw.get("text_config", {}).get("vocab_size"))
+    if not isinstance(raw, dict):
+        raise SpeculativeConfigError(f"{what} {model}: config.json is not a JSON object")
+    text = raw.get("text_config")
+    return raw.get("vocab_size", text.get("vocab_size") if isinstance(text, dict) else None)
 
 
 def _check_draft_model(model: str, target_model: str | None) -> None:

@@ -7,13 +7,13 @@ it out of service.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import urllib.error
 import urllib.request
 
 from aiohttp import web
 
+from splitserve.core.cli_types import OneLineParser
 from splitserve.core.ports import DRAIN_PORT
 
 
@@ -30,7 +30,7 @@ def drain_app(worker, drain_timeout: float) -> web.Application:
 
 def main(argv: list[str] | None = None) -> int:
     """`splitserve drain`: ask the decode worker in this pod to drain; exit 0 once drained."""
-    ap = argparse.ArgumentParser(prog="splitserve drain", description=main.__doc__)
+    ap = OneLineParser(prog="splitserve drain", description=main.__doc__)
     ap.add_argument("--port", type=int, default=DRAIN_PORT, help="the worker's loopback drain port")
     ap.add_argument("--timeout", type=float, default=660.0, help="seconds to wait for the answer")
     args = ap.parse_args(argv)

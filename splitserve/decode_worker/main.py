@@ -13,7 +13,9 @@ import sys
 
 import torch
 
+from splitserve.core.cli_types import OneLineParser
 from splitserve.core.cpus import available_cpus, threads_per_worker
+from splitserve.core.machine_limits import kv_sizes_problem
 from splitserve.core.ports import ADMIN_PORT, DECODE_GRPC_PORT, DRAIN_PORT
 from splitserve.core.tracing_config import add_tracing_args, tracing_config_from_args
 from splitserve.decode_worker.prefill_timeout import add_prefill_timeout_arg
@@ -36,8 +38,8 @@ from splitserve.worker_base.process import run_worker_process
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="splitserve decode-worker", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="splitserve decode-worker", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(ap)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=DECODE_GRPC_PORT)
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     torch.set_num_threads(args.torch_threads or threads_per_worker(available_cpus()))
     problem = (tensor_parallel_problem(args) or speculative_problem(args) or kv_offload_problem(args)
-               or lora_problem(args) or async_scheduling_problem(args))
+               or kv_sizes_problem(args) or lora_problem(args) or async_scheduling_problem(args))
     if problem:  # one line, before the model loads
         print(f"splitserve decode-worker: {problem}", file=sys.stderr)
         return 2

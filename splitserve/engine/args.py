@@ -7,7 +7,9 @@ import dataclasses
 
 from splitserve.core.cli_types import positive_int
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
+from splitserve.core.model_config import shardable_problem
 from splitserve.core.model_dir import resolve_model as core_resolve_model
+from splitserve.core.model_dir import served_config
 from splitserve.core.quantization import QUANTIZATION_CHOICES
 from splitserve.core.speculative import SpeculativeConfigError, parse_speculative_config
 from splitserve.engine.config import EngineConfig
@@ -114,6 +116,10 @@ def tensor_parallel_problem(args: argparse.Namespace) -> str | None:
         return (f"--tensor-parallel-size {args.tensor_parallel_size} with --kv-backend mooncake: one-sided writes "
                 "need one registered KV pool, and a tensor-parallel worker's is split over its ranks "
                 "(use --kv-backend grpc)")
+    cfg = served_config(getattr(args, "model", None)) if args.tensor_parallel_size > 1 else None
+    why = shardable_problem(cfg, args.tensor_parallel_size) if cfg is not None else None
+    if why:  # the ranks would refuse it after Ray and the rank processes started (issue 49)
+        return f"--tensor-parallel-size {args.tensor_parallel_size}: {cfg.architecture} cannot be split that way: {why}"
     return None
 
 

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
+from splitserve.core.cli_types import OneLineParser
 from splitserve.core.model_config import CheckpointError
 from splitserve.core.sampling_params import InvalidSamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="splitserve generate", description=__doc__)
+    ap = OneLineParser(prog="splitserve generate", description=__doc__)
     ap.add_argument("prompts", nargs="+", help="prompt text (one generation per prompt)")
     ap.add_argument("--model", help="Hugging Face checkpoint directory (default: random-weight demo model)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -7,12 +7,14 @@ import json
 import logging
 import os
 
+from splitserve.core.cli_types import OneLineParser
+
 from .labels import label_problems
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="splitserve operator",
-                                description="Reconcile InferenceDeployments into router, prefill and decode.")
+    p = OneLineParser(prog="splitserve operator",
+                      description="Reconcile InferenceDeployments into router, prefill and decode.")
     p.add_argument("--namespace", action="append", default=[],
                    help="watch only this namespace (repeatable); default: all namespaces")
     p.add_argument("--resync-seconds", type=float, default=None,

@@ -15,7 +15,9 @@ import sys
 
 import torch
 
+from splitserve.core.cli_types import OneLineParser
 from splitserve.core.cpus import available_cpus, threads_per_worker
+from splitserve.core.machine_limits import kv_sizes_problem
 from splitserve.core.ports import PREFILL_ADMIN_PORT
 from splitserve.core.tracing_config import add_tracing_args, tracing_config_from_args
 from splitserve.engine.args import (
@@ -35,8 +37,8 @@ from splitserve.worker_base.process import run_worker_process
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="splitserve prefill-worker", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="splitserve prefill-worker", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(ap)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=50051)
@@ -54,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, worker_class: type[PrefillWorker] = PrefillWorker) -> int:
     args = build_parser().parse_args(argv)
     configure_logging()
-    problem = (tensor_parallel_problem(args) or kv_offload_problem(args) or lora_problem(args)
-               or async_scheduling_problem(args))
+    problem = (tensor_parallel_problem(args) or kv_offload_problem(args) or kv_sizes_problem(args)
+               or lora_problem(args) or async_scheduling_problem(args))
     if problem:
         print(f"splitserve prefill-worker: {problem}", file=sys.stderr)
         return 2

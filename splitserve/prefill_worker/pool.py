@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from splitserve.core.cli_types import OneLineParser
 from splitserve.core.ports import PREFILL_ADMIN_PORT
 from splitserve.core.tracing_config import add_tracing_args, tracing_config_from_args
 from splitserve.engine.args import (
@@ -63,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from splitserve.worker_base.actor import WorkerActor
 
-    ap = argparse.ArgumentParser(prog="splitserve prefill-pool", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="splitserve prefill-pool", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(ap)
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--redis-url", required=True)

@@ -16,7 +16,7 @@ from aiohttp import web
 from splitserve.cluster.bus import ClusterBus
 from splitserve.core import tracing
 from splitserve.core.banner import serving_banner
-from splitserve.core.cli_types import positive_int
+from splitserve.core.cli_types import OneLineParser, positive_int
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.core.tracing_config import add_tracing_args, tracing_config_from_args
 from splitserve.logs import configure_logging
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     from splitserve.cluster.remote_bus import open_bus
     from splitserve.core.model_dir import resolve_model
 
-    ap = argparse.ArgumentParser(prog="splitserve router", description=__doc__)
+    ap = OneLineParser(prog="splitserve router", description=__doc__)
     add_router_args(ap)
     ap.add_argument("--model", help="checkpoint directory (tokenizer, chat template, context length)")
     ap.add_argument("--served-model-name")

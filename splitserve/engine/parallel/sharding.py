@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.core.model_config import CheckpointError, ModelConfig
+from splitserve.core.model_config import CheckpointError, ModelConfig, shardable_problem
 from splitserve.engine.parallel.state import TPState
 from splitserve.kernels.quant_weight import QuantizedWeight
 
@@ -66,20 +66,7 @@ def check_shardable(cfg: ModelConfig, size: int, source: str) -> None:
     """One line saying why this model cannot run on `size` ranks, or nothing."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
-    if size == 1:
-        return
-    why = None
-    dense_layers = cfg.num_layers > len(cfg.moe_layers)
-    if cfg.family == "phi3":
-        why = "its checkpoint stores q/k/v and gate/up fused in one tensor, which the loader does not split per rank"
-    elif cfg.num_heads % size:
-        why = f"num_attention_heads ({cfg.num_heads}) is not divisible by it"
-    elif cfg.num_kv_heads % size and size % cfg.num_kv_heads:
-        why = f"num_key_value_heads ({cfg.num_kv_heads}) neither divides it nor is divisible by it"
-    elif dense_layers and cfg.intermediate_size % size:
-        why = f"intermediate_size ({cfg.intermediate_size}) is not divisible by it"
-    elif cfg.num_experts and cfg.moe_intermediate_size % size:
-        why = f"moe_intermediate_size ({cfg.moe_intermediate_size}) is not divisible by it"
+    why = shardable_problem(cfg, size)  # torch-free, in core: serve checks it before any process starts
     if why:
         raise CheckpointError(f"{source}: {cfg.architecture} cannot run with tensor_parallel_size={size}: {why}")
 
