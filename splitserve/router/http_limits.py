@@ -1,12 +1,17 @@
 """What the router accepts from a client connection (clients are untrusted): body size,
-time to send it, idle connections; and which client request ids are safe to echo."""
+time to send it, idle connections; which client request ids are safe to echo; and how much
+of the log a client's malformed requests may take (ClientErrorLogLimit)."""
 
 from __future__ import annotations
 
+import logging
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 _CLIENT_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces: safe in logs and headers
 
@@ -31,3 +36,39 @@ def client_request_id(request: web.Request) -> str | None:
     """The client's X-Request-Id, if it is safe to log and echo back."""
     value = request.headers.get("X-Request-Id")
     return value if value is not None and _CLIENT_ID.match(value) else None
+
+
+class ClientErrorLogLimit(logging.Filter):
+    """aiohttp answers a request it cannot parse (a `traceparent` over its 8 KB line limit, a 64 KB
+    `tracestate`, a garbled request line) with 400, rightly, and logs each one as `ERROR
+    aiohttp.server` with an 8-line traceback: 58 such requests were 522 lines. A client's bad
+    request is not the server's error. This turns them into one WARNING line, at most one per
+    `interval_s`, with how many were refused since the last; other records pass untouched."""
+
+    def __init__(self, interval_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.interval_s, self.clock = interval_s, clock
+        self.refused, self.last = 0, None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError) or record.levelno < logging.WARNING:
+            return True  # (aiohttp logs a first request with a bad method at DEBUG already)
+        self.refused += 1
+        now = self.clock()
+        if self.last is not None and now - self.last < self.interval_s:
+            return False
+        record.msg = "refused %d malformed or oversized HTTP request(s) with 400 (%s, latest: %s)"
+        since = "since start" if self.last is None else f"in the last {now - self.last:.0f} s"
+        record.args = (self.refused, since, " ".join(f"{type(exc).__name__}: {exc}".split())[:200])
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.exc_info = record.exc_text = record.stack_info = None  # never a traceback
+        self.refused, self.last = 0, now
+        return True
+
+
+def limit_client_error_logs(interval_s: float = 60.0) -> None:
+    """Install ClientErrorLogLimit on aiohttp's server logger (once per process)."""
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, ClientErrorLogLimit) for f in logger.filters):
+        logger.addFilter(ClientErrorLogLimit(interval_s))

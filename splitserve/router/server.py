@@ -35,7 +35,7 @@ from splitserve.router.choice import ChoiceRun
 from splitserve.router.dispatch import Dispatcher, WorkerFailure
 from splitserve.router.errors import APIError
 from splitserve.router.hold_at_zero import HoldConfig, RequestHolder
-from splitserve.router.http_limits import HTTPLimits, client_request_id
+from splitserve.router.http_limits import HTTPLimits, client_request_id, limit_client_error_logs
 from splitserve.router.lora import parse_lora_body, runtime_updates_allowed
 from splitserve.router.openapi import openapi_document
 from splitserve.router.policy import NoHealthyWorker
@@ -83,6 +83,7 @@ class RouterServer:
                                                     auth=bool(config.api_key))).encode()
 
     def app(self) -> web.Application:
+        limit_client_error_logs()  # a request aiohttp cannot parse: one rate-limited line, not a traceback
         app = web.Application(middlewares=[trace_requests, self._errors, self._auth],
                               client_max_size=self.config.limits.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
