@@ -13,6 +13,7 @@ nothing changed."""
 from __future__ import annotations
 
 import random
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -130,13 +131,21 @@ def test_runtime_load_use_unload_and_bad_adapters(stack, make_ckpt):
     before = sorted(m.id for m in client.models.list().data)
     too_big = make_adapter(base, root / "r32", seed=9, r=32, alpha=32)
     other = make_adapter(make_ckpt("mistral"), root / "mistral", seed=10, r=4, alpha=8)
+    hostile = {}  # malformed configs (issue 48): a 400 naming the field, no traceback in serve's log
+    for label, config in (("alpha", '{"peft_type": "LORA", "r": 8, "lora_alpha": "sixteen"}'),
+                          ("list", '[{"r": 8}]')):
+        hostile[label] = root / f"hostile-{label}"
+        shutil.copytree(adapters["all-r8"], hostile[label], dirs_exist_ok=True)
+        (hostile[label] / "adapter_config.json").write_text(config)
     for name, path, why in [("big", too_big, "has rank 32, above --max-lora-rank 16"),
                             ("other", other, "does not fit this model"),
-                            ("missing", root / "missing", "is not a directory")]:
+                            ("missing", root / "missing", "is not a directory"),
+                            ("alpha", hostile["alpha"], "lora_alpha must be a finite number, got 'sixteen'"),
+                            ("list", hostile["list"], "adapter_config.json must be a JSON object, got a list")]:
         with pytest.raises(openai.BadRequestError) as err:
             load(admin, name, path)
         message = err.value.body["message"]
-        assert why in message and "\n" not in message, message
+        assert why in message and "\n" not in message and "RpcError" not in message, message
     assert sorted(m.id for m in client.models.list().data) == before
     with pytest.raises(openai.NotFoundError):
         unload(admin, "never-loaded")

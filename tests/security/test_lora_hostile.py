@@ -293,9 +293,11 @@ def test_a_request_routed_just_before_the_unload_reached_the_worker_is_a_404_not
             assert "'racer' does not exist" in err["message"]
     finally:
         s.server.loras._record("d0", "racer", None)
-    ok = s.complete("boot", stream=True)  # a served adapter still streams
-    events = sse_events(ok)
-    assert ok.status_code == 200 and events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+    for model in ("boot", SERVED):  # a served adapter (its 200 held) and the base model still stream
+        ok = s.complete(model, stream=True)
+        events = sse_events(ok)
+        assert ok.status_code == 200 and events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+        assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]), events
     no_tracebacks(caplog)
 
 
