@@ -105,8 +105,15 @@ class Metrics:
             ["role", "worker"], registry=r)
         self.kv_offload_failures = Counter(
             "splitserve_kv_offload_failures_total", "Offload tier failures, each a recompute and never a wrong "
-            "token: dropped (reused on device before written down), write (a disk write failed: full disk), "
-            "read (a missing, short or corrupt block file).", ["role", "worker", "kind"], registry=r)
+            "token: dropped (reused on device before written down); of the disk tier: write (a write failed: "
+            "no space, permissions), read (a missing, short, foreign or corrupt block file), remove (a file could "
+            "not be deleted), timeout (the disk did not answer in time), off (not written: the tier was "
+            "switched off).", ["role", "worker", "kind"], registry=r)
+        self.kv_offload_tier_up = Gauge(
+            "splitserve_kv_offload_tier_up", "1 while the worker's disk KV tier is in use; 0 once it was switched "
+            "off after failures in a row or a hung operation (its blocks are recomputed; it is retried every few "
+            "seconds and comes back by itself: check the directory's permissions, free space and mount).",
+            ["role", "worker", "tier"], registry=r)
         self.kv_offload_blocks = Gauge(
             "splitserve_kv_offload_blocks", "Blocks held in an offload tier, by state (used, capacity).",
             ["role", "worker", "tier", "state"], registry=r)
@@ -304,14 +311,15 @@ def sync_kv_offload(metrics: Metrics, role: str, worker: str, stats) -> None:
     totals += [(metrics.kv_offload_lookup_blocks, labels, c.lookup_blocks),
                (metrics.kv_offload_hit_blocks, labels, c.hit_blocks),
                (metrics.kv_offload_failures, {**labels, "kind": "dropped"}, c.dropped_blocks),
-               (metrics.kv_offload_failures, {**labels, "kind": "write"}, c.write_failures),
-               (metrics.kv_offload_failures, {**labels, "kind": "read"}, c.read_failures)]
+               *((metrics.kv_offload_failures, {**labels, "kind": kind}, n) for kind, n in c.disk_failures.items())]
     for counter, counter_labels, total in totals:
         metrics.advance(counter, counter_labels, total)
     for tier, used, capacity in (("host", stats.host_blocks, stats.host_capacity),
                                  ("disk", stats.disk_blocks, stats.disk_capacity)):
         metrics.kv_offload_blocks.labels(**labels, tier=tier, state="used").set(used)
         metrics.kv_offload_blocks.labels(**labels, tier=tier, state="capacity").set(capacity)
+    if stats.disk_capacity:
+        metrics.kv_offload_tier_up.labels(**labels, tier="disk").set(1 if stats.disk_on else 0)
 
 
 def exported_metric_names() -> set[str]:

@@ -164,6 +164,11 @@ class BlockManager:
                                              start_block=have))
 
     def drain_events(self) -> list[BlockEvent]:
+        if self.offload is not None:  # blocks the disk tier lost (its directory was deleted): again
+            for h in self.offload.take_rewrites():
+                b = self.hash_to_block.get(h)
+                if b is not None and self.ref_counts[b] == 0:
+                    self.offload.on_cached_free(b, h)
         events, self.events = self.events, []
         return events + (self.offload.drain_events() if self.offload is not None else [])
 

@@ -155,6 +155,17 @@ def check_shared_memory(nbytes: int, shm_dir: str = SHM_DIR) -> None:
                            "(--engine-loop thread)")
 
 
+def _close_tiers(engine) -> None:
+    """A stop leaves no disk-tier files behind (os._exit runs no finalizer). Bounded by the disk
+    thread's timeout; never raises: the process is ending either way."""
+    if getattr(engine, "offloader", None) is None:
+        return
+    try:
+        engine.offloader.close()
+    except Exception:  # noqa: BLE001
+        logging.getLogger(__name__).warning("KV offload: the tiers could not be closed at stop", exc_info=True)
+
+
 def _die_with_parent() -> None:
     """SIGKILL this process when its parent dies (Linux), even if the pipe reader is stuck."""
     try:
@@ -209,6 +220,7 @@ def child_main(config: EngineConfig, conn, step_clock, name: str, torch_threads:
         try:
             msg = conn.recv()
         except (EOFError, OSError):  # the parent is gone: nothing to serve
+            _close_tiers(engine)
             os._exit(0)
         kind = msg[0]
         if kind == "ping":  # answered by this thread, whatever the engine thread is doing
@@ -231,3 +243,4 @@ def child_main(config: EngineConfig, conn, step_clock, name: str, torch_threads:
         elif kind == "stop":
             child.stop(timeout=2)  # a step that hangs must not hold the worker's shutdown
             os._exit(0)
+            _close_tiers(engine)

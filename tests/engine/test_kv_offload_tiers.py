@@ -6,6 +6,7 @@ pool's blocks are back at idle."""
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 
 from splitserve.core.hashing import block_hashes
 from splitserve.core.sampling_params import SamplingParams
+from splitserve.engine.kv_offload.block_file import HEADER
 from splitserve.engine.llm import LLM
 
 BS = 16
@@ -32,7 +34,7 @@ def tiered(path: Path, host_blocks: int = 0, disk_dir: Path | None = None, disk_
     nb = block_nbytes(path)
     return LLM(str(path), num_kv_blocks=12, block_size=BS, kv_offload_bytes=host_blocks * nb,
                kv_offload_dir=str(disk_dir) if disk_dir else None,
-               kv_offload_dir_bytes=disk_blocks * (nb + 40))
+               kv_offload_dir_bytes=disk_blocks * (nb + HEADER.size))
 
 
 def generate(llm: LLM, prompt: list[int]):
@@ -62,7 +64,7 @@ def assert_idle(llm: LLM) -> None:
     if off.host is not None:
         assert len(off.host) + len(off.host.free_slots) == off.host.capacity
     if off.disk is not None:
-        assert [p.name for p in off.disk.files()] == sorted(f"{h:016x}.kv" for h in off.disk._index)
+        assert [p.name for p in off.disk.files()] == sorted(f"{h:016x}.kv" for h in off.disk.tier._index)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +116,7 @@ def test_damaged_tier_file_is_a_miss_and_recomputes_the_same_tokens(ckpt, cold, 
     with tiered(ckpt, disk_dir=tmp_path, disk_blocks=64) as llm:  # disk only: every block is a file
         generate(llm, PREFIX)
         evict_device(llm)
-        path = llm.engine.offloader.disk.path(prefix_hashes(llm)[cached_blocks])
+        path = llm.engine.offloader.disk.tier.path(prefix_hashes(llm)[cached_blocks])
         blob = bytearray(path.read_bytes())
         if damage == "flip":
             blob[-100] ^= 0x01
@@ -152,6 +154,7 @@ def test_reset_prefix_cache_empties_the_tiers(ckpt, tmp_path):
         evict_device(llm)
         llm.engine.scheduler.bm.reset_prefix_cache()
         off = llm.engine.offloader
+        assert off.wait_idle()  # the files are removed on the disk thread
         assert len(off.host) == 0 and len(off.disk) == 0 and off.disk.files() == []
         assert generate(llm, PREFIX).num_cached_tokens == 0
 
@@ -213,3 +216,71 @@ def test_offload_counters_become_worker_metrics(ckpt):
     assert 'splitserve_kv_offload_loaded_blocks_total{role="decode",tier="host",worker="d0"} 6.0' in text
     assert f'splitserve_kv_offload_loaded_bytes_total{{role="decode",tier="host",worker="d0"}} {6.0 * nb}' in text
     assert 'splitserve_kv_offload_blocks{role="decode",state="capacity",tier="host",worker="d0"} 64.0' in text
+
+
+# ---- hostile tier files (issue 48): a miss and the same tokens, never an error or a stall ----
+def disk_files(llm: LLM) -> list[Path]:
+    return [llm.engine.offloader.disk.tier.path(h) for h in prefix_hashes(llm)]
+
+
+@pytest.mark.parametrize("attack", ["fifo", "symlink_dev_zero", "immutable"])
+def test_hostile_tier_files_recompute_the_same_tokens(ckpt, cold, tmp_path, attack):
+    with tiered(ckpt, disk_dir=tmp_path, disk_blocks=64) as llm:
+        generate(llm, PREFIX)
+        evict_device(llm)
+        files = disk_files(llm)
+        if attack == "immutable":  # every read passes, but nothing can be removed (chattr +i)
+            subprocess.run(["chattr", "+i", *map(str, files)], check=True)
+        else:
+            files[2].unlink()
+            os.mkfifo(files[2]) if attack == "fifo" else files[2].symlink_to("/dev/zero")
+        try:
+            again = generate(llm, PREFIX)
+            llm.engine.scheduler.bm.reset_prefix_cache()  # removes every file: refused under chattr +i
+            assert llm.engine.offloader.wait_idle()  # the removals ran (on the disk thread)
+            after_reset = generate(llm, PREFIX)
+        finally:
+            if attack == "immutable":
+                subprocess.run(["chattr", "-i", *map(str, files)], check=True)
+        c = llm.engine.offloader.stats().counters
+        assert again.token_ids == after_reset.token_ids == cold
+        assert again.num_cached_tokens == (6 if attack == "immutable" else 2) * BS
+        assert c.disk_failures["remove"] == (6 if attack == "immutable" else 0)
+        assert c.disk_failures["read"] == (0 if attack == "immutable" else 1)
+
+
+def test_block_files_of_another_model_are_never_used(make_ckpt, ckpt, cold, tmp_path):
+    """Same tokenizer, same pool layout, same block hashes: the red-team's copy was accepted
+    (960 cached tokens, an answer of neither model). The MAC makes it a miss."""
+    other = tmp_path / "another" / ckpt.name  # same served name: same block hashes, as the red team had
+    shutil.copytree(make_ckpt("llama", initializer_range=0.2), other)
+    with tiered(other, disk_dir=tmp_path / "other", disk_blocks=64) as theirs, \
+            tiered(ckpt, disk_dir=tmp_path / "mine", disk_blocks=64) as mine:
+        for llm in (theirs, mine):
+            generate(llm, PREFIX)
+            evict_device(llm)
+        assert prefix_hashes(theirs) == prefix_hashes(mine)
+        for src, dst in zip(disk_files(theirs), disk_files(mine), strict=True):
+            shutil.copyfile(src, dst)
+        again = generate(mine, PREFIX)
+        assert again.token_ids == cold and again.num_cached_tokens == 0
+        assert mine.engine.offloader.stats().counters.disk_failures["read"] == 1
+        assert_idle(mine)
+
+
+def test_a_deleted_tier_directory_is_made_again_and_used_again(ckpt, cold, tmp_path):
+    with tiered(ckpt, disk_dir=tmp_path, disk_blocks=64) as llm:
+        generate(llm, PREFIX)
+        evict_device(llm)
+        llm.engine.drain_block_events()
+        shutil.rmtree(llm.engine.offloader.disk.tier.dir)
+        again = generate(llm, PREFIX)
+        assert again.token_ids == cold and again.num_cached_tokens == 0
+        removed = {h for e in llm.engine.drain_block_events() if e.kind == "removed" and e.tier == "disk"
+                   for h in e.block_hashes}
+        assert set(prefix_hashes(llm)) <= removed  # the router forgets them
+        evict_device(llm)  # written down again, into the new directory
+        back = generate(llm, PREFIX)
+        assert back.token_ids == cold and back.num_cached_tokens == 6 * BS
+        assert llm.engine.offloader.stats().disk_on
+        assert_idle(llm)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
+from pathlib import Path
 
 GIB = 2**30
 
@@ -36,6 +39,23 @@ def kv_offload_problem(args: argparse.Namespace) -> str | None:
         return "--kv-offload-dir and --kv-offload-dir-gib go together: the disk tier needs a directory and a size"
     if (directory or getattr(args, "kv_offload_gib", 0.0)) and getattr(args, "tensor_parallel_size", 1) > 1:
         return "--kv-offload-gib / --kv-offload-dir are not supported with --tensor-parallel-size > 1 yet"
+    return directory_problem(directory) if directory is not None else None
+
+
+def directory_problem(directory: str) -> str | None:
+    """Why the disk tier cannot write under `directory` (made if missing), or None: tried for real
+    (a file created and removed), since permission bits say nothing of a read-only mount or of
+    root, and a worker finding out later would only switch its tier off."""
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        return (f"--kv-offload-dir {directory}: cannot write there ({why}): give the workers' user a writable "
+                "directory of its own (mode 0700; docs/operations.md, KV offload tiers)")
     return None
 
 

@@ -12,8 +12,9 @@ dropped (counted; the block is a miss later, never wrong). When the host tier is
 writer evicts its least recently used block to the disk tier (a file write, on the writer).
 
 Load-back (`load`) runs on the engine thread while it admits a sequence: a host hit is a
-memcpy into a fresh device block, a disk hit a file read checked against its header and
-xxh3 checksum. Tier membership changes become KV events (tier "host" / "disk") so the
+memcpy into a fresh device block, a disk hit a file read checked against its header, MAC
+and checksum, on the disk thread with a timeout (guarded_disk.py: no disk failure ever reaches
+the step; the worst is a recompute). Tier membership changes become KV events (tier "host" / "disk") so the
 router can score a worker's offloaded prefix.
 """
 
@@ -30,10 +31,13 @@ import xxhash
 from splitserve.core.block_events import BlockEvent
 from splitserve.engine.kv_cache import KVCachePool
 from splitserve.engine.kv_offload.disk_tier import DiskTier
+from splitserve.engine.kv_offload.guarded_disk import GuardedDisk
 from splitserve.engine.kv_offload.host_tier import HostTier
 from splitserve.engine.kv_offload.stats import OffloadCounters, OffloadStats
 
 log = logging.getLogger(__name__)
+
+DIRECTORY_CHECK_S = 1.0  # how often an idle writer checks the disk tier's directory still exists
 
 
 def layout_tag(pool: KVCachePool) -> int:
@@ -52,7 +56,8 @@ class KVOffloader:
                              f"(a block is {self.block_nbytes} bytes)")
         self.host = HostTier(host_bytes // self.block_nbytes, self.block_nbytes, pin_memory=on_gpu) \
             if host_bytes else None
-        self.disk = DiskTier(disk_dir, disk_bytes, self.block_nbytes, layout_tag(pool)) if disk_dir else None
+        self.disk = GuardedDisk(DiskTier(disk_dir, disk_bytes, self.block_nbytes, layout_tag(pool))) \
+            if disk_dir else None
         self.sync_copy_ok = not on_gpu  # a device-to-host copy on the engine thread would stall the GPU
         self.lock = threading.Lock()
         # The writer copies a block outside the lock; only a reuse of that very block waits for it.
@@ -61,6 +66,7 @@ class KVOffloader:
         self.pending: dict[int, int] = {}  # device block -> hash, waiting for the writer
         self.counters = OffloadCounters()
         self._events: list[BlockEvent] = []
+        self._rewrite: list[int] = []  # lost with the disk tier's directory: write down again if still cached
         self._queue: queue.Queue[int | None] = queue.Queue()
         self._writer = threading.Thread(target=self._run, name="kv-offload-writer", daemon=True)
         self._writer.start()
@@ -92,11 +98,12 @@ class KVOffloader:
             self._copy_to_host(block_id, h, slot)
 
     def match(self, hashes: list[int]) -> int:
-        """How many of `hashes`, from the first, a tier holds."""
+        """How many of `hashes`, from the first, a tier holds (the disk tier's only while it is usable)."""
         n = 0
+        disk = self.disk if self.disk is not None and self.disk.usable else None
         with self.lock:
             for h in hashes:
-                if not ((self.host is not None and h in self.host) or (self.disk is not None and h in self.disk)):
+                if not ((self.host is not None and h in self.host) or (disk is not None and h in disk)):
                     break
                 n += 1
             self.counters.lookup_blocks += len(hashes)
@@ -114,16 +121,25 @@ class KVOffloader:
                 return True
         if self.disk is None:
             return False
-        payload = self.disk.read(block_hash)  # file I/O outside the lock
+        payload = self.disk.read(block_hash)  # on the disk thread, bounded; counted and logged there
         with self.lock:
+            self._drop_lost()
             if payload is None:
                 self.counters.read_failures += 1
-                log.warning("KV offload: disk tier miss, recomputing: %s", self.disk.last_error)
                 self._left_tiers(block_hash, "disk")
                 return False
             self._device_block(block_id).copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
             self.counters.loaded_blocks["disk"] += 1
         return True
+
+    def take_rewrites(self) -> list[int]:
+        """Hashes whose files went with the disk tier's directory: the engine thread notes again
+        those still cached on the device (on_cached_free), so they reach the new directory."""
+        with self.lock:
+            if self.disk is not None:
+                self._drop_lost()
+            hashes, self._rewrite = self._rewrite, []
+        return hashes
 
     def drain_events(self) -> list[BlockEvent]:
         with self.lock:
@@ -135,7 +151,7 @@ class KVOffloader:
         with self.lock:
             self.pending.clear()
             gone = self.host.clear() if self.host is not None else []
-        gone += self.disk.clear() if self.disk is not None else []
+        gone += self.disk.clear() if self.disk is not None else []  # the files go on the disk thread
         with self.lock:
             for h in dict.fromkeys(gone):
                 self._removed(h, "host")
@@ -146,20 +162,28 @@ class KVOffloader:
             counters = OffloadCounters(dict(c.stored_blocks), dict(c.loaded_blocks), c.lookup_blocks, c.hit_blocks,
                                        c.dropped_blocks, c.write_failures, c.read_failures)
             host, disk = self.host, self.disk  # (an empty tier is falsy: it has a length)
+            if disk is not None:
+                counters.disk_failures = disk.failure_counts()
             return OffloadStats(self.block_nbytes, len(host) if host is not None else 0,
                                 host.capacity if host is not None else 0, len(disk) if disk is not None else 0,
-                                disk.capacity if disk is not None else 0, len(self.pending), counters)
+                                disk.tier.effective_capacity if disk is not None else 0, len(self.pending), counters,
+                                disk_on=disk.usable if disk is not None else True)
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
-        """True once every noted block was written down (tests, benchmarks)."""
+        """True once every noted block was written down and the disk thread has done what was
+        posted to it (tests, benchmarks)."""
         deadline = time.monotonic() + timeout
         while self._queue.unfinished_tasks:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.002)
-        return True
+        return self.disk is None or self.disk.flush(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
+        """Stop the writer and remove the disk tier's files and directory: the tiers die with the
+        worker, so the blocks not yet written down are not written at all."""
+        with self.lock:
+            self.pending.clear()  # the writer skips what is queued
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join(timeout=30)
@@ -169,7 +193,12 @@ class KVOffloader:
     # ---- the writer thread --------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            block_id = self._queue.get()
+            try:
+                block_id = self._queue.get(timeout=DIRECTORY_CHECK_S)
+            except queue.Empty:  # idle: is the disk tier's directory still there?
+                if self.disk is not None:
+                    self.disk.check_directory()
+                continue
             try:
                 if block_id is None:
                     return
@@ -231,8 +260,9 @@ class KVOffloader:
         return slot
 
     def _to_disk(self, h: int, payload: memoryview, newly_tiered: bool) -> None:
-        written, evicted = self.disk.write(h, payload)
+        written, evicted = self.disk.write(h, payload)  # on the disk thread, bounded; failures logged there
         with self.lock:
+            self._drop_lost()
             for e in evicted:
                 self._left_tiers(e, "disk")
             if written:
@@ -241,8 +271,13 @@ class KVOffloader:
                     self._events.append(BlockEvent("stored", [h], tier="disk"))
             else:
                 self.counters.write_failures += 1
-                log.warning("KV offload: %s; the block is dropped", self.disk.last_error)
                 self._left_tiers(h, "disk")
+
+    def _drop_lost(self) -> None:
+        """Blocks whose files went with the disk tier's directory (deleted under it): removed events."""
+        for h in self.disk.take_lost():
+            self._left_tiers(h, "disk")
+            self._rewrite.append(h)
 
     # ---- under the lock ------------------------------------------------------------------
     def _device_block(self, block_id: int) -> torch.Tensor:

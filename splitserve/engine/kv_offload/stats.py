@@ -16,6 +16,9 @@ class OffloadCounters:
     dropped_blocks: int = 0  # reused on device before they could be written down
     write_failures: int = 0  # disk writes that failed (a full disk): the block is dropped
     read_failures: int = 0  # missing, short or corrupt files: a miss, the block is recomputed
+    # the disk tier's failures by kind (guarded_disk.FAILURE_KINDS), each disjoint: read, write and
+    # remove errors, timeouts, and writes skipped while the tier was switched off
+    disk_failures: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class OffloadStats:
     disk_capacity: int
     pending_blocks: int  # cached blocks not yet written down
     counters: OffloadCounters
+    disk_on: bool = True  # the disk tier is in use (not switched off after failures, no operation hung)
 
     @property
     def hit_rate(self) -> float:
