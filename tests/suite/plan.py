@@ -46,6 +46,7 @@ SLOW = {
     "tests/security/test_fuzz_http.py",
     "tests/security/test_fuzz_grpc.py",
     "tests/security/test_http_limits.py",
+    "tests/security/test_disk_tier_serve.py",  # a `serve` with a disk tier, attacked
     "tests/workers/test_cpu_pinning.py",
     "tests/kernels/test_engine_triton_interpreter.py",
     "tests/kernels/test_compile_for_cuda.py",

@@ -21,6 +21,7 @@ import requests
 
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.demo import ensure_demo_checkpoint
+from tests.helpers.pools import pools_back_to_idle  # noqa: F401 - autouse: the worker's pool idle after
 from tests.helpers.processes import SplitserveProcess
 from tests.reliability.conftest import metric
 
@@ -144,7 +145,8 @@ def test_disk_tier_attacks_through_serve(want, tmp_path):
             assert serve.round_trip(want, forged) == 0
             # the directory deleted under the worker: made again, and used again
             for sub in tier_dir.glob("kv-*"):
-                shutil.rmtree(sub)
+                while sub.exists():  # the worker may be writing into it meanwhile
+                    shutil.rmtree(sub, ignore_errors=True)
             serve.wait_files(20)  # noticed within a second; the blocks still on the device written again
             assert serve.round_trip(want) == len(PREFIX), serve.tier_log()
             # someone else fills the filesystem: the tier makes room from its own oldest blocks
