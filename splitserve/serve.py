@@ -53,7 +53,7 @@ from splitserve.engine.args import (
 from splitserve.engine.kv_offload.args import kv_offload_problem
 from splitserve.engine.lora.args import lora_problem
 from splitserve.logs import configure_logging, keep_output_lines_whole
-from splitserve.router.main import add_router_args, bind_http, start_router
+from splitserve.router.main import add_router_args, admin_key_from_args, bind_http, start_router
 from splitserve.security.links import LinkSecurity, security_from_args
 from splitserve.worker_base.config import ENGINE_LOOPS, add_worker_health_args
 
@@ -306,6 +306,11 @@ def main(argv: list[str] | None = None) -> int:
                or lora_problem(args) or async_scheduling_problem(args))
     if problem:
         print(f"splitserve serve: {problem}", file=sys.stderr)
+        return 2
+    try:
+        admin_key_from_args(args)  # the admin key must not be the API key: refused before Ray, not after
+    except SystemExit as exc:
+        print(f"splitserve serve: {exc}", file=sys.stderr)
         return 2
     try:
         tracing_config(args.otlp_traces_endpoint)

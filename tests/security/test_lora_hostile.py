@@ -244,6 +244,19 @@ def test_the_cli_refuses_the_same_names_in_one_line(tmp_path):
                                       "A-Z a-z 0-9 . _ : / @ + -") and words in problem and "\n" not in problem
 
 
+
+def test_serve_refuses_an_admin_key_equal_to_the_api_key_before_ray_starts():
+    """One line, exit 2, before any worker process: not a router failing after Ray came up."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "splitserve.cli", "serve", "--api-key", "same-key",
+                          "--admin-api-key", "same-key"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "splitserve serve: --admin-api-key must differ from --api-key (the API key would then grant admin calls)"]
+    assert "Ray" not in run.stdout + run.stderr
+
 def test_load_and_unload_take_the_admin_key_not_the_api_key(lora_stack):
     s = lora_stack
     for call in (lambda **kw: s.load("guarded", **kw), lambda **kw: s.unload("boot", **kw)):
