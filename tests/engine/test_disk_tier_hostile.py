@@ -23,6 +23,7 @@ from splitserve.engine.kv_offload.block_file import HEADER
 from splitserve.engine.kv_offload.disk_guard import DiskIO, DiskTimeout, TierSwitch
 from splitserve.engine.kv_offload.disk_tier import DiskTier
 from splitserve.engine.kv_offload.guarded_disk import GuardedDisk
+from tests.helpers.tmpfs import tmpfs
 
 NB = 4096  # a block's bytes here
 
@@ -51,19 +52,6 @@ def immutable(*paths: Path):
         yield
     finally:
         subprocess.run(["chattr", "-i", *map(str, paths)], check=True)
-
-
-@contextmanager
-def small_filesystem(path: Path, size: str):
-    """A tmpfs of `size` at `path`: a filesystem that really fills up."""
-    path.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root (CI and the dev machines run as root)")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 # ---- the pure parts ------------------------------------------------------------------------
@@ -215,7 +203,7 @@ def test_immutable_files_are_contained(tmp_path):
 
 
 def test_a_full_filesystem_rotates_the_tiers_own_blocks_and_grows_back_when_space_is_freed(tmp_path):
-    with small_filesystem(tmp_path / "fs", "1m") as fs:
+    with tmpfs(tmp_path / "fs", "1m") as fs:
         t = tier(fs, blocks=1000, reserve_bytes=0)  # the flag allows far more than the disk holds
         for h in range(1, 400):
             t.write(h, payload(h))

@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.demo import ensure_demo_checkpoint
 from tests.helpers.pools import pools_back_to_idle  # noqa: F401 - autouse: the worker's pool idle after
 from tests.helpers.processes import SplitserveProcess
+from tests.helpers.tmpfs import tmpfs
 from tests.reliability.conftest import metric
 
 BS = 16
@@ -35,18 +35,6 @@ FS_SIZE = "12m"  # ~190 block files: above the flag (serve refuses a tier larger
 
 def filler(seed: int, n: int = 400) -> list[int]:
     return [(i * 53 + seed * 101) % 900 + 5 for i in range(n)]
-
-
-@contextmanager
-def tmpfs(path: Path, size: str, options: str = ""):
-    path.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}{options}", "tmpfs", str(path)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root (CI and the dev machines run as root)")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 @pytest.fixture(scope="module")
