@@ -173,20 +173,23 @@ def shardable_problem(cfg: ModelConfig, size: int) -> str | None:
 
 # Sanity bounds on a config's sizes, far above any released model (Llama 3.1 405B: 126 layers,
 # 128 heads, hidden 16,384, intermediate 53,248; Gemma 3: a 262,144-token vocabulary; DeepSeek-V3:
-# 256 experts): a config beyond them is hostile or garbled, and is refused before a worker tries
+# 256 experts; Llama 4: 10M positions): a config beyond them is hostile or garbled, and is refused before a worker tries
 # to build it (num_hidden_layers 100,000 took 194 s and 8 GB before failing inside a worker).
 SIZE_LIMITS = {"num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024,
                "hidden_size": 2**20, "intermediate_size": 2**20, "moe_intermediate_size": 2**20, "head_dim": 2**16,
-               "vocab_size": 2**22, "num_local_experts": 4096, "num_experts": 4096, "num_experts_per_tok": 4096}
+               "vocab_size": 2**22, "num_local_experts": 4096, "num_experts": 4096, "num_experts_per_tok": 4096,
+               # the rope table is built this long unless --max-model-len is given (Llama 4 Scout: 10,485,760)
+               "max_position_embeddings": 2**24}
 
 
 def _check_sizes(raw: dict, source: str) -> None:
-    """Each size field that is present: an integer within SIZE_LIMITS (0 allowed for expert counts)."""
+    """Each size field that is present: an integer within SIZE_LIMITS (0 allowed for the expert
+    fields: a dense model may carry them as 0; _moe_fields checks them where they are used)."""
     for name, limit in SIZE_LIMITS.items():
         value = raw.get(name)
         if value is None:
             continue
-        least = 0 if name in ("num_local_experts", "num_experts") else 1
+        least = 0 if name in ("num_local_experts", "num_experts", "num_experts_per_tok") else 1
         if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= limit:
             raise CheckpointError(f"{source}: field '{name}' is {value!r}; it must be an integer from {least} "
                                   f"to {limit}")

@@ -243,7 +243,8 @@ def test_config_sizes_are_bounded(llama):
     for fields, expected in (({"num_hidden_layers": 100_000}, "'num_hidden_layers' is 100000"),
                              ({"hidden_size": "4096"}, "'hidden_size' is '4096'"),
                              ({"num_attention_heads": 0}, "'num_attention_heads' is 0"),
-                             ({"num_key_value_heads": 3}, "(4) is not a multiple of num_key_value_heads (3)")):
+                             ({"num_key_value_heads": 3}, "(4) is not a multiple of num_key_value_heads (3)"),
+                             ({"max_position_embeddings": 10**12}, "'max_position_embeddings' is 1000000000000")):
         raw = json.loads((llama / "config.json").read_text()) | fields
         with pytest.raises(CheckpointError, match=re.escape(expected)):
             ModelConfig.from_dict(raw)
