@@ -2,7 +2,8 @@
 
 `--kv-offload-gib 1e12` used to be accepted: Ray started, every worker tried to allocate its
 host tier and died 11-30 s later with a hundred-line traceback. Here the host memory the
-workers would take (each worker's host KV tier, and on a CPU device its KV pool) is compared
+workers would take (each worker's host KV tier, and on a CPU device its KV pool, from
+--kv-cache-memory or --num-kv-blocks blocks of the model's shape) is compared
 with the memory available now, and each worker's disk tier with the free space of the
 filesystem that holds --kv-offload-dir. No torch: /proc/meminfo, the cgroup's limit, statvfs.
 
@@ -69,22 +70,43 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.3g} GiB"
 
 
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_pool_bytes(args: argparse.Namespace) -> float:
+    """The KV pool of one worker, in bytes: --kv-cache-memory, or --num-kv-blocks blocks of the
+    model's shape (engine/kv_cache.py KVCacheSpec: layers x 2 x block_size x KV heads x head_dim;
+    KV heads replicated over ranks when there are fewer than ranks); 0 when that shape is unknown."""
+    blocks = getattr(args, "num_kv_blocks", None)
+    if blocks is None:
+        return getattr(args, "kv_cache_memory", 0.0) * GIB
+    from splitserve.core.model_dir import served_config
+
+    cfg = served_config(getattr(args, "model", None))
+    if cfg is None:
+        return 0.0
+    tp = max(1, getattr(args, "tensor_parallel_size", 1))
+    kv_heads = max(1, cfg.num_kv_heads // tp) * tp
+    elem = 1 if getattr(args, "kv_cache_dtype", "auto") != "auto" else _ELEMENT_BYTES.get(getattr(args, "dtype", ""), 4)
+    return blocks * cfg.num_layers * 2 * getattr(args, "block_size", 16) * kv_heads * cfg.head_dim * elem
+
+
 def kv_sizes_problem(args: argparse.Namespace, workers: int = 1, available: int | None = None,
                      free_disk: int | None = None) -> str | None:
     """Why the KV tier and pool sizes of `workers` workers on this machine cannot fit (one
     line), or None. `available` / `free_disk`: measured here unless given (tests)."""
     host_tier = getattr(args, "kv_offload_gib", 0.0) * GIB
     on_cpu = str(getattr(args, "device", "cpu")).startswith("cpu")
-    # a CPU engine's KV pool is host memory too (sized from --kv-cache-memory unless blocks are given)
-    pool = getattr(args, "kv_cache_memory", 0.0) * GIB if on_cpu and getattr(args, "num_kv_blocks", None) is None \
-        else 0.0
+    pool = kv_pool_bytes(args) if on_cpu else 0.0  # a CPU engine's KV pool is host memory too
     wanted = workers * (host_tier + pool)
     if wanted > 0:
         available = available_memory_bytes() if available is None else available
         if available is not None and wanted > available:
+            blocks = getattr(args, "num_kv_blocks", None)
             parts = ", ".join(f"{flag} {value:g}" for flag, value, on in (
                 ("--kv-offload-gib", getattr(args, "kv_offload_gib", 0.0), host_tier),
-                ("--kv-cache-memory", getattr(args, "kv_cache_memory", 0.0), pool)) if on)
+                ("--num-kv-blocks" if blocks is not None else "--kv-cache-memory",
+                 blocks if blocks is not None else getattr(args, "kv_cache_memory", 0.0), pool)) if on)
             return (f"{parts}: {workers} worker(s) would take {_gib(wanted)} of host memory, and this machine has "
                     f"{_gib(available)} available")
     directory, dir_gib = getattr(args, "kv_offload_dir", None), getattr(args, "kv_offload_dir_gib", 0.0)

@@ -33,6 +33,7 @@ from splitserve.core.machine_limits import (
     GIB,
     available_memory_bytes,
     free_disk_bytes,
+    kv_pool_bytes,
     kv_sizes_problem,
 )
 from splitserve.core.model_config import CheckpointError, ModelConfig
@@ -295,6 +296,18 @@ def test_kv_sizes_against_given_limits():
     Args.device = "cuda"  # the pool is on the GPU: only the host tier counts
     assert kv_sizes_problem(Args, 2, available=8 * GIB, free_disk=20 * GIB) is None
     assert available_memory_bytes() and free_disk_bytes("/no/such/dir")  # measured here (Linux)
+
+
+def test_a_cpu_pool_of_num_kv_blocks_is_sized_from_the_model(llama):
+    class Args:  # 2 layers x 2 (K, V) x 16 tokens x 2 KV heads x head_dim 32 x 4 bytes: 16 KiB a block
+        model, device, dtype, kv_cache_dtype = str(llama), "cpu", "float32", "auto"
+        block_size, tensor_parallel_size, num_kv_blocks, kv_offload_gib = 16, 1, 1000, 0.0
+
+    assert kv_pool_bytes(Args) == 1000 * 16 * 1024
+    assert kv_sizes_problem(Args, 2, available=GIB) is None
+    Args.num_kv_blocks = 10**9
+    assert kv_sizes_problem(Args, 2, available=GIB).startswith("--num-kv-blocks 1e+09: 2 worker(s) would take 3.05e+04 "
+                                                               "GiB of host memory")
 
 
 def test_layer_counts_against_tensor_names():
