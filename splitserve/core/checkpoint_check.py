@@ -136,6 +136,14 @@ def checkpoint_files_problem(model_dir: str, vocab_size: int, hidden_size: int, 
         bounded_json.load_file(tokenizer, max_bytes=bounded_json.MAX_TOKENIZER_BYTES)
     except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError (bounds included), UnicodeDecodeError
         return f"{tokenizer}: not a readable JSON tokenizer ({exc})"
+    for name in ("tokenizer_config.json", "generation_config.json"):  # read by the router's tokenizer
+        path = root / name
+        try:
+            value = bounded_json.load_file(path, max_bytes=bounded_json.MAX_TOKENIZER_BYTES) if path.is_file() else {}
+        except (OSError, ValueError) as exc:
+            return f"{path}: not valid JSON ({exc})"
+        if not isinstance(value, dict):
+            return f"{path}: expected a JSON object"
     return None
 
 

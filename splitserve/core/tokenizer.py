@@ -4,12 +4,12 @@ loading transformers (the router imports this, and it must start fast)."""
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 from tokenizers import Encoding
 from tokenizers import Tokenizer as HFTokenizer
 
+from splitserve.core import bounded_json
 from splitserve.core.chat_content import mark_strings, special_pattern, split_marked
 from splitserve.core.chat_template import SPECIAL_TOKEN_NAMES, ChatTemplateError, render
 from splitserve.core.model_config import CheckpointError
@@ -32,10 +32,15 @@ def _byte_level_chars() -> dict[int, str]:
 
 
 def _read_json(path: Path) -> dict:
+    """A JSON object from tokenizer_config.json or generation_config.json, bounded in depth and
+    size (core/bounded_json.py); CheckpointError (one line) otherwise."""
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        value = bounded_json.load_file(path, max_bytes=bounded_json.MAX_TOKENIZER_BYTES)
+    except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError (bounds included), UnicodeDecodeError
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return value
 
 
 class Tokenizer:

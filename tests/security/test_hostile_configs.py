@@ -119,6 +119,8 @@ def build_cases(make_ckpt, root: Path) -> dict[str, Case]:
 
     brackets = llama("brackets")
     (Path(brackets) / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    deep_tokenizer_config = llama("tokenizer-config")
+    (Path(deep_tokenizer_config) / "tokenizer_config.json").write_text("{\"a\":" * 100_000 + "1" + "}" * 100_000)
     (root / "deep.gguf").write_bytes(gguf_bytes(nested_arrays(1500), 1))
     (root / "align0.gguf").write_bytes(alignment_gguf(0))
     (root / "tier").mkdir()
@@ -136,6 +138,9 @@ def build_cases(make_ckpt, root: Path) -> dict[str, Case]:
     return {
         "config.json of 100,000 nested brackets": Case(
             ["--model", brackets], "config.json: not valid JSON (nested deeper than the 128 levels allowed)"),
+        "tokenizer_config.json nested 100,000 deep": Case(
+            ["--model", deep_tokenizer_config],
+            "tokenizer_config.json: not valid JSON (nested deeper than the 128 levels allowed)"),
         "speculative config of 1,000 nested brackets": Case(
             ["--model", good, "--speculative-config", "[" * 1000 + "]" * 1000],
             "--speculative-config: not a JSON object: nested deeper than the 128 levels allowed"),
@@ -176,7 +181,7 @@ def build_cases(make_ckpt, root: Path) -> dict[str, Case]:
     }
 
 
-CASE_NAMES = ["config.json of 100,000 nested brackets", "speculative config of 1,000 nested brackets",
+CASE_NAMES = ["config.json of 100,000 nested brackets", "tokenizer_config.json nested 100,000 deep", "speculative config of 1,000 nested brackets",
               "a million speculative tokens", "GGUF arrays nested 1,500 deep", "GGUF general.alignment 0", "-tp 0",
               "--kv-offload-gib -1", "an unknown flag", "decode-worker argument error", "prefill-worker argument error",
               "router argument error", "-tp 3", "-tp 1000", "--kv-offload-gib 100", "--kv-offload-gib 1e12",
