@@ -7,10 +7,14 @@ import dataclasses
 
 from splitserve.core.cli_types import positive_int
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
-from splitserve.core.model_config import shardable_problem
+from splitserve.core.model_config import CheckpointError, shardable_problem
 from splitserve.core.model_dir import resolve_model as core_resolve_model
 from splitserve.core.model_dir import served_config
-from splitserve.core.quantization import QUANTIZATION_CHOICES
+from splitserve.core.quantization import (
+    QUANTIZATION_CHOICES,
+    quantization_from_config,
+    tensor_parallel_split_problem,
+)
 from splitserve.core.speculative import SpeculativeConfigError, parse_speculative_config
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache import KV_CACHE_DTYPES
@@ -118,6 +122,12 @@ def tensor_parallel_problem(args: argparse.Namespace) -> str | None:
                 "(use --kv-backend grpc)")
     cfg = served_config(getattr(args, "model", None)) if args.tensor_parallel_size > 1 else None
     why = shardable_problem(cfg, args.tensor_parallel_size) if cfg is not None else None
+    if cfg is not None and not why:
+        try:
+            spec = quantization_from_config(cfg.raw)
+        except CheckpointError:  # checkpoint_problem says why
+            spec = None
+        why = tensor_parallel_split_problem(spec, cfg, args.tensor_parallel_size)
     if why:  # the ranks would refuse it after Ray and the rank processes started (issue 49)
         return f"--tensor-parallel-size {args.tensor_parallel_size}: {cfg.architecture} cannot be split that way: {why}"
     return None

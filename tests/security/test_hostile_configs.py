@@ -178,6 +178,9 @@ def build_cases(make_ckpt, root: Path) -> dict[str, Case]:
         "GPTQ group_size 7 over real tensors": Case(["--model", str(gptq7)],
                                                     "input columns, which group_size 7 does not divide"),
         "GPTQ group_size 64 over groups of 128": Case(["--model", str(gptq64)], "and group_size 64 need [6, 256] and [6, 32]"),
+        "GPTQ -tp 2 splitting a group": Case(
+            ["--model", str(gptq), "-tp", "2"], "--tensor-parallel-size 2: LlamaForCausalLM cannot be split that way: "
+            "its mlp.down_proj has 384 input columns, 192 per rank, which is not whole quantization groups of 128"),
     }
 
 
@@ -187,7 +190,7 @@ CASE_NAMES = ["config.json of 100,000 nested brackets", "tokenizer_config.json n
               "router argument error", "-tp 3", "-tp 1000", "--kv-offload-gib 100", "--kv-offload-gib 1e12",
               "a disk tier larger than its filesystem", "num_hidden_layers 100,000",
               "more layers than the weights hold", "GPTQ group_size 7 over real tensors",
-              "GPTQ group_size 64 over groups of 128"]
+              "GPTQ group_size 64 over groups of 128", "GPTQ -tp 2 splitting a group"]
 
 
 @pytest.fixture(scope="module")
