@@ -61,6 +61,17 @@ def engine_health(kind: str, alive: bool, error: BaseException | None, running_s
     return True, ""
 
 
+def rank_health(silence: tuple[float, str] | None, heartbeat_timeout_s: float) -> tuple[bool, str]:
+    """(healthy, why not) of a tensor-parallel engine's other ranks (TensorParallelGroup.silence):
+    one silent past the heartbeat timeout is frozen or starved. The engine waits for it (its
+    collectives have no timeout); the worker leaves the registry until it answers again."""
+    if silence is None or not heartbeat_timeout_s or silence[0] <= heartbeat_timeout_s:
+        return True, ""
+    age, who = silence
+    return False, (f"{who} has not answered a heartbeat for {age:.0f}s (> --engine-heartbeat-timeout "
+                   f"{heartbeat_timeout_s:g}s): frozen (SIGSTOP, a hung system call) or starved of CPU")
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
                  on_outputs: Callable[[list[RequestOutput]], None],
@@ -69,7 +80,7 @@ class AsyncEngine:
                  max_step_failures: int = 3, stall_timeout_s: float = 120.0,
                  on_step_failure: Callable[[list[str], BaseException], None] | None = None,
                  on_step_timing: Callable[[float, float], None] | None = None,
-                 deliver: Callable[..., None] | None = None):
+                 deliver: Callable[..., None] | None = None, heartbeat_timeout_s: float = 0.0):
         self.engine = engine
         self.loop = loop
         # How a callback reaches its caller: on the event loop by default; an engine process
@@ -83,6 +94,7 @@ class AsyncEngine:
         self.name = name
         self.max_step_failures = max_step_failures
         self.stall_timeout_s = stall_timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s  # for the tensor-parallel ranks; 0: not watched
         self.faults = FaultPlan.from_env(name)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._dead_lock = threading.Lock()  # `dead` and the queue: nothing is queued after the last drain
@@ -114,8 +126,11 @@ class AsyncEngine:
         return None if started is None else time.monotonic() - started
 
     def health(self) -> tuple[bool, str]:
-        """(healthy, why not): dead, or a step running longer than `stall_timeout_s`."""
-        return engine_health("thread", self.alive, self.error, self.step_running_s(), self.stall_timeout_s)
+        """(healthy, why not): dead, a step running longer than `stall_timeout_s`, or a
+        tensor-parallel rank silent past `heartbeat_timeout_s`."""
+        ok, why = engine_health("thread", self.alive, self.error, self.step_running_s(), self.stall_timeout_s)
+        group = getattr(self.engine, "tp_group", None)
+        return rank_health(group.silence(), self.heartbeat_timeout_s) if ok and group is not None else (ok, why)
 
     # ---- calls from the event loop -------------------------------------------------------
     async def call(self, fn: Callable, *args, **kwargs):

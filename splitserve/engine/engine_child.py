@@ -4,9 +4,9 @@ own, whose callbacks, stats and step clock go to the worker over a pipe.
 What it sends, one batch per loop iteration (one pickle, one write): ("outputs", [...]),
 ("events", [...]), ("timing", wall, cpu), ("step_failed", request ids, exc),
 ("result", call id, exc or None, value), ("stats", EngineStats) when they changed,
-("dead", exc). First of all ("ready", model id, total blocks, KV pool, stats), or
-("start_failed", exc). What it reads: ("call", id, method, args, result wanted),
-("cancel", id), ("stop",); the pipe's end means the worker is gone.
+("dead", exc), ("pong", the tensor-parallel ranks' silence or None). First of all ("ready",
+model id, total blocks, KV pool, stats), or ("start_failed", exc). What it reads: ("call", id,
+method, args, result wanted), ("cancel", id), ("stop",); the pipe's end means the worker is gone.
 """
 
 from __future__ import annotations
@@ -226,7 +226,9 @@ def child_main(config: EngineConfig, conn, step_clock, name: str, torch_threads:
         if kind == "ping":  # answered by this thread, whatever the engine thread is doing
             # a tensor-parallel rank gone while the engine idles: dead now, not at the next request
             lost = engine.tp_group.lost_rank() if engine.tp_group is not None else None
-            send([("dead", lost)] if lost is not None else [("pong",)])
+            # and how long its quietest rank has been silent (frozen, starved): the worker judges
+            silence = engine.tp_group.silence() if engine.tp_group is not None else None
+            send([("dead", lost)] if lost is not None else [("pong", silence)])
         elif kind == "call":
             _, call_id, method, args, wanted = msg
             try:

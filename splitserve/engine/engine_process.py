@@ -23,7 +23,9 @@ adds 10%). In its own process the engine has its interpreter to itself.
   left empty, so a step's message grows with the batch, not with the context. Workers read
   only the new part (tests/workers/test_engine_process.py holds them to it).
 - the child's main thread answers a ping every PING_INTERVAL_S whatever the engine does, so a
-  process frozen between steps is seen (`health()`, `--engine-heartbeat-timeout`).
+  process frozen between steps is seen (`health()`, `--engine-heartbeat-timeout`); a
+  tensor-parallel engine's answer says how long its quietest rank process has been silent,
+  judged against the same timeout (a frozen rank blocks rank 0 in a collective, not its pings).
 (Just over 300 lines: the parent's half of one pipe protocol, calls, reader, heartbeat and
 death, is one piece; engine_child.py is the other half.)
 """
@@ -45,7 +47,7 @@ import torch.multiprocessing  # noqa: F401 - registers the shared-memory picklin
 
 from splitserve.engine.allocator import ENV as MALLOC_ENV
 from splitserve.engine.allocator import engine_environment, engine_preload
-from splitserve.engine.async_engine import EngineDeadError, engine_health
+from splitserve.engine.async_engine import EngineDeadError, engine_health, rank_health
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_child import child_main
 from splitserve.engine.stats import EngineStats
@@ -83,6 +85,7 @@ class EngineProcess:
         # sees only a running step, so an idle frozen engine looked healthy (issue 39).
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.last_pong = time.monotonic()
+        self.rank_silence: tuple[float, str] | None = None  # a tensor-parallel engine's, as of the last pong
         self.on_outputs, self.on_events, self.on_dead = on_outputs, on_events, on_dead
         self.on_step_failure, self.on_step_timing = on_step_failure, on_step_timing
         self.stall_timeout_s = stall_timeout_s
@@ -195,7 +198,7 @@ class EngineProcess:
             return False, (f"engine process {self.pid} has not answered a heartbeat for {age:.0f}s (> "
                            f"--engine-heartbeat-timeout {self.heartbeat_timeout_s:g}s): frozen (SIGSTOP, a hung "
                            "system call) or starved of CPU")
-        return ok, why
+        return rank_health(self.rank_silence, self.heartbeat_timeout_s) if ok else (ok, why)
 
     # ---- calls --------------------------------------------------------------------------
     async def _call(self, method: str, *args, result: bool = True):
@@ -264,6 +267,7 @@ class EngineProcess:
             for msg in batch:
                 if msg[0] == "pong":
                     self.last_pong = time.monotonic()
+                    self.rank_silence = msg[1]
                 elif msg[0] == "timing":
                     self.steps += 1
                     if self.on_step_timing is not None:

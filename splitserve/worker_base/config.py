@@ -32,7 +32,8 @@ class WorkerConfig:
     # compiles kernels; lower it where steps are known to be short.
     engine_stall_timeout_s: float = 120.0
     # An engine process that answers no heartbeat for this long (frozen, hung in a system
-    # call) makes the worker unhealthy the same way, idle or not (engine_process.py).
+    # call) makes the worker unhealthy the same way, idle or not (engine_process.py); so does
+    # a tensor-parallel rank process (each beats on its own: parallel/worker.py).
     engine_heartbeat_timeout_s: float = 10.0
     # The engine loop in a child process (engine/engine_process.py): True, False, or None for
     # the default (on the CPU: yes; on CUDA: a thread). The CLIs and `serve` leave it None;
@@ -75,10 +76,10 @@ def add_worker_health_args(ap: argparse.ArgumentParser) -> None:
                          "'thread' (a thread of the worker); auto: process on the CPU, thread on CUDA "
                          "(default: %(default)s)")
     ap.add_argument("--engine-heartbeat-timeout", type=float, default=WorkerConfig.engine_heartbeat_timeout_s,
-                    help="seconds an engine process (--engine-loop process) may go without answering its worker's "
-                         "heartbeat, idle or busy, before the worker reports itself unhealthy (503 on /health, out "
-                         "of the registry, its streams migrate) until it answers again; 0: off "
-                         "(default: %(default)s)")
+                    help="seconds an engine process (--engine-loop process) or a tensor-parallel rank process may "
+                         "go without answering its worker's heartbeat, idle or busy, before the worker reports itself "
+                         "unhealthy (503 on /health, out of the registry, its streams migrate) until it answers "
+                         "again; 0: off (default: %(default)s)")
     ap.add_argument("--engine-stall-timeout", type=float, default=WorkerConfig.engine_stall_timeout_s,
                     help="seconds one engine step may run before its worker reports itself stalled (503 on "
                          "/health and /livez, out of the registry); twice that and it exits to be restarted "

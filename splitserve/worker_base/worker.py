@@ -81,13 +81,13 @@ class WorkerBase(abc.ABC):
         either way what is returned has `kv_pool`, `model_id` and `num_total_blocks`."""
         callbacks = dict(on_dead=self._engine_died, on_step_failure=self._engine_step_failed,
                          on_step_timing=self._count_step, name=self.worker_id,
-                         stall_timeout_s=self.config.engine_stall_timeout_s)
+                         stall_timeout_s=self.config.engine_stall_timeout_s,
+                         heartbeat_timeout_s=self.config.engine_heartbeat_timeout_s)
         loop = asyncio.get_running_loop()
         # a worker streams each step's part: no copy of the prompt and the output so far per token
         config = dataclasses.replace(self.config.engine, delta_outputs=True)
         if use_engine_process(config, self.config.engine_process):
-            proc = EngineProcess(config, loop, self._on_outputs, self._on_block_events, **callbacks,
-                                 heartbeat_timeout_s=self.config.engine_heartbeat_timeout_s)
+            proc = EngineProcess(config, loop, self._on_outputs, self._on_block_events, **callbacks)
             self.engine = engine = await asyncio.to_thread(proc.launch)
         else:
             engine = await asyncio.to_thread(LLMEngine, config)

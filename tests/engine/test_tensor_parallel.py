@@ -7,13 +7,18 @@ line, before any rank process starts."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import threading
+import time
 
 import pytest
 import torch
 
 from splitserve.core.model_config import CheckpointError, ModelConfig
 from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.async_engine import rank_health
 from splitserve.engine.parallel.sharding import Shard, check_shardable, kv_heads, narrow, q_heads
 from splitserve.engine.parallel.state import RankLost, TPState, tp
 from splitserve.kernels.quant_weight import QuantizedWeight
@@ -94,6 +99,38 @@ def test_a_dead_rank_fails_the_next_step_at_once(make_ckpt):
                                            r"splitserve-tp-rank1, exit code -9\)$"):
             llm.generate([[5, 6, 7, 8]], params)
     assert tp().size == 1 and not rank1.is_alive()
+
+
+def test_a_frozen_rank_is_silent_until_it_thaws_and_the_step_it_held_then_completes(make_ckpt):
+    """SIGSTOP: the rank lives (lost_rank says nothing) and rank 0 waits for it in the step's
+    collective; its heartbeat stops, which the worker judges (rank_health). After SIGCONT the
+    step completes with the tokens it would have had."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(make_ckpt("llama")), num_kv_blocks=16, tensor_parallel_size=2) as llm:
+        group = llm.engine.tp_group
+        want = llm.generate([[5, 6, 7]], params)[0].token_ids
+        pid = group.procs[0].pid
+        silent_s, who = group.silence()
+        assert silent_s < 5.0 and who == f"tensor-parallel rank 1 (pid {pid})"  # (beats every 0.25 s)
+        assert rank_health(group.silence(), 5.0) == (True, "")
+        got: list = []
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            held = threading.Thread(target=lambda: got.append(llm.generate([[5, 6, 7]], params)[0].token_ids))
+            held.start()
+            deadline = time.monotonic() + 30
+            while group.silence()[0] < 1.5 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            ok, why = rank_health(group.silence(), 1.0)
+            assert not ok and why.startswith(f"tensor-parallel rank 1 (pid {pid}) has not answered a heartbeat"), why
+            assert held.is_alive() and group.lost_rank() is None  # waiting for it, not given up
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        held.join(timeout=60)
+        assert got == [want]
+        assert group.silence()[0] < 5.0
+        assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+    assert tp().size == 1
 
 
 def test_each_rank_reads_only_its_part_of_each_checkpoint_tensor(make_ckpt):

@@ -48,17 +48,22 @@ class TensorParallelGroup:
         self.store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, timeout=NO_TIMEOUT,
                                    wait_for_workers=False)
         self.procs: list[mp.Process] = []
+        # each rank's last heartbeat (time.monotonic(), written by the rank: worker.beat)
+        self.beats = mp.get_context("spawn").RawArray("d", self.size)
         self.from_ranks: list = []  # one pipe from each rank: its KV pool handle (share_kv_pools)
         self.threads = torch.get_num_threads()
         self.running = False
+        self.closed = False
 
     def start(self, max_model_len: int) -> None:
         """Start ranks 1..N-1 and join the group as rank 0 (before rank 0 loads its slice)."""
         ctx = mp.get_context("spawn")
+        self.beats[:] = [time.monotonic()] * self.size  # (a rank beats from its first line on)
         for rank in range(1, self.size):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=run_rank, name=f"splitserve-tp-rank{rank}", daemon=True,
-                               args=(rank, self.size, self.store.port, self.cfg, max_model_len, writer))
+                               args=(rank, self.size, self.store.port, self.cfg, max_model_len, writer,
+                                     self.beats))
             proc.start()
             writer.close()  # the rank's end only: its death then ends the pipe
             self.procs.append(proc)
@@ -128,8 +133,25 @@ class TensorParallelGroup:
         return RankLost(f"tensor parallelism: a rank process is gone (pid {dead.pid}, {dead.name}, "
                         f"exit code {dead.exitcode})")
 
+    def silence(self) -> tuple[float, str] | None:
+        """(seconds, which) of the rank process that has gone longest without a heartbeat;
+        None when the group does not run. A rank frozen (SIGSTOP) or starved of CPU lives, so
+        lost_rank says nothing, and rank 0 waits in the step's collective for as long as it is
+        silent: the worker judges the silence against its heartbeat timeout, as it judges its
+        engine process's (EngineProcess.health, AsyncEngine.health)."""
+        if not self.running or self.size == 1:
+            return None
+        now = time.monotonic()
+        age, rank = max((now - self.beats[rank], rank) for rank in range(1, self.size))
+        return age, f"tensor-parallel rank {rank} (pid {self.procs[rank - 1].pid})"
+
     def close(self) -> None:
-        """Stop the other ranks (a None step) and leave the group. Idempotent."""
+        """Stop the other ranks (a None step) and leave the group. Idempotent: a second call
+        (the engine's finalizer, run by the collector after close()) must not destroy the group
+        of a later engine in this process (its load then failed with shapes of an unsharded model)."""
+        if self.closed:
+            return
+        self.closed = True
         if self.running:
             self.running = False
             try:

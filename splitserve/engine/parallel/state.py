@@ -31,7 +31,9 @@ def tp() -> TPState:
 
 def init_tensor_parallel(rank: int, size: int, store: dist.Store, device: str) -> None:
     """Join the group over `store` (every rank calls this). No collective times out: a worker
-    rank waits for the next step as long as rank 0 is idle; a dead peer fails the collective."""
+    rank waits for the next step as long as rank 0 is idle, and rank 0 waits for a frozen rank
+    until it thaws (each rank's heartbeat tells the worker meanwhile: group.silence); a dead
+    peer fails the collective."""
     global _state
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=NO_TIMEOUT)

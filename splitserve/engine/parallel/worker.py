@@ -2,11 +2,15 @@
 model and its slice of the KV pool, then runs every step rank 0 broadcasts, until rank 0
 broadcasts None. Rank 0 schedules and samples; these ranks only compute (their copy of
 the gathered logits is dropped). Asked once (SHARE_KV_POOL), a rank hands rank 0 its KV
-pool tensor in shared memory, for the worker's KV transfer (parallel/kv_shards.py)."""
+pool tensor in shared memory, for the worker's KV transfer (parallel/kv_shards.py).
+A thread of each rank writes the time into its slot of `beats` every BEAT_INTERVAL_S, so
+rank 0 sees a rank frozen (SIGSTOP) or starved, which no collective reports (group.silence)."""
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 import traceback
 from dataclasses import replace
 
@@ -24,6 +28,15 @@ from splitserve.engine.parallel.state import (
 )
 
 SHARE_KV_POOL = "share-kv-pool"  # broadcast instead of a step: send your pool tensor to rank 0
+BEAT_INTERVAL_S = 0.25  # how often a rank process says it runs (a shared monotonic timestamp)
+
+
+def beat(beats, rank: int) -> None:
+    """This process's heartbeat, on a thread of its own: stopped with it (SIGSTOP stops every
+    thread), late when it is starved; whatever its main thread does (a step, a collective)."""
+    while True:
+        beats[rank] = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
+        time.sleep(BEAT_INTERVAL_S)
 
 
 def shared(pool: torch.Tensor) -> torch.Tensor:
@@ -52,10 +65,11 @@ def loaded(error: str | None) -> str | None:
     return next((e for e in errors if e), None)
 
 
-def run_rank(rank: int, size: int, port: int, cfg: EngineConfig, max_model_len: int, to_rank0) -> None:
+def run_rank(rank: int, size: int, port: int, cfg: EngineConfig, max_model_len: int, to_rank0, beats) -> None:
     from splitserve.core.model_config import ModelConfig
     from splitserve.engine.model_runner import ModelRunner
 
+    threading.Thread(target=beat, args=(beats, rank), name="tp-rank-beat", daemon=True).start()
     cfg = rank_config(cfg, rank)
     if torch.device(cfg.device).type == "cuda":
         torch.cuda.set_device(cfg.device)
