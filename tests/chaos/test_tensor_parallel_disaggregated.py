@@ -8,7 +8,11 @@ gathered on the prefill side, scattered by head ranges on the decode side).
 - SIGKILL one rank process of a decode worker mid-stream: its engine fails at the next
   step (the collective with the dead rank fails within milliseconds), the worker leaves the
   registry, its streams migrate token-exact to the other decode worker, and Ray restarts
-  the worker with a new engine process and its rank."""
+  the worker with a new engine process and its rank;
+- SIGSTOP one rank process of a decode worker under 6 streams (issue 49): the rank stops
+  beating, the worker leaves the registry within --engine-heartbeat-timeout, its streams
+  migrate token-exact, new requests go to the other decode worker, and after SIGCONT the
+  same engine (nothing restarted) registers again with every block free."""
 
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ from tests.reliability.conftest import (
 
 TOKENS = 96
 NEW = 16
+HEARTBEAT_S = 3.0  # --engine-heartbeat-timeout: a frozen rank is seen within it (default 10 s)
 
 
 # Decode steps 8 ms longer (engine/faults.py "slow"): a 96-token stream stays open ~0.8 s
@@ -49,7 +54,7 @@ SLOW_DECODE = [{"engine": f"decode-{i}", "fault": "slow", "at_step": 0, "step_ms
 
 @pytest.fixture(scope="module")
 def tp_serve(make_ckpt, tmp_path_factory):
-    s = Serve(make_ckpt("llama"), tmp_path_factory.mktemp("tp-serve"), extra_args=["-tp", "2"],
+    s = Serve(make_ckpt("llama"), tmp_path_factory.mktemp("tp-serve"), extra_args=["-tp", "2", "--engine-heartbeat-timeout", str(HEARTBEAT_S)],
               env={"SPLITSERVE_FAULT_INJECTION": json.dumps(SLOW_DECODE)})
     yield s
     s.stop()
@@ -151,6 +156,84 @@ def test_a_killed_rank_takes_its_worker_down_and_its_streams_migrate(tp_serve, r
     while Path(f"/proc/{engine}").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not Path(f"/proc/{engine}").exists() or Path(f"/proc/{engine}/stat").read_text().split()[2] == "Z"
+
+
+def decode_workers(s: Serve) -> list[str]:
+    return s.router_health()["decode_workers"]
+
+
+def through_decode_workers(base: str, batch: list[list[int]]) -> list[tuple[int, str | None]]:
+    """(status, decode worker) of a short greedy completion of each prompt."""
+    async def go():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            return await asyncio.gather(*(complete(session, base, p, 8) for p in batch))
+
+    return [(status, served_by(headers).get("decode")) for status, _, headers in asyncio.run(go())]
+
+
+def test_a_frozen_rank_takes_its_worker_out_until_it_thaws_and_its_streams_migrate(tp_serve, reference):
+    s = tp_serve
+    base = s.base_url
+    s.wait_recovered(timeout=120)
+    batch = prompts(3206, 3, 24) + prompts(3207, 3, LONG_TOKENS)
+    tokens = 4 * TOKENS  # open for 3 s or more (8 ms a step): the freeze lands mid-stream
+    migrations = metric(base, "splitserve_request_migrations_total")
+    stopped: list[int] = []
+    seen: dict = {}
+
+    async def go():
+        results = [StreamResult() for _ in batch]
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
+            tasks = [asyncio.create_task(stream_completion(session, base, p, tokens, out=r))
+                     for p, r in zip(batch, results, strict=True)]
+            while not all(r.chunks >= 4 for r in results):
+                await asyncio.sleep(0.005)
+            healths = {w: s.workers()[w].health() for w in sorted({r.decode_worker for r in results if not r.done})}
+            victim = next((w for w, h in healths.items() if h.get("streams")), None)
+            assert victim is not None, f"every stream had already ended on its worker: {healths}"
+            engine = healths[victim]["engine"]["pid"]
+            (rank1,) = children(engine)
+            os.kill(rank1, signal.SIGSTOP)
+            stopped.append(rank1)
+            frozen = time.monotonic()
+            while victim in await asyncio.to_thread(decode_workers, s):
+                assert time.monotonic() - frozen < 60, f"{victim} stayed registered with a frozen rank"
+                await asyncio.sleep(0.05)
+            seen.update(victim=victim, engine=engine, rank1=rank1, left_s=time.monotonic() - frozen,
+                        health=await asyncio.to_thread(s.workers()[victim].health))
+            results = await asyncio.gather(*tasks)
+            seen["streams_s"] = time.monotonic() - frozen
+            # still frozen: new requests go to the other decode worker, none hangs
+            seen["routed"] = await asyncio.to_thread(through_decode_workers, base, prompts(3208, 6, 24))
+            seen["still_frozen"] = Path(f"/proc/{rank1}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+        return results
+
+    try:
+        results = asyncio.run(go())
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    victim = seen["victim"]
+    # the heartbeat timeout plus a ping, a watchdog tick and the bus; not the 120 s stall timeout
+    assert seen["left_s"] < HEARTBEAT_S + 10, seen["left_s"]
+    assert seen["health"]["status"] == "engine_unhealthy", seen["health"]
+    assert f"tensor-parallel rank 1 (pid {seen['rank1']}) has not answered a heartbeat" in seen["health"]["detail"]
+    assert_identical(results, reference(batch, tokens), tokens)
+    assert metric(base, "splitserve_request_migrations_total") > migrations  # its streams moved
+    other = next(w for w in ("decode-0", "decode-1") if w != victim)
+    assert seen["still_frozen"] and seen["routed"] == [(200, other)] * 6, seen["routed"]
+    # thawed: the same engine and rank (waited for, not restarted) register again, every block free
+    deadline = time.monotonic() + 60
+    while victim not in decode_workers(s):
+        assert time.monotonic() < deadline, f"{victim} did not register again after SIGCONT"
+        time.sleep(0.1)
+    healths = s.wait_recovered(timeout=60)
+    assert healths[victim]["engine"]["pid"] == seen["engine"] and children(seen["engine"]) == [seen["rank1"]]
+    after = through_decode_workers(base, prompts(3209, 6, 24))  # and it serves again: nothing hangs
+    assert all(status == 200 for status, _ in after), after
+    print(f"after the thaw: {sum(w == victim for _, w in after)} of 6 new requests served by {victim}")
+    print(f"frozen rank: {victim} out of the registry {seen['left_s']:.1f} s after SIGSTOP (heartbeat timeout "
+          f"{HEARTBEAT_S:g} s); its streams done token-exact {seen['streams_s']:.1f} s after it")
 
 
 def test_a_moe_model_over_tp2_workers_answers_as_one_process(make_ckpt, tmp_path_factory):
