@@ -7,6 +7,7 @@ line, before any rank process starts."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -18,7 +19,7 @@ import torch
 
 from splitserve.core.model_config import CheckpointError, ModelConfig
 from splitserve.engine import LLM, SamplingParams
-from splitserve.engine.async_engine import rank_health
+from splitserve.engine.async_engine import AsyncEngine, rank_health
 from splitserve.engine.parallel.sharding import Shard, check_shardable, kv_heads, narrow, q_heads
 from splitserve.engine.parallel.state import RankLost, TPState, tp
 from splitserve.kernels.quant_weight import QuantizedWeight
@@ -130,6 +131,26 @@ def test_a_frozen_rank_is_silent_until_it_thaws_and_the_step_it_held_then_comple
         assert got == [want]
         assert group.silence()[0] < 5.0
         assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+        # an engine on a thread (a CUDA worker's) judges the silence in its own health()
+        loop = asyncio.new_event_loop()
+        engine = AsyncEngine(llm.engine, loop, lambda outputs: None, heartbeat_timeout_s=1.0)
+        engine.start()
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 30
+                while engine.health()[0] and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                ok, why = engine.health()
+                assert not ok and f"tensor-parallel rank 1 (pid {pid}) has not answered" in why, why
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            while not engine.health()[0] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert engine.health() == (True, "")
+        finally:
+            engine.stop()
+            loop.close()
     assert tp().size == 1
 
 
