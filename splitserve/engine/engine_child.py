@@ -244,5 +244,5 @@ def child_main(config: EngineConfig, conn, step_clock, name: str, torch_threads:
                 fut.cancel()  # only if it has not run yet; then nothing is answered
         elif kind == "stop":
             child.stop(timeout=2)  # a step that hangs must not hold the worker's shutdown
-            os._exit(0)
             _close_tiers(engine)
+            os._exit(0)
