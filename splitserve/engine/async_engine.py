@@ -115,6 +115,9 @@ class AsyncEngine:
         self._stopped.set()
         self._commands.put(None)
         self._thread.join(timeout=timeout)
+        offloader = getattr(self.engine, "offloader", None)
+        if offloader is not None and not self._thread.is_alive():  # no step can touch the tiers now
+            offloader.close()  # a stop leaves no disk-tier files behind (an engine process does the same)
 
     @property
     def alive(self) -> bool:

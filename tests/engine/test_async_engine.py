@@ -219,3 +219,19 @@ async def test_the_stats_after_a_step_count_a_request_handed_over_during_it(mode
     assert stats.taken_at > handed_at
     assert stats.waiting == 1 and stats.queued_prompt_tokens == 300
     h.engine.stop()
+
+
+async def test_a_stopped_engine_leaves_no_disk_tier_files(model, tmp_path):
+    """--engine-loop thread: the worker's stop removes the tier's directory (the engine process
+    does the same before it exits), not an interpreter exit that may never come."""
+    llm = LLMEngine(EngineConfig(model=model, num_kv_blocks=64, model_id="t", kv_offload_dir=str(tmp_path),
+                                 kv_offload_dir_bytes=1 << 24))
+    engine = AsyncEngine(llm, asyncio.get_running_loop(), lambda outputs: None, name="e0")
+    engine.start()
+    await engine.call(lambda: llm.add_request("r1", [5] * 40, PARAMS))
+    deadline = time.monotonic() + 30
+    while not list(tmp_path.glob("kv-*/*.kv")):  # idle blocks written down
+        assert time.monotonic() < deadline, "nothing reached the disk tier"
+        await asyncio.sleep(0.05)
+    await asyncio.to_thread(engine.stop)
+    assert list(tmp_path.iterdir()) == []
