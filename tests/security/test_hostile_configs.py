@@ -48,7 +48,7 @@ from splitserve.core.speculative import (
 # it fails the case), and reports each case's exit code, stderr and seconds, the seconds its
 # imports took (torch among them: most of a real command's time) and its peak RSS.
 CHILD = """
-import contextlib, importlib, io, json, resource, sys, time
+import contextlib, importlib, io, json, sys, time
 started = time.monotonic()
 import splitserve.serve as serve
 import splitserve.decode_worker.main, splitserve.prefill_worker.main, splitserve.router.main
@@ -65,7 +65,10 @@ for name, module, argv in json.loads(sys.argv[1]):
         except SystemExit as exc:
             code = exc.code
     results[name] = {"code": code, "stderr": err.getvalue(), "seconds": time.monotonic() - began}
-results["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+# VmHWM, the peak of this process image: ru_maxrss would carry over the peak of the process that
+# forked it (Linux keeps it across exec), a pytest worker's gigabytes under xdist
+hwm = next(ln for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
+results["rss_mb"] = int(hwm.split()[1]) / 1024
 print(json.dumps(results))
 """
 SERVE = "splitserve.serve"

@@ -60,3 +60,11 @@ def test_cache_keys_change_with_every_input_and_a_copy_shields_the_cache(tmp_pat
     again = run_cache.cached_json("refs", ("k", 1), lambda: calls.append(1) or [0])
     other = run_cache.cached_json("refs", ("k", 2), lambda: calls.append(1) or [9])
     assert (value, again, other, len(calls)) == ([7, 8], [7, 8], [9], 2)
+
+
+
+def test_budgets_scale_with_a_slower_machine_and_never_shrink():
+    seconds = {"tests/a.py": 200.0}
+    assert budget.over_budget(seconds) == [("tests/a.py", 200.0, 120.0)]
+    assert budget.over_budget(seconds, slowness=2.0) == []
+    assert 1.0 <= budget.machine_slowness(repeats=1) < 50
