@@ -56,8 +56,12 @@ def wait_pools_idle(admins: dict[str, str], timeout: float = 30.0) -> dict[str, 
 @pytest.fixture(autouse=True)
 def pools_back_to_idle():
     """Autouse in tests/e2e and tests/chaos (imported by their conftests): after each test,
-    every `serve` still running has every pool at idle."""
+    every `serve` still running has every pool at idle, and every `serve` the test stopped had
+    (SplitserveProcess.stop checks before its Ctrl-C)."""
+    SplitserveProcess.held_at_stop.clear()  # a module fixture's stop after its last test: checked there
     yield
+    held, SplitserveProcess.held_at_stop[:] = list(SplitserveProcess.held_at_stop), []
+    assert not held, held
     for serve in list(SplitserveProcess.serving):
         if serve.proc.poll() is None:
             wait_pools_idle(serve_admins(serve.log()))

@@ -50,6 +50,10 @@ class SplitserveProcess:
     """`splitserve <command> ...` as a child process; ready when it prints its URL."""
 
     serving: set[SplitserveProcess] = set()  # `serve` processes up now: tests/helpers/pools.py checks them
+    # what stop() found still held in a live `serve`'s pools (worker states): the autouse check
+    # in tests/helpers/pools.py fails the test that stopped it, as it would have at teardown
+    held_at_stop: list[str] = []
+    idle_timeout_s = 15.0
 
     def __init__(self, command: str, args: list[str], timeout: float = 180, env: dict | None = None):
         self.command = command
@@ -87,8 +91,18 @@ class SplitserveProcess:
     def log(self) -> str:
         return "".join(self.lines)
 
-    def stop(self) -> None:
+    def stop(self, check_idle: bool = True) -> None:
+        """Ctrl-C. A live `serve` first has its pools checked idle (tests/helpers/pools.py), unless
+        `check_idle` is False: a test stopping it with work in flight on purpose says so."""
+        was_serving = self in SplitserveProcess.serving
         SplitserveProcess.serving.discard(self)
+        if was_serving and check_idle and self.proc.poll() is None:
+            from tests.helpers.pools import serve_admins, wait_pools_idle
+
+            try:
+                wait_pools_idle(serve_admins(self.log()), timeout=self.idle_timeout_s)
+            except AssertionError as exc:
+                SplitserveProcess.held_at_stop.append(f"`serve` on port {self.port} stopped with {exc}")
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)  # Ctrl-C: the command stops everything it started
             try:

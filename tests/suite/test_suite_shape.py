@@ -68,3 +68,63 @@ def test_budgets_scale_with_a_slower_machine_and_never_shrink():
     assert budget.over_budget(seconds) == [("tests/a.py", 200.0, 120.0)]
     assert budget.over_budget(seconds, slowness=2.0) == []
     assert 1.0 <= budget.machine_slowness(repeats=1) < 50
+
+
+def test_make_test_s_marker_expression_still_gets_the_whole_suite_budget():
+    assert budget.is_whole_suite([], "", "not full")  # `make test`
+    assert budget.is_whole_suite([], "", "")  # `make test-full`, plain pytest
+    assert not budget.is_whole_suite([], "", "not slow and not full")  # `make test-fast`
+    assert not budget.is_whole_suite(["tests/engine"], "", "not full")
+    assert not budget.is_whole_suite([], "lora", "not full")
+
+
+def test_a_serve_stopped_inside_a_test_with_its_pools_held_fails_that_test(tmp_path, monkeypatch):
+    """SplitserveProcess.stop checks a live serve's pools before its Ctrl-C; what is held is
+    reported to the autouse check (tests/helpers/pools.py), which fails the test."""
+    import subprocess
+    import sys
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from tests.helpers.pools import pools_back_to_idle
+    from tests.helpers.processes import SplitserveProcess
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):  # a pool with one block still held
+            body = b'{"kv": {"free_blocks": 7, "total_blocks": 8, "sequences": 1}, "streams": 0}'
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(SplitserveProcess, "idle_timeout_s", 0.3)
+    serve = object.__new__(SplitserveProcess)  # a stand-in child with a real worker line in its log
+    serve.port, serve.proc = 1, subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                                 start_new_session=True)
+    serve.lines = [f"splitserve: decode worker decode-0: gRPC 127.0.0.1:1, KV receiver 127.0.0.1:2, "
+                   f"metrics http://127.0.0.1:{server.server_port}/metrics\n"]
+    try:
+        checks = pools_back_to_idle.__wrapped__()
+        next(checks)
+        SplitserveProcess.serving.add(serve)
+        serve.stop()
+        assert serve.proc.poll() is not None  # stopped all the same
+        try:
+            next(checks)
+        except AssertionError as exc:
+            assert "decode-0" in str(exc) and "'free_blocks': 7" in str(exc), exc
+        else:
+            raise AssertionError("a serve stopped with a held block passed the idle check")
+        serve.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+        SplitserveProcess.serving.add(serve)
+        serve.stop(check_idle=False)  # a test stopping it mid-flight on purpose
+        assert SplitserveProcess.held_at_stop == []
+    finally:
+        server.shutdown()
+        SplitserveProcess.serving.discard(serve)
+        if serve.proc.poll() is None:
+            serve.proc.kill()
