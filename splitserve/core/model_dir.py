@@ -72,9 +72,6 @@ def checkpoint_problem(model_dir: str, quantization: str | None = None) -> str |
         spec = quantization_from_config(cfg.raw, f"{model_dir}/config.json", quantization)
     except CheckpointError as exc:
         return str(exc)
-    if spec is not None and cfg.num_experts:
-        return (f"{model_dir}/config.json: a quantized ({spec.describe()}) mixture-of-experts model: quantized "
-                "experts are not supported yet (serve its float checkpoint)")
     return checkpoint_files_problem(model_dir, cfg.vocab_size, cfg.hidden_size, spec, cfg.num_layers)
 
 

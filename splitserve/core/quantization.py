@@ -269,13 +269,19 @@ def shapes_problem(spec: QuantSpec, module: str, headers: dict[str, dict], sourc
 
 
 def tensor_parallel_split_problem(spec: QuantSpec | None, cfg, size: int) -> str | None:
-    """Why a GPTQ / AWQ model's row-parallel linears (o_proj, down_proj) cannot be split over
-    `size` ranks, or None: each rank takes a 1/size slice of their input columns, and a slice
+    """Why a GPTQ / AWQ model's row-parallel linears (o_proj, down_proj, each expert's
+    down_proj) cannot be split over `size` ranks, or None: each rank takes a 1/size slice
+    of their input columns, and a slice
     must hold whole quantization groups (engine/parallel/sharding.py narrow; group_size -1 is
     one group over all of them)."""
     if spec is None or size <= 1 or spec.method not in ("gptq", "awq"):
         return None
-    for module, columns in (("self_attn.o_proj", cfg.num_heads * cfg.head_dim), ("mlp.down_proj", cfg.intermediate_size)):
+    row_parallel = [("self_attn.o_proj", cfg.num_heads * cfg.head_dim)]
+    if cfg.num_layers > len(cfg.moe_layers):  # some layer has a dense MLP
+        row_parallel.append(("mlp.down_proj", cfg.intermediate_size))
+    if cfg.num_experts:
+        row_parallel.append(("mlp.experts.N.down_proj", cfg.moe_intermediate_size))
+    for module, columns in row_parallel:
         group = columns if spec.group_size == -1 else spec.group_size
         if (columns // size) % group:
             return (f"its {module} has {columns} input columns, {columns // size} per rank, which is not whole "

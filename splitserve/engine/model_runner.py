@@ -13,6 +13,7 @@ from splitserve.engine.kv_cache import FP8, KVCachePool, KVCacheSpec, num_blocks
 from splitserve.engine.kv_scales import read_kv_scales
 from splitserve.engine.models.layers import AttentionMetadata
 from splitserve.engine.models.loader import load_model
+from splitserve.engine.models.quant_moe import has_quantized_experts
 from splitserve.engine.models.rope import RopeTable, rope_table
 from splitserve.engine.parallel.sharding import kv_heads
 from splitserve.engine.parallel.state import broadcast_object, tp
@@ -49,7 +50,8 @@ class ModelRunner:
         self.kv_pool = KVCachePool(spec, num_blocks, self.device, scratch_blocks=1)
         self.max_model_len = max_model_len
         self.decode_graphs: DecodeGraphs | None = None
-        if cfg.use_cuda_graphs:
+        # quantized experts read their token counts on the host: no capture (models/quant_moe.py)
+        if cfg.use_cuda_graphs and not has_quantized_experts(self.model):
             self.enable_decode_graphs(capture=True)
         elif cfg.async_scheduling:  # the overlapped decode runs the padded step (eagerly here)
             self.enable_decode_graphs(capture=False)

@@ -58,18 +58,32 @@ def check_fused_moe_args(what: str, hidden: torch.Tensor, w13: torch.Tensor, w2:
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_k topk_weights[t, k] * W2[e] (silu(W1[e] x_t) * W3[e] x_t), e = topk_ids[t, k].
+    """out[t] = sum_k topk_weights[t, k] * W2[e] (silu(W1[e] x_t) * W3[e] x_t), e = topk_ids[t, k]."""
+    check_fused_moe_args("fused_moe", hidden, w13, w2, topk_weights, topk_ids)
+    intermediate = w2.shape[2]
+
+    def expert_mlp(expert: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, w13[expert]).split(intermediate, dim=-1)
+        return F.linear(F.silu(gate) * up, w2[expert])
+
+    return grouped_by_expert(hidden, topk_weights, topk_ids, w13.shape[0], expert_mlp)
+
+
+def grouped_by_expert(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                      expert_mlp) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert_mlp(e, x_t), e = topk_ids[t, k], with the numerics
+    above; `expert_mlp(e, rows)` maps [n, hidden] rows to [n, hidden] (float experts here,
+    quantized ones in engine/models/quant_moe.py).
 
     The (token, k) rows are grouped by expert with one stable sort and one gather, so each
     expert's matmuls see all of its tokens at once as a contiguous slice, and the results
     go back to (token, k) order with one scatter: per-expert scatters (index_add_) cost
     more than the matmuls on a CPU shared with other work."""
-    check_fused_moe_args("fused_moe", hidden, w13, w2, topk_weights, topk_ids)
     tokens, top_k = topk_ids.shape
-    hidden_size, intermediate = w2.shape[1], w2.shape[2]
+    hidden_size = hidden.shape[1]
     flat_ids = topk_ids.reshape(-1).long()
     order = torch.argsort(flat_ids, stable=True)  # (token, k) rows grouped by expert
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     x = hidden.index_select(0, order // top_k)
     weights = topk_weights.reshape(-1).float()[order, None]
     sorted_out = torch.empty((order.numel(), hidden_size), dtype=torch.float32, device=hidden.device)
@@ -78,9 +92,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         if count == 0:
             continue
         end = start + count
-        gate, up = F.linear(x[start:end], w13[expert]).split(intermediate, dim=-1)
-        down = F.linear(F.silu(gate) * up, w2[expert])
-        torch.mul(down, weights[start:end], out=sorted_out[start:end])
+        torch.mul(expert_mlp(expert, x[start:end]), weights[start:end], out=sorted_out[start:end])
         start = end
     per_row = torch.empty_like(sorted_out)
     per_row[order] = sorted_out

@@ -152,14 +152,6 @@ def test_a_quantized_linear_missing_a_tensor_or_of_another_dtype_is_one_line(mak
         "(e5m2 FP8 weights are not supported)")
 
 
-def test_a_quantized_mixture_of_experts_is_refused(make_ckpt, tmp_path):
-    d = _copy(make_ckpt("mixtral"), tmp_path)
-    _set_quantization_config(d, GPTQ)
-    assert checkpoint_problem(str(d)) == (
-        f"{d}/config.json: a quantized (gptq 4-bit, group 128, sym, act-order) mixture-of-experts model: quantized "
-        "experts are not supported yet (serve its float checkpoint)")
-
-
 @pytest.mark.parametrize("case", ["bitsandbytes", "invented", "gptq-3-bit", "no-tensors", "flag-mismatch"])
 def test_serve_exits_2_with_one_line(make_ckpt, tmp_path, case):
     d = _copy(make_ckpt("llama"), tmp_path)

@@ -260,9 +260,11 @@ WRITERS = {"gptq": (write_gptq, spec_gptq), "awq": (write_awq, spec_awq), "fp8-b
            "ct-int8": (write_ct_int8, spec_ct_int8), "fp8-tensor": (write_fp8_tensor, spec_ct_float)}
 
 
-def quantize_checkpoint(src: Path, out: Path, layout: str, **opts) -> tuple[Path, Path]:
+def quantize_checkpoint(src: Path, out: Path, layout: str, linears: tuple[str, ...] = LINEARS,
+                        **opts) -> tuple[Path, Path]:
     """(quantized checkpoint, float32 reference with its dequantised weights), written from
-    the float checkpoint `src`; every decoder linear is quantized, lm_head and embeddings not."""
+    the float checkpoint `src`; every decoder linear named in `linears` (experts' too) is
+    quantized, lm_head, embeddings and a MoE router not."""
     write, spec = WRITERS[layout]
     qdir, rdir = out / "quantized", out / "reference"
     for d in (qdir, rdir):
@@ -272,7 +274,7 @@ def quantize_checkpoint(src: Path, out: Path, layout: str, **opts) -> tuple[Path
     quantized, reference = {}, {}
     for name, w in load_file(str(next(src.glob("*.safetensors")))).items():
         module = name.removesuffix(".weight")
-        if name.endswith(".weight") and module.rpartition(".")[2] in LINEARS:
+        if name.endswith(".weight") and module.rpartition(".")[2] in linears:
             tensors = write(w.float(), **opts)
             quantized.update({f"{module}.{s}": t.contiguous() for s, t in tensors.items()})
             reference[name] = spec(tensors, **opts) if layout.startswith(("ct-pack", "ct-int8", "fp8")) else spec(tensors)

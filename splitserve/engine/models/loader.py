@@ -9,7 +9,13 @@ arrives and swaps it for a QuantizedLinear then. So that no float copy of a quan
 linear is ever allocated (a 7B GGUF would need 28 GB of float32 for nothing), every
 Linear's weight stays on the meta device until its first float part arrives. A quantized
 linear keeps float rows that came before its first quantized part as a float part; a
-quantized embedding is dequantised (its lookup reads float rows)."""
+quantized embedding is dequantised (its lookup reads float rows).
+
+A quantized expert tensor of a mixture-of-experts layer (index (expert, rows) into the
+float stacks w13 / w2) swaps the whole block's stacks for QuantizedExperts
+(engine/models/quant_moe.py): one QuantizedLinear per expert projection, filled part by
+part like any other; the expert stacks, too, stay on the meta device until a float part
+arrives."""
 
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from splitserve.core.model_config import CheckpointError, ModelConfig
 from splitserve.core.quantization import quantization_from_config
 from splitserve.engine.checkpoint import iter_weights
 from splitserve.engine.models.quant_linear import QuantizedLinear, move_weight
+from splitserve.engine.models.quant_moe import QuantizedExperts
 from splitserve.engine.models.registry import model_class
 from splitserve.engine.parallel.linear import (
     ColumnParallelLinear,
@@ -49,8 +56,6 @@ def checkpoint_weights(model_dir: str | Path, cfg: ModelConfig, quantization: st
     spec = quantization_from_config(cfg.raw, f"{model_dir}/config.json", quantization)
     if spec is None:
         return iter_weights(model_dir, shard_of)
-    if cfg.num_experts:
-        raise CheckpointError(f"{model_dir}: quantized mixture-of-experts checkpoints are not supported")
     weights = iter_quantized_weights(model_dir, spec)
     return weights if shard_of is None else sharded(weights, shard_of, str(model_dir))
 
@@ -70,7 +75,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
         weights = sharded(weights, shard_of, str(model_dir))
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
-    deferred = {n: m.weight for n, m in linear_weights(model).items()}
+    deferred = {n: m.weight for n, m in linear_weights(model).items()} | expert_stacks(model)
     for name in deferred:
         set_param(model, name, None)  # kept out of to_empty(): allocated on first use
     model = model.to_empty(device=device).to(dtype)
@@ -81,6 +86,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = set(params) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     quantized: dict[str, QuantizedLinear] = {}
+    expert_blocks: dict[str, QuantizedExperts] = {}  # a MoE block's path -> its quantized experts
     filled: dict[str, int] = {}  # elements written per parameter
     seen: dict[str, list] = {}  # parameter -> the indexes filled
 
@@ -93,6 +99,17 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
         if not is_quantized and (not tensor.is_floating_point() or tensor.element_size() == 1):
             raise CheckpointError(f"{model_dir}: tensor '{name}' is {tensor.dtype}, quantized codes that no "
                                   "quantization_config describes (or that lack their scales)")
+        block, _, stack = param_name.rpartition(".")
+        if is_quantized and isinstance(index, tuple) and block not in expert_blocks and param_name in params:
+            # the first quantized expert tensor of a MoE block: its experts stay quantized
+            expert_blocks[block] = swap_experts(model, block, params, seen, filled)
+        if block in expert_blocks and stack in ("w13", "w2"):
+            try:
+                linear, rows = expert_blocks[block].part(stack, index)
+                linear.set_part(rows, move_weight(tensor, device, dtype))
+            except ValueError as exc:
+                raise CheckpointError(f"{model_dir}: tensor '{name}': {exc}") from exc
+            continue
         if param_name not in params and param_name not in quantized:
             raise CheckpointError(f"{model_dir}: unexpected tensor '{name}' for {cfg.architecture}")
         if is_quantized and param_name not in quantized and not is_embedding(model, param_name):
@@ -103,9 +120,6 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
             quantized[param_name] = linear
             del params[param_name]
         if param_name in quantized:
-            if not (index is None or isinstance(index, slice)):
-                raise CheckpointError(f"{model_dir}: '{name}' is a quantized expert weight: quantized "
-                                      "mixture-of-experts checkpoints are not supported")
             try:
                 quantized[param_name].set_part(index, move_weight(tensor, device, dtype))
             except ValueError as exc:
@@ -130,11 +144,14 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
 
     missing = sorted(p for p in expected if p in params and filled.get(p, 0) != params[p].numel())
     missing += sorted(p for p, m in quantized.items() if m.missing_rows())
+    missing += [f"{block}.{n}" for block, experts in expert_blocks.items()
+                for n, m in experts.linears().items() if m.missing_rows()]
     if missing:
         raise CheckpointError(f"{model_dir}: checkpoint lacks tensors for {missing[:5]}"
                               f"{' and more' if len(missing) > 5 else ''}")
     fp8_parts = 0
-    for linear in quantized.values():
+    expert_linears = [m for experts in expert_blocks.values() for m in experts.linears().values()]
+    for linear in [*quantized.values(), *expert_linears]:
         linear.finish()
         if fp8_min_rows is not None:
             fp8_parts += linear.use_fp8_activations(fp8_min_rows)
@@ -156,6 +173,26 @@ def linear_weights(model: nn.Module) -> dict[str, nn.Linear]:
             if isinstance(m, nn.Linear) and id(m.weight) not in tied}
 
 
+def expert_stacks(model: nn.Module) -> dict[str, nn.Parameter]:
+    """parameter name -> the float expert stacks (w13, w2) of every MoE block."""
+    return {n: p for n, p in model.named_parameters() if n.endswith((".mlp.w13", ".mlp.w2"))}
+
+
+def swap_experts(model: nn.Module, block: str, params: dict, seen: dict, filled: dict) -> QuantizedExperts:
+    """Replace MoE block `block`'s float expert stacks with QuantizedExperts, keeping the
+    float parts filled so far as float parts of the expert linears."""
+    stacks = {stack: params.pop(f"{block}.{stack}") for stack in ("w13", "w2")}
+    experts = model.get_submodule(block).quantize_experts()
+    for stack, param in stacks.items():
+        filled.pop(f"{block}.{stack}", None)
+        for done in seen.pop(f"{block}.{stack}", []):
+            # a whole stacked tensor (index None) fills every expert
+            for index in [(e,) for e in range(param.shape[0])] if done is None else [done]:
+                linear, rows = experts.part(stack, index)
+                linear.set_part(rows, param.data[index])
+    return experts
+
+
 def set_param(model: nn.Module, name: str, value: nn.Parameter | None) -> None:
     module, _, attr = name.rpartition(".")
     setattr(model.get_submodule(module), attr, value)
@@ -173,7 +210,7 @@ def swap_linear(model: nn.Module, param_name: str, model_dir) -> QuantizedLinear
     linear = getattr(parent, child, None)
     if attr != "weight" or not isinstance(linear, nn.Linear):
         raise CheckpointError(f"{model_dir}: a quantized tensor for '{param_name}', which is not a linear layer's "
-                              "weight (quantized mixture-of-experts checkpoints are not supported)")
+                              "weight")
     quantized = quantized_replacement(linear)  # keeps a sharded layer's all-reduce or gather
     setattr(parent, child, quantized)
     return quantized

@@ -12,6 +12,10 @@ Mixtral's `block_sparse_moe.experts.E.w1/w3/w2`, Qwen3-MoE's
 holds in memory (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]).
 A stacked tensor of another shape (a transposed [E, H, 2I] layout) is refused by the
 loader's shape check, which names both shapes.
+
+A quantized checkpoint's experts stay quantized: the loader swaps the stacks for
+QuantizedExperts (engine/models/quant_moe.py, one QuantizedLinear per expert projection)
+when the block's first quantized expert tensor arrives.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import nn
 from splitserve.core.model_config import ModelConfig
 from splitserve.engine.models.layers import GatedMLP
 from splitserve.engine.models.llama import DecoderLayer, LlamaForCausalLM
+from splitserve.engine.models.quant_moe import QuantizedExperts
 from splitserve.engine.parallel.state import all_reduce, tp
 from splitserve.kernels import ops
 from splitserve.kernels.moe_reference import select_experts
@@ -51,11 +56,21 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, cfg.hidden_size))
         self.w2 = nn.Parameter(torch.empty(experts, cfg.hidden_size, inter))
+        self.experts: QuantizedExperts | None = None  # instead of w13 / w2: quantize_experts()
+
+    def quantize_experts(self) -> QuantizedExperts:
+        """Replace the float stacks w13 and w2 by (empty) QuantizedExperts of the same shapes."""
+        experts, two_inter, hidden = self.w13.shape
+        self.experts = QuantizedExperts(experts, hidden, two_inter // 2)
+        del self.w13, self.w2
+        return self.experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
         if self.round_weights:
             weights = weights.to(x.dtype)
+        if self.experts is not None:
+            return all_reduce(self.experts(x, weights, ids))
         return all_reduce(ops.fused_moe(x, self.w13, self.w2, weights, ids))  # partial sums at tp > 1
 
 
