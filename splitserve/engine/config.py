@@ -78,8 +78,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.cuda_graphs and self.tensor_parallel_size > 1:
             raise ValueError("cuda_graphs=True is not supported with tensor_parallel_size > 1 yet (decode runs eagerly)")
-        if self.enable_lora and (self.tensor_parallel_size > 1 or self.cuda_graphs):
-            raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 or cuda_graphs=True yet")
+        if self.enable_lora and self.cuda_graphs:
+            raise ValueError("enable_lora is not supported with cuda_graphs=True yet")
         check_offload(self)
         self.speculative_config = parse_speculative_config(self.speculative_config, self.model)
         if self.async_scheduling and (self.speculative_config is not None or self.enable_lora

@@ -159,10 +159,10 @@ class LLMEngine(RequestIntake, Disaggregation, LoRAEngine, PeerPrefix):
                if seq.num_computed_tokens + n == seq.num_tokens + len(seq.draft_token_ids)]
         plain = [seq for seq in due if not seq.draft_token_ids]  # (drafts: masked row by row in verify)
         masks = self.grammars.start_masks([seq.grammar for seq in plain])  # overlaps the forward pass
-        if self.loras is not None:  # slots for the step's adapters, tokens grouped by slot
-            self.loras.prepare(batch.entries)
+        # slots for the step's adapters, tokens grouped by slot (and the plan the other TP ranks follow)
+        lora_plan = self.loras.prepare(batch.entries) if self.loras is not None else None
         try:
-            logits, sampled = self.runner.run(batch)
+            logits, sampled = self.runner.run(batch, lora_plan)
         finally:
             mask = masks.result() if masks is not None else None
         assert sampled == due, "the runner sampled other sequences than the grammar masked"

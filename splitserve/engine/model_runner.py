@@ -74,13 +74,15 @@ class ModelRunner:
         return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+    def run(self, batch: ScheduledBatch, lora=None) -> tuple[torch.Tensor, list[Sequence]]:
         """Logits [k, vocab] (float32) for the k sequences that reach their last known
-        token this step (those get a new token), and those sequences in order."""
+        token this step (those get a new token), and those sequences in order. `lora`: the
+        step's LoRA plan for the other tensor-parallel ranks (LoRAManager.prepare)."""
         if self.decode_graphs is not None and self.decode_graphs.fits(batch):
             return self.decode_graphs.run(batch)
         step, sampled = step_inputs(batch, self.block_size)
         if tp().size > 1:  # the other ranks run the same step on their slices (parallel/worker.py)
+            step.lora = lora
             broadcast_object(step)
         return self.execute(step), sampled
 

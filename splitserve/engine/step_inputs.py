@@ -6,9 +6,13 @@ ranks, which run the same step on their slices (engine/parallel/worker.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from splitserve.engine.lora.ranks import LoRAStepPlan
 
 
 @dataclass
@@ -23,6 +27,7 @@ class StepInputs:
     decode_seq_lens: list[int]
     decode_block_tables: list[list[int]]
     long_rope: list[bool] | None  # per token: read the longrope long-factor rows (None: no sequence does)
+    lora: LoRAStepPlan | None = None  # under tensor parallelism: the tokens' adapter slots (lora/ranks.py)
 
 
 def step_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInputs, list[Sequence]]:

@@ -40,7 +40,6 @@ def test_the_flags_make_the_engine_config(adapter_dir):
     (["--enable-lora", "--lora-modules", "just-a-path"], "--lora-modules takes NAME=PATH, got 'just-a-path'"),
     (["--enable-lora", "--lora-modules", "a=/nowhere"], "LoRA adapter 'a': /nowhere is not a directory"),
     (["--enable-lora", "--max-loras", "0"], "--max-loras and --max-lora-rank must be at least 1"),
-    (["--enable-lora", "-tp", "2"], "--enable-lora is not supported with --tensor-parallel-size > 1 yet"),
 ])
 def test_bad_flags_are_one_line(argv, message):
     assert lora_problem(parse(*argv)) == message

@@ -11,7 +11,8 @@ the module's parts (q=0, k=1, v=2; gate=0, up=1). The model's own `weight_target
 checkpoint loader's mapping) says which, so every family that loads names the same way.
 What LoRA cannot express here is refused in one line: MoE experts, DoRA, trained biases,
 modules_to_save, embeddings / lm_head, per-module ranks, a rank above --max-lora-rank,
-shapes of another base model.
+shapes of another base model. Under tensor parallelism each rank keeps its part of A or
+B, split as the base weight is (sharding.py), after the whole tensors' shapes are checked.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ import torch
 import xxhash
 from safetensors.torch import load_file
 from torch import nn
+
+from splitserve.engine.lora.sharding import lora_split, rank_parts, whole_shapes
+from splitserve.engine.parallel.state import tp
 
 # our LoRA-capable projections -> how many parts (positions) each has
 PARTS = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
@@ -56,6 +60,11 @@ class LoRAAdapter:
     def key(self) -> tuple[str, int]:
         """Identity in the slots: a name reloaded with other weights is another adapter."""
         return self.name, self.salt
+
+    def pin(self) -> None:
+        """Weights in pinned host memory: a swap into a CUDA slot copies asynchronously."""
+        for part in (p for parts in self.modules.values() for p in parts):
+            part.a, part.b = part.a.pin_memory(), part.b.pin_memory()
 
 
 def lora_targets(model: nn.Module) -> dict[str, nn.Module]:
@@ -179,9 +188,13 @@ def _read_adapter(name: str, path: Path, model: nn.Module, max_rank: int) -> LoR
         if b is None:
             raise LoRAAdapterError(f"LoRA adapter {name!r}: {key} has no lora_B")
         ours, part = _our_part(name, module, model, targets)
-        _check_shapes(name, module, tensors[key], b, rank, targets[ours], part)
-        adapter.modules.setdefault(ours, []).append(
-            LoRAPart(part[0], part[1], tensors[key].float(), (b.float() * scale)))
+        a = tensors[key]
+        # under tensor parallelism: this rank's part of A or B, split as the base weight is (sharding.py)
+        split = lora_split(module, model.cfg, tp()) if tp().size > 1 else None
+        _check_shapes(name, module, a, b, rank, targets[ours], part, split)
+        if split is not None:
+            a, b = rank_parts(split, a, b)
+        adapter.modules.setdefault(ours, []).append(LoRAPart(part[0], part[1], a.float(), (b.float() * scale)))
     if not adapter.modules:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {WEIGHTS} holds no LoRA weights")
     return adapter
@@ -203,9 +216,12 @@ def _our_part(name: str, module: str, model: nn.Module, targets: dict) -> tuple[
     return ours, (parts.index((rows.start, rows.stop)), (rows.start, rows.stop))
 
 
-def _check_shapes(name, module, a, b, rank, linear, part) -> None:
+def _check_shapes(name, module, a, b, rank, linear, part, split) -> None:
+    """The file's shapes against the model's (the whole model's under tensor parallelism)."""
     _, (start, stop) = part
     want_a, want_b = (rank, linear.in_features), (stop - start, rank)
+    if split is not None:
+        want_a, want_b = whole_shapes(split, want_a, want_b)
     if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
         raise LoRAAdapterError(
             f"LoRA adapter {name!r} does not fit this model: {module} has lora_A {tuple(a.shape)} and lora_B "

@@ -4,7 +4,9 @@ Before each step the manager fills `LoRAStep` with the step's tokens grouped by 
 (the layout kernels/lora_reference.py describes); a forward hook on every LoRA-capable
 projection adds scale * B(A(x)) of each token's adapter to the projection's output. Base
 model tokens are in no segment and pay nothing; a step with no adapted token skips the
-hooks' work entirely.
+hooks' work entirely. Under tensor parallelism a row-parallel projection (o_proj,
+down_proj) adds the delta of its rank's input columns to its partial sum instead, before
+the all-reduce (parallel/linear.py `before_reduce`; lora/sharding.py says why it is exact).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from splitserve.engine.parallel.state import tp
 from splitserve.kernels import lora_reference
 from splitserve.kernels.ops import backend_for
 
@@ -70,10 +73,13 @@ def _lora_delta(x, a, b, out, step: LoRAStep):
 def install_hooks(targets: dict[str, nn.Module], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
                   step: LoRAStep) -> None:
     for name, linear in targets.items():
-        def hook(module, inputs, out, a=a[name], b=b[name]):
+        def add_delta(x, out, a=a[name], b=b[name]):
             if step.perm is None:
                 return out
-            x = inputs[0]
             return _lora_delta(x.reshape(-1, x.shape[-1]), a, b, out.reshape(-1, out.shape[-1]), step).view_as(out)
 
-        linear.register_forward_hook(hook)
+        if tp().size > 1 and hasattr(linear, "before_reduce"):
+            # row-parallel under TP: this rank's term joins its partial sum, before the all-reduce
+            linear.before_reduce = add_delta
+        else:
+            linear.register_forward_hook(lambda module, inputs, out, add_delta=add_delta: add_delta(inputs[0], out))

@@ -91,8 +91,6 @@ def lora_problem(args: argparse.Namespace) -> str | None:
         return "--lora-modules needs --enable-lora" if getattr(args, "lora_modules", []) else None
     if args.max_loras < 1 or args.max_lora_rank < 1:
         return "--max-loras and --max-lora-rank must be at least 1"
-    if getattr(args, "tensor_parallel_size", 1) > 1:
-        return "--enable-lora is not supported with --tensor-parallel-size > 1 yet"
     try:
         for name, path in parse_lora_modules(args.lora_modules).items():
             if not Path(path).is_dir():

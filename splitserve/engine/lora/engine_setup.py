@@ -16,8 +16,13 @@ def attach_lora(engine) -> LoRAManager | None:
         return None
     manager = LoRAManager(engine.runner.model, cfg.max_loras, cfg.max_lora_rank, cfg.torch_dtype,
                           engine.runner.device)
-    for name, path in cfg.lora_modules.items():
-        manager.add(name, path)
+    try:
+        for name, path in cfg.lora_modules.items():
+            manager.add(name, path)
+    except Exception:
+        if engine.tp_group is not None:  # the start failed: its rank processes end with it
+            engine.tp_group.close()
+        raise
     # a reserved remote prefill joins the batch later without admission: it counts as live
     engine.scheduler.admits = lambda seq: manager.admits(
         seq.lora, [*engine.scheduler.running, *engine.remote.values()])

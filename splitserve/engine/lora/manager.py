@@ -5,6 +5,8 @@
   distinct adapters, so every step's adapters fit the slots (slots.py).
 - Before each forward pass, `prepare` gives the step's adapters slots and tells the
   projections' hooks which tokens run under which slot (apply.py).
+- Under tensor parallelism the other ranks load every adapter too, all or none, and
+  follow each step's slots (ranks.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from torch import nn
 from splitserve.core.lora_names import lora_name_problem
 from splitserve.engine.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter, lora_targets
 from splitserve.engine.lora.apply import LoRAStep, install_hooks
+from splitserve.engine.lora.ranks import LoRARanks, LoRAStepPlan
 from splitserve.engine.lora.slots import LoRASlots
+from splitserve.engine.parallel.state import tp
 
 
 class UnknownLoRAError(LoRAAdapterError):
@@ -36,6 +40,7 @@ class LoRAManager:
         self.step = LoRAStep()
         install_hooks(targets, self.slots.a, self.slots.b, self.step)
         self.requests: Counter[str] = Counter()  # requests run per adapter (metrics)
+        self.ranks = LoRARanks() if tp().size > 1 else None  # the other tensor-parallel ranks
 
     @property
     def max_loras(self) -> int:
@@ -51,11 +56,17 @@ class LoRAManager:
         old = self.adapters.get(name)
         if old is not None and old.salt != adapter.salt:
             raise LoRAAdapterError(f"LoRA adapter {name!r} is already loaded with other weights; unload it first")
-        if old is None and self.device.type == "cuda":  # pinned: a swap into a slot copies asynchronously
-            for part in (p for parts in adapter.modules.values() for p in parts):
-                part.a, part.b = part.a.pin_memory(), part.b.pin_memory()
-        self.adapters[name] = old or adapter
-        return self.adapters[name]
+        if old is not None:
+            return old  # (the other ranks hold it already)
+        if self.device.type == "cuda":
+            adapter.pin()
+        if self.ranks is not None:  # every other rank reads its part: kept on all ranks, or on none
+            problem = self.ranks.load(name, path, adapter.salt)
+            if problem is not None:
+                raise LoRAAdapterError(problem)
+            self.ranks.watch(adapter)
+        self.adapters[name] = adapter
+        return adapter
 
     def remove(self, name: str) -> bool:
         """Unload: new requests can no longer name it (running ones finish under it)."""
@@ -76,14 +87,21 @@ class LoRAManager:
         keys = {s.lora.key for s in live if s.lora is not None}
         return lora.key in keys or len(keys) < self.max_loras
 
-    def prepare(self, entries: list) -> None:
-        """Before a step over `entries` [(sequence, new tokens)], in the step's token order."""
+    def prepare(self, entries: list) -> LoRAStepPlan | None:
+        """Before a step over `entries` [(sequence, new tokens)], in the step's token order;
+        under tensor parallelism, the plan the step's inputs carry to the other ranks."""
         adapters = [seq.lora for seq, _ in entries if seq.lora is not None]
         slot_of = self.slots.assign(adapters) if adapters else {}
         token_slots: list[int] = []
         for seq, n in entries:
             token_slots.extend([slot_of[seq.lora.key] if seq.lora is not None else -1] * n)
         self.step.set(token_slots, self.device)
+        return self.ranks.plan(entries, slot_of) if self.ranks is not None else None
+
+    def rank_adapters(self) -> list[list[str]]:
+        """The adapter names each other tensor-parallel rank holds weights of (1..N-1);
+        [] at tp=1. A broadcast: call it between steps."""
+        return self.ranks.held() if self.ranks is not None else []
 
     def resident(self) -> list[str]:
         """Names of the loaded adapters that hold a slot now (load reports, routing)."""

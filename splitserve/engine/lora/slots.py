@@ -48,6 +48,15 @@ class LoRASlots:
                 self._load(adapter, self._free_slot(set(wanted)))
         return {key: self.resident[key] for key in wanted}
 
+    def place(self, adapter: LoRAAdapter, slot: int) -> None:
+        """`adapter` in `slot`, as rank 0's `assign` decided (a tensor-parallel rank's side:
+        lora/ranks.py); copied in unless it is there already."""
+        if self.resident.get(adapter.key) == slot:
+            return
+        for key in [k for k, s in self.resident.items() if s == slot or k == adapter.key]:
+            del self.resident[key]
+        self._load(adapter, slot)
+
     def evict(self, key: tuple[str, int]) -> None:
         """Forget an unloaded adapter's slot (its weights are overwritten on the next load)."""
         self.resident.pop(key, None)

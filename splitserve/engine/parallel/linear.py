@@ -14,6 +14,8 @@ A quantized checkpoint swaps a linear for a QuantizedLinear (models/quant_linear
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,10 +34,15 @@ class ColumnParallelLinear(nn.Linear):
 
 
 class RowParallelLinear(nn.Linear):
+    # LoRA's term of this rank's input columns (lora/apply.py): added to the partial sum
+    # before the all-reduce, which sums the ranks' terms (a forward hook would run after it)
+    before_reduce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp().size == 1:
             return ops.linear(x, self.weight, self.bias)
-        return all_reduce(ops.linear(x, self.weight, self.bias if tp().rank == 0 else None))
+        out = ops.linear(x, self.weight, self.bias if tp().rank == 0 else None)
+        return all_reduce(out if self.before_reduce is None else self.before_reduce(x, out))
 
 
 class ParallelLMHead(nn.Linear):
@@ -65,14 +72,17 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class RowParallelQuantizedLinear(QuantizedLinear):
+    before_reduce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # as RowParallelLinear's
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp().size == 1:
             return super().forward(x)
         bias, self.bias = self.bias, (self.bias if tp().rank == 0 else None)
         try:
-            return all_reduce(super().forward(x))
+            out = super().forward(x)
         finally:
             self.bias = bias
+        return all_reduce(out if self.before_reduce is None else self.before_reduce(x, out))
 
 
 class GatheredQuantizedLinear(QuantizedLinear):

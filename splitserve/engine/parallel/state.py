@@ -87,3 +87,11 @@ def broadcast_object(obj=None):
     with _peers_alive():
         dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def gather_object(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank (all ranks call it)."""
+    out: list = [None] * _state.size
+    with _peers_alive():
+        dist.all_gather_object(out, obj)
+    return out

@@ -1,7 +1,9 @@
 """Ranks 1..N-1 of a tensor-parallel engine: each a process that loads its slice of the
 model and its slice of the KV pool, then runs every step rank 0 broadcasts, until rank 0
 broadcasts None. Rank 0 schedules and samples; these ranks only compute (their copy of
-the gathered logits is dropped). Asked once (SHARE_KV_POOL), a rank hands rank 0 its KV
+the gathered logits is dropped). With LoRA on, a rank also loads the adapters rank 0
+loads (all ranks or none) and puts each step's adapters in the slots rank 0 chose
+(lora/ranks.py). Asked once (SHARE_KV_POOL), a rank hands rank 0 its KV
 pool tensor in shared memory, for the worker's KV transfer (parallel/kv_shards.py).
 A thread of each rank writes the time into its slot of `beats` every BEAT_INTERVAL_S, so
 rank 0 sees a rank frozen (SIGSTOP) or starved, which no collective reports (group.silence)."""
@@ -65,9 +67,19 @@ def loaded(error: str | None) -> str | None:
     return next((e for e in errors if e), None)
 
 
+def rank_lora(runner, cfg: EngineConfig):
+    """This rank's LoRA slots and adapters (lora/ranks.py), None unless enable_lora."""
+    if not cfg.enable_lora:
+        return None
+    from splitserve.engine.lora.ranks import RankLoRA
+
+    return RankLoRA(runner.model, cfg.max_loras, cfg.max_lora_rank, cfg.torch_dtype, runner.device)
+
+
 def run_rank(rank: int, size: int, port: int, cfg: EngineConfig, max_model_len: int, to_rank0, beats) -> None:
     from splitserve.core.model_config import ModelConfig
     from splitserve.engine.model_runner import ModelRunner
+    from splitserve.engine.step_inputs import StepInputs
 
     threading.Thread(target=beat, args=(beats, rank), name="tp-rank-beat", daemon=True).start()
     cfg = rank_config(cfg, rank)
@@ -80,6 +92,7 @@ def run_rank(rank: int, size: int, port: int, cfg: EngineConfig, max_model_len: 
     init_tensor_parallel(rank, size, store, cfg.device)
     try:
         runner, error = ModelRunner(ModelConfig.from_dir(cfg.model), cfg, max_model_len), None
+        lora = rank_lora(runner, cfg)
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
         runner, error = None, f"rank {rank}: {exc}" if str(exc) else f"rank {rank}: {traceback.format_exc(limit=1)}"
     if loaded(error) is not None:
@@ -88,8 +101,12 @@ def run_rank(rank: int, size: int, port: int, cfg: EngineConfig, max_model_len: 
         while (step := broadcast_object()) is not None:
             if isinstance(step, str) and step == SHARE_KV_POOL:
                 to_rank0.send(shared(runner.kv_pool.data))  # the handle: its memory is not copied
-            else:
+            elif isinstance(step, StepInputs):
+                if lora is not None:  # the step's adapters in their slots, as rank 0 put them
+                    lora.apply(step.lora)
                 runner.execute(step)
+            else:  # a LoRA load or query (lora/ranks.py)
+                lora.handle(step)
     except RankLost:  # rank 0 is gone (killed, crashed): nothing left to compute for
         return
     destroy_tensor_parallel()
