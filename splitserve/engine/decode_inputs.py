@@ -11,8 +11,9 @@ scalars and only the block ids appended since (usually none). A row that gets an
 sequence (a new batch order, a preempted sequence's new table) is rewritten whole.
 
 Why "the same list object, and no shorter" proves a row's written prefix is still right:
-block_manager.py only ever extends a block table in place or replaces it with a new list
-(a freed or re-admitted sequence), never edits an entry. The row keeps a reference to the
+block_manager.py only ever extends a block table in place, replaces it with a new list
+(a freed or re-admitted sequence) or cuts the blocks past the next token's (rejected drafts:
+never one a decode step wrote), never edits an entry. The row keeps a reference to the
 list, so its identity cannot be reused by another.
 
 Entries past a row's length are left as they are (ids of earlier tables, all valid blocks):

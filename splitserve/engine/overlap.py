@@ -78,7 +78,7 @@ class OverlappedDecode:
             return None
         seqs, growing = batch
         for seq in growing:  # the scheduler's allocation for a decode (no preemption: _decode_batch checked)
-            seq.block_table.extend(self.engine.scheduler.bm.allocate_blocks(1))
+            self.engine.scheduler.bm.grow(seq, 1)
         launched = self._launch(seqs)
         outputs = self._finish(self.in_flight)
         for row, seq in enumerate(seqs):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from splitserve.core.block_events import BlockEvent
 from splitserve.core.sampling_params import SamplingParams
 from splitserve.engine.sequence import Sequence
 
@@ -45,28 +44,15 @@ class PeerPrefix:
         bm = self.scheduler.bm
         cached = bm.match_prefix(seq)
         want = len(prefix) // bm.block_size - len(cached)
-        idle_cached = sum(1 for b in cached if bm.ref_counts[b] == 0)
-        if want <= 0 or want > bm.num_free_blocks - idle_cached:  # never evict the cached part
+        ids = bm.allocate_behind(cached, want) if want > 0 else None  # never evicts the cached part
+        if ids is None:
             return None
-        for b in cached:  # keep them: the fresh blocks below must not evict them
-            if bm.ref_counts[b] == 0:
-                bm.free.move_to_end(b)
-        ids = bm.allocate_blocks(want)
         have = len(cached)
         return ids, seq.block_hashes[have:have + want], seq.block_hashes[have - 1] if have else None, have
 
     def adopt_pulled(self, block_ids: list[int], hashes: list[int], parent: int | None) -> None:
         """Requester: the pulled blocks arrived verified; they join the prefix cache (idle)."""
-        bm = self.scheduler.bm
-        published = []
-        for b, h in zip(block_ids, hashes, strict=True):
-            if h not in bm.hash_to_block:  # computed here meanwhile: that copy stays
-                bm.hash_to_block[h] = b
-                bm.block_hash[b] = h
-                published.append(h)
-        if published:
-            bm.events.append(BlockEvent("stored", published, parent))
-        bm.release_blocks(block_ids)
+        self.scheduler.bm.adopt(block_ids, hashes, parent)  # a copy computed here meanwhile stays
 
     def drop_pulled(self, block_ids: list[int]) -> None:
         """Requester: the pull failed; the blocks hold nothing."""
@@ -80,8 +66,7 @@ class PeerPrefix:
             return [], []
         bm = self.scheduler.bm
         cached = bm.match_prefix(seq)[skip_blocks:]
-        for b in cached:
-            bm._take_cached(b)
+        bm.pin(cached)
         return cached, seq.block_hashes[skip_blocks:skip_blocks + len(cached)]
 
     def unpin(self, block_ids: list[int]) -> None:

@@ -75,13 +75,13 @@ class Scheduler:
         if self.decoding_step_tokens < budget and any(s.num_tokens - s.num_computed_tokens <= 1 for s in self.running):
             budget = self.decoding_step_tokens
         i = 0
-        bm, bs, free = self.bm, self.bm.block_size, self.bm.free
+        bm, bs = self.bm, self.bm.block_size
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             computed = seq.num_computed_tokens
             n = min(len(seq.token_ids) - computed, budget)
             need = max(0, -(-(computed + n) // bs) - len(seq.block_table))  # bm.blocks_needed, inlined (per seq)
-            while need > len(free):
+            while need > bm.num_free_blocks:
                 victim = self.running.pop()  # never one scheduled earlier this step (index < i)
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -93,7 +93,7 @@ class Scheduler:
                 n += self._propose_drafts(seq, n, budget, len(self.running) - i - 1)
                 need = self.bm.blocks_needed(seq, n)
             if need:  # (a decode mostly writes into its last block: nothing to allocate)
-                seq.block_table.extend(bm.allocate_blocks(need))
+                bm.grow(seq, n)
             if n == 1:
                 batch.decodes.append(seq)
             else:
@@ -166,10 +166,7 @@ class Scheduler:
         tokens the sequence holds, so the prefix cache never sees a rejected token."""
         seq.num_computed_tokens -= len(seq.draft_token_ids) - num_accepted
         seq.draft_token_ids = []
-        keep = -(-(seq.num_computed_tokens + 1) // self.bm.block_size)
-        if len(seq.block_table) > keep:
-            self.bm.release_blocks(seq.block_table[keep:])
-            del seq.block_table[keep:]
+        self.bm.shrink(seq, -(-(seq.num_computed_tokens + 1) // self.bm.block_size))
 
     @staticmethod
     def _add_to_batch(batch: ScheduledBatch, seq: Sequence, n: int) -> None:
@@ -248,7 +245,7 @@ class Scheduler:
         return self.bm.num_blocks
 
     def cached_block_hashes(self) -> list[int]:
-        return list(self.bm.hash_to_block)
+        return self.bm.cached_hashes()
 
     def drain_block_events(self):
         return self.bm.drain_events()

@@ -48,7 +48,7 @@ def evict_device(llm: LLM) -> None:
     for seed in (1, 2):
         generate(llm, [(i * 53 + seed * 101) % 900 + 5 for i in range(150)])
     bm = llm.engine.scheduler.bm
-    assert not any(h in bm.hash_to_block for h in prefix_hashes(llm))
+    assert not set(bm.cached_hashes()) & set(prefix_hashes(llm))
 
 
 def prefix_hashes(llm: LLM) -> list[int]:
