@@ -4,13 +4,13 @@ lora_A split by input columns and lora_B replicated for o_proj and down_proj), s
 engine's greedy tokens under three adapters and the base model, mixed in one batch with
 fewer slots than adapters, equal transformers + PeftModel (float32). Loads reach every
 rank and are atomic (a rank that cannot read an adapter leaves it on no rank); an unloaded
-adapter is refused as at tp=1 and its weights leave the ranks once no request holds it.
+adapter is refused as at tp=1, a request running under it finishes under it on every rank,
+and its weights leave the ranks once no request holds it.
 
 One tp=2 engine for the module (each start spawns a rank process)."""
 
 from __future__ import annotations
 
-import gc
 import random
 import shutil
 
@@ -97,12 +97,17 @@ def test_a_runtime_load_and_unload_reach_every_rank(llm, base, adapters):
     engine, prompt = llm.engine, list(range(30, 70))
     assert engine.add_lora("late", str(adapters["mlp-r16"])) > 0
     assert "late" in engine.loras.rank_adapters()[0]
-    out = llm.generate(prompt, greedy(lora_name="late"))[0]
-    assert out.token_ids == peft_greedy(base, adapters["mlp-r16"], prompt, NEW_TOKENS)
-    assert engine.remove_lora("late")
+    engine.add_request("running", prompt, greedy(lora_name="late"))
+    engine.step()
+    assert engine.remove_lora("late")  # while a request runs under it
     with pytest.raises(InvalidPromptError, match="^The model `late` does not exist.$"):  # as tp=1 says it
         llm.generate(prompt, greedy(lora_name="late"))
-    gc.collect()  # (rank 0's adapter object gone: no request holds it)
+    assert "late" in engine.loras.rank_adapters()[0]  # rank 1 keeps its weights for the running request
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert done["running"] == peft_greedy(base, adapters["mlp-r16"], prompt, NEW_TOKENS)  # finished under it
+    # rank 0's adapter object is gone (no request holds it): the query carries its forget to rank 1
     assert "late" not in engine.loras.rank_adapters()[0]
     assert llm.generate(prompt, greedy())[0].token_ids == peft_greedy(base, None, prompt, NEW_TOKENS)
 
