@@ -44,6 +44,7 @@ from splitserve.decode_worker.prefill_timeout import add_prefill_timeout_arg
 from splitserve.engine.args import (
     add_engine_args,
     async_scheduling_problem,
+    compatibility_problem,
     decode_worker_engine,
     engine_config_from_args,
     resolve_model,
@@ -301,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     # checked before Ray or any process starts: one line, exit 2
     problem = checkpoint_problem(args.model, args.quantization) if args.model is not None else (
         None if (demo_dir() / "config.json").is_file() else cache_dir_problem(demo_dir()))
-    problem = (problem or tensor_parallel_problem(args) or speculative_problem(args) or kv_offload_problem(args)
-               or kv_sizes_problem(args, args.prefill_workers + args.decode_workers)
+    problem = (problem or compatibility_problem(args) or tensor_parallel_problem(args) or speculative_problem(args)
+               or kv_offload_problem(args) or kv_sizes_problem(args, args.prefill_workers + args.decode_workers)
                or lora_problem(args) or async_scheduling_problem(args))
     if problem:
         print(f"splitserve serve: {problem}", file=sys.stderr)

@@ -23,6 +23,7 @@ from splitserve.decode_worker.worker import DecodeWorker, DecodeWorkerConfig
 from splitserve.engine.args import (
     add_engine_args,
     async_scheduling_problem,
+    compatibility_problem,
     decode_worker_engine,
     engine_config_from_args,
     resolve_model,
@@ -61,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     configure_logging()
     torch.set_num_threads(args.torch_threads or threads_per_worker(available_cpus()))
-    problem = (tensor_parallel_problem(args) or speculative_problem(args) or kv_offload_problem(args)
-               or kv_sizes_problem(args) or lora_problem(args) or async_scheduling_problem(args))
+    problem = (compatibility_problem(args) or tensor_parallel_problem(args) or speculative_problem(args)
+               or kv_offload_problem(args) or kv_sizes_problem(args) or lora_problem(args)
+               or async_scheduling_problem(args))
     if problem:  # one line, before the model loads
         print(f"splitserve decode-worker: {problem}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 
 from splitserve.core.cli_types import positive_int
+from splitserve.core.compatibility import refusal
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.core.model_config import CheckpointError, shardable_problem
 from splitserve.core.model_dir import resolve_model as core_resolve_model
@@ -16,7 +17,7 @@ from splitserve.core.quantization import (
     tensor_parallel_split_problem,
 )
 from splitserve.core.speculative import SpeculativeConfigError, parse_speculative_config
-from splitserve.engine.config import EngineConfig
+from splitserve.engine.config import EngineConfig, checkpoint_is_quantized
 from splitserve.engine.kv_cache import KV_CACHE_DTYPES
 from splitserve.engine.kv_offload.args import add_kv_offload_args, kv_offload_fields
 from splitserve.engine.lora.args import add_lora_args, lora_fields
@@ -92,34 +93,50 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
 def speculative_problem(args: argparse.Namespace) -> str | None:
     """Why --speculative-config cannot be served (one line), or None; checked before any process starts."""
     try:
-        config = parse_speculative_config(getattr(args, "speculative_config", None), args.model)
+        parse_speculative_config(getattr(args, "speculative_config", None), args.model)
     except SpeculativeConfigError as exc:
         return f"--speculative-config: {exc}"
-    if config is not None and config.method == "draft_model" and getattr(args, "tensor_parallel_size", 1) > 1:
-        return "--speculative-config: method draft_model is not supported with --tensor-parallel-size > 1 yet"
     return None
 
 
+def flag_features(args: argparse.Namespace) -> set[str]:
+    """The core/compatibility.py features these flags turn on, as EngineConfig.features sees
+    them (the command line cannot force CUDA graphs on: by default they go off where refused),
+    plus Mooncake from --kv-backend."""
+    try:
+        spec = parse_speculative_config(getattr(args, "speculative_config", None), check_files=False)
+    except SpeculativeConfigError:  # speculative_problem says why
+        spec = None
+    method = spec.method if spec is not None else None
+    on = {"tensor-parallel": getattr(args, "tensor_parallel_size", 1) > 1,
+          "lora": getattr(args, "enable_lora", False), "async-scheduling": getattr(args, "async_scheduling", False),
+          "ngram": method == "ngram", "draft-model": method == "draft_model",
+          "kv-offload-host": getattr(args, "kv_offload_gib", 0.0) > 0,
+          "kv-offload-disk": getattr(args, "kv_offload_dir", None) is not None,
+          "mooncake": getattr(args, "kv_backend", "grpc") == "mooncake",
+          "fp8-kv-cache": getattr(args, "kv_cache_dtype", "auto").startswith("fp8"),
+          "quantized": checkpoint_is_quantized(getattr(args, "model", None), getattr(args, "quantization", None))}
+    return {feature for feature, yes in on.items() if yes}
+
+
+def compatibility_problem(args: argparse.Namespace) -> str | None:
+    """The features these flags combine that the table refuses (core/compatibility.py: the
+    line EngineConfig, the operator and the CRD refuse them with), or None; checked before any
+    process starts by `serve` and every worker's main, which exit 2 with it."""
+    return refusal(flag_features(args))
+
+
 def async_scheduling_problem(args: argparse.Namespace) -> str | None:
-    """Why --async-scheduling cannot be served with these flags (EngineConfig's refusal, one line)."""
-    if not getattr(args, "async_scheduling", False):
-        return None
-    other = next((flag for flag, on in (
-        ("--speculative-config", getattr(args, "speculative_config", None)),
-        ("--enable-lora", getattr(args, "enable_lora", False)),
-        ("--tensor-parallel-size > 1", getattr(args, "tensor_parallel_size", 1) > 1),
-        ("--no-cuda-graphs", getattr(args, "no_cuda_graphs", False))) if on), None)
-    return f"--async-scheduling cannot be combined with {other} yet" if other else None
+    """--async-scheduling's own constraint (EngineConfig's, one line): it runs the padded
+    (graph) decode step, so not with --no-cuda-graphs. Its pairs are the table's."""
+    if getattr(args, "async_scheduling", False) and getattr(args, "no_cuda_graphs", False):
+        return "--async-scheduling runs the padded (graph) decode step: it cannot run with --no-cuda-graphs"
+    return None
 
 
 def tensor_parallel_problem(args: argparse.Namespace) -> str | None:
-    """Why this --tensor-parallel-size cannot serve with this --kv-backend, or None. mooncake
-    writes one-sided into one registered region of a pool, and a tensor-parallel worker's
-    pool is split over its ranks (grpc carries every head and re-shards on arrival)."""
-    if args.tensor_parallel_size > 1 and getattr(args, "kv_backend", "grpc") == "mooncake":
-        return (f"--tensor-parallel-size {args.tensor_parallel_size} with --kv-backend mooncake: one-sided writes "
-                "need one registered KV pool, and a tensor-parallel worker's is split over its ranks "
-                "(use --kv-backend grpc)")
+    """Why this checkpoint cannot be split over --tensor-parallel-size ranks, or None (which
+    features combine with tensor parallelism is compatibility_problem's)."""
     cfg = served_config(getattr(args, "model", None)) if args.tensor_parallel_size > 1 else None
     why = shardable_problem(cfg, args.tensor_parallel_size) if cfg is not None else None
     if cfg is not None and not why:

@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.core.compatibility import refusal
 from splitserve.core.gguf_model import find_gguf, prepare_gguf
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
+from splitserve.core.model_dir import served_config
 from splitserve.core.speculative import SpeculativeConfig, parse_speculative_config
 from splitserve.engine.kv_cache import kv_cache_torch_dtype
 
@@ -76,18 +78,29 @@ class EngineConfig:
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
-        if self.cuda_graphs and self.tensor_parallel_size > 1:
-            raise ValueError("cuda_graphs=True is not supported with tensor_parallel_size > 1 yet (decode runs eagerly)")
-        if self.enable_lora and self.cuda_graphs:
-            raise ValueError("enable_lora is not supported with cuda_graphs=True yet")
         check_offload(self)
         self.speculative_config = parse_speculative_config(self.speculative_config, self.model)
-        if self.async_scheduling and (self.speculative_config is not None or self.enable_lora
-                                      or self.tensor_parallel_size > 1 or self.cuda_graphs is False):
-            raise ValueError("async_scheduling overlaps the padded decode step: it cannot be combined with "
-                             "speculative decoding, LoRA, tensor parallelism or cuda_graphs=False yet")
+        problem = refusal(self.features)  # which features combine: core/compatibility.py
+        if problem:
+            raise ValueError(problem)
+        if self.async_scheduling and self.cuda_graphs is False:
+            raise ValueError("async_scheduling runs the padded (graph) decode step: it cannot run with "
+                             "cuda_graphs=False (--no-cuda-graphs)")
         if self.cuda_graphs and torch.device(self.device).type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got device={self.device!r}")
+
+    @property
+    def features(self) -> set[str]:
+        """The core/compatibility.py features this configuration turns on (Mooncake is a
+        worker's --kv-backend, not the engine's: engine/args.py adds it)."""
+        method = self.speculative_config.method if isinstance(self.speculative_config, SpeculativeConfig) else None
+        on = {"tensor-parallel": self.tensor_parallel_size > 1, "lora": self.enable_lora,
+              "cuda-graphs": self.cuda_graphs is True, "async-scheduling": self.async_scheduling,
+              "ngram": method == "ngram", "draft-model": method == "draft_model",
+              "kv-offload-host": self.kv_offload_bytes > 0, "kv-offload-disk": self.kv_offload_dir is not None,
+              "fp8-kv-cache": self.kv_cache_dtype.startswith("fp8"),
+              "quantized": checkpoint_is_quantized(self.model, self.quantization)}
+        return {feature for feature, yes in on.items() if yes}
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -132,5 +145,12 @@ def check_offload(cfg: EngineConfig) -> None:
         raise ValueError("--kv-offload-dir and --kv-offload-dir-gib go together: the disk tier needs both")
     if (cfg.kv_offload_bytes or cfg.kv_offload_dir) and not cfg.enable_prefix_caching:
         raise ValueError("KV offload tiers hold prefix-cache blocks: they need prefix caching on")
-    if (cfg.kv_offload_bytes or cfg.kv_offload_dir) and cfg.tensor_parallel_size > 1:
-        raise ValueError("KV offload tiers are not supported with tensor_parallel_size > 1 yet")
+
+
+def checkpoint_is_quantized(model: str | None, quantization: str | None) -> bool:
+    """--quantization given, or the checkpoint's config.json has a quantization_config (a
+    checkpoint that cannot be read is the loader's to refuse)."""
+    if quantization is not None:
+        return True
+    cfg = served_config(model)
+    return cfg is not None and cfg.raw.get("quantization_config") is not None

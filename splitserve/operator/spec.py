@@ -16,6 +16,7 @@ from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
 
 from .cert_manager import IssuerRef, parse_tls
 from .labels import label_problems
+from .spec_compatibility import compatibility_problems
 from .spec_fields import bool_field, float_field, int_field, object_field
 from .spec_kv_offload import KVOffloadSpec, parse_kv_offload
 from .spec_lora import LoRASpec, parse_loras
@@ -233,9 +234,6 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
         problems.append(f"spec.kvTransfer.backend must be grpc or mooncake, got {kv_backend!r}")
     if rdma_device and kv_backend != "mooncake":
         problems.append("spec.kvTransfer.rdmaDevice is only used by the mooncake backend; set backend: mooncake")
-    if kv_backend == "mooncake" and max(prefill.tensor_parallel_size, decode.tensor_parallel_size) > 1:
-        problems.append("spec.kvTransfer.backend mooncake needs tensorParallelSize 1 on both roles: one-sided writes "
-                        "need one registered KV pool, and a tensor-parallel worker's is split over its ranks")
     redis = object_field(spec, "redis", problems)
     redis_url = str(redis.get("url", ""))
     redis_url_secret = parse_secret_ref(redis, "urlSecretRef", "spec.redis", problems)
@@ -263,9 +261,9 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
     speculative = speculative_flag(engine.get("speculative"), problems)
     loras = parse_loras(spec, model, problems)
     async_scheduling = bool_field(engine, "asyncScheduling", False, "spec.engine", problems)
-    if async_scheduling and (speculative or loras.modules or decode.tensor_parallel_size > 1):
-        problems.append("spec.engine.asyncScheduling cannot be combined with engine.speculative, loras or "
-                        "decode.tensorParallelSize > 1 yet")
+    # the feature pairs the engine refuses, in its words (core/compatibility.py; the CRD's rules are generated)
+    problems += compatibility_problems({"prefill": prefill, "decode": decode}, bool(loras.modules), speculative,
+                                       async_scheduling, kv_backend, kv_cache_dtype)
     fp8_activations = str(engine.get("fp8Activations", "auto"))
     if fp8_activations not in ("auto", "on", "off"):
         problems.append(f"spec.engine.fp8Activations must be auto, on or off, got {fp8_activations!r}")

@@ -23,6 +23,7 @@ from splitserve.core.tracing_config import add_tracing_args, tracing_config_from
 from splitserve.engine.args import (
     add_engine_args,
     async_scheduling_problem,
+    compatibility_problem,
     engine_config_from_args,
     resolve_model,
     tensor_parallel_problem,
@@ -56,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, worker_class: type[PrefillWorker] = PrefillWorker) -> int:
     args = build_parser().parse_args(argv)
     configure_logging()
-    problem = (tensor_parallel_problem(args) or kv_offload_problem(args) or kv_sizes_problem(args)
-               or lora_problem(args) or async_scheduling_problem(args))
+    problem = (compatibility_problem(args) or tensor_parallel_problem(args) or kv_offload_problem(args)
+               or kv_sizes_problem(args) or lora_problem(args) or async_scheduling_problem(args))
     if problem:
         print(f"splitserve prefill-worker: {problem}", file=sys.stderr)
         return 2

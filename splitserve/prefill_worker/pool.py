@@ -25,6 +25,7 @@ from splitserve.core.tracing_config import add_tracing_args, tracing_config_from
 from splitserve.engine.args import (
     add_engine_args,
     async_scheduling_problem,
+    compatibility_problem,
     engine_config_from_args,
     resolve_model,
     tensor_parallel_problem,
@@ -86,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     if args.replicas < 0:
         raise SystemExit("--replicas must be >= 0")
-    problem = (tensor_parallel_problem(args) or kv_offload_problem(args) or lora_problem(args)
-               or async_scheduling_problem(args))
+    problem = (compatibility_problem(args) or tensor_parallel_problem(args) or kv_offload_problem(args)
+               or lora_problem(args) or async_scheduling_problem(args))
     if problem:
         raise SystemExit(f"splitserve prefill-pool: {problem}")
     tp = args.tensor_parallel_size

@@ -13,6 +13,7 @@ import sys
 import pytest
 import requests
 
+from splitserve.core.compatibility import message
 from splitserve.core.tokenizer import Tokenizer
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.demo import ensure_demo_checkpoint
@@ -60,6 +61,4 @@ def test_tp_over_the_mooncake_backend_is_refused_in_one_line(command):
     r = subprocess.run([sys.executable, "-m", "splitserve.cli", command, "--redis-url", "redis://127.0.0.1:1",
                         "-tp", "2", "--kv-backend", "mooncake"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
-    assert r.stderr.strip() == (f"splitserve {command}: --tensor-parallel-size 2 with --kv-backend mooncake: one-sided "
-                                "writes need one registered KV pool, and a tensor-parallel worker's is split over its "
-                                "ranks (use --kv-backend grpc)")
+    assert r.stderr.strip() == f"splitserve {command}: {message('tensor-parallel', 'mooncake')}"  # the table's line

@@ -13,7 +13,8 @@ import argparse
 import pytest
 
 from splitserve.core.sampling_params import SamplingParams
-from splitserve.engine.args import add_engine_args, async_scheduling_problem
+from splitserve.core.compatibility import message
+from splitserve.engine.args import add_engine_args, async_scheduling_problem, compatibility_problem
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from tests.helpers.real_models import gemma3_gguf, smollm2_gguf
@@ -120,11 +121,11 @@ def test_delta_outputs_and_refusals(ckpt):
     add_engine_args(parser)
     problem = async_scheduling_problem  # serve and the workers' mains say it in one line, exit 2
     assert problem(parser.parse_args(["--async-scheduling"])) is None
-    assert problem(parser.parse_args(["--async-scheduling", "--enable-lora"])) == \
-        "--async-scheduling cannot be combined with --enable-lora yet"
-    assert problem(parser.parse_args(["--async-scheduling", "-tp", "2"])) == \
-        "--async-scheduling cannot be combined with --tensor-parallel-size > 1 yet"
-    with pytest.raises(ValueError, match="async_scheduling"):
+    assert problem(parser.parse_args(["--async-scheduling", "--no-cuda-graphs"])) == \
+        "--async-scheduling runs the padded (graph) decode step: it cannot run with --no-cuda-graphs"
+    assert compatibility_problem(parser.parse_args(["--async-scheduling", "--enable-lora"])) == \
+        message("lora", "async-scheduling")  # the table's pairs: tests/engine/test_compatibility_table.py
+    with pytest.raises(ValueError, match="async scheduling"):
         EngineConfig(model=str(ckpt), async_scheduling=True, speculative_config={"method": "ngram",
                                                                                  "num_speculative_tokens": 2})
 

@@ -5,6 +5,7 @@ against sampling without speculation, with drafts both kept and rejected), seede
 give the tokens of sampling without speculation, the draft model rebuilds its KV on a decode engine after a remote prefill, and
 its pool gets every block back."""
 
+import re
 import shutil
 from collections import Counter
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from splitserve.core.compatibility import message
 from splitserve.engine import LLM, SamplingParams
 from tests.engine.test_disaggregation_handoff import drain, handoff
 from tests.engine.test_spec_decode_exact import accepted, copy_heavy
@@ -100,5 +102,5 @@ def test_the_draft_model_rebuilds_its_kv_after_a_remote_prefill(drafts):
 
 def test_draft_model_under_tensor_parallelism_is_refused(drafts):
     target, by_name = drafts
-    with pytest.raises(ValueError, match="draft_model is not supported with tensor_parallel_size > 1"):
+    with pytest.raises(ValueError, match=re.escape(message("tensor-parallel", "draft-model"))):
         engine(target, by_name["small"], tensor_parallel_size=2)

@@ -126,8 +126,8 @@ INVALID_BY_CEL = [
         "nvidia.com/gpu": 3}}}}, "nvidia.com/gpu must be a multiple of tensorParallelSize",
      "spec.prefill.resources nvidia.com/gpu (3) must be a multiple of spec.prefill.tensorParallelSize (2)"),
     ("mooncake with a tensor-parallel role", {"kvTransfer": {"backend": "mooncake"}, "decode": {"tensorParallelSize": 2}},
-     "kvTransfer.backend mooncake needs tensorParallelSize 1 on both roles",
-     "spec.kvTransfer.backend mooncake needs tensorParallelSize 1 on both roles"),
+     "tensor parallelism (size > 1) cannot be combined with Mooncake KV transfer yet",
+     "tensor parallelism (size > 1) cannot be combined with Mooncake KV transfer yet"),
     ("batched tokens below seqs", {"decode": {"maxNumSeqs": 512, "maxNumBatchedTokens": 256}},
      "maxNumBatchedTokens must be >= maxNumSeqs", "maxNumBatchedTokens (256) must be >= spec.decode.maxNumSeqs (512)"),
 ]

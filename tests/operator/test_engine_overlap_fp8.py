@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from splitserve.core.compatibility import message
 from splitserve.engine.args import add_engine_args
 from splitserve.operator.spec import SpecError, parse_spec
 
@@ -49,17 +50,19 @@ def test_the_flags_reach_their_workers_and_parse(minimal_spec):
     assert args.async_scheduling is True and args.fp8_activations == "off"
 
 
-@pytest.mark.parametrize("extra", [
-    {"engine": {"asyncScheduling": True, "speculative": SPECULATIVE}},
-    {"engine": {"asyncScheduling": True}, "loras": [{"name": "a", "path": "adapters/a"}]},
-    {"engine": {"asyncScheduling": True}, "decode": {"tensorParallelSize": 2}},
+@pytest.mark.parametrize("extra, other", [
+    ({"engine": {"asyncScheduling": True, "speculative": SPECULATIVE}}, "ngram"),
+    ({"engine": {"asyncScheduling": True}, "loras": [{"name": "a", "path": "adapters/a"}]}, "lora"),
+    ({"engine": {"asyncScheduling": True}, "decode": {"tensorParallelSize": 2}}, "tensor-parallel"),
 ])
-def test_combinations_the_engine_refuses_are_refused_at_apply_and_by_the_operator(minimal_spec, extra):
-    spec = {**minimal_spec, **extra}
+def test_combinations_the_engine_refuses_are_refused_at_apply_and_by_the_operator(minimal_spec, extra, other):
+    """In the table's words (core/compatibility.py); every pair: test_compatibility_crd.py."""
+    spec, line = {**minimal_spec, **extra}, message("async-scheduling", other)
     _, errors = admitted(spec)
-    assert any("asyncScheduling cannot be combined" in e for e in errors), errors
-    with pytest.raises(SpecError, match="spec.engine.asyncScheduling cannot be combined"):
+    assert any(e.endswith(line) for e in errors), errors
+    with pytest.raises(SpecError) as err:
         parse_spec("x", "ns", spec, "img:1")
+    assert err.value.problems == [line]
 
 
 def test_bad_values_are_refused(minimal_spec):

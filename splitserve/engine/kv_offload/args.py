@@ -33,12 +33,11 @@ def add_kv_offload_args(g: argparse._ArgumentGroup) -> None:
 
 
 def kv_offload_problem(args: argparse.Namespace) -> str | None:
-    """Why the offload flags cannot be served (one line), or None; checked before any process starts."""
+    """Why the offload flags cannot be served (one line), or None; checked before any process
+    starts (which features the tiers combine with is engine/args.py compatibility_problem's)."""
     directory, size = getattr(args, "kv_offload_dir", None), getattr(args, "kv_offload_dir_gib", 0.0)
     if (directory is None) != (size == 0):
         return "--kv-offload-dir and --kv-offload-dir-gib go together: the disk tier needs a directory and a size"
-    if (directory or getattr(args, "kv_offload_gib", 0.0)) and getattr(args, "tensor_parallel_size", 1) > 1:
-        return "--kv-offload-gib / --kv-offload-dir are not supported with --tensor-parallel-size > 1 yet"
     return directory_problem(directory) if directory is not None else None
 
 

@@ -86,7 +86,8 @@ def shape_problem(name: str, path: Path, model_dir: Path) -> str | None:
 
 
 def lora_problem(args: argparse.Namespace) -> str | None:
-    """Why the LoRA flags cannot be served (one line), or None."""
+    """Why the LoRA flags cannot be served (one line), or None (which features LoRA combines
+    with is engine/args.py compatibility_problem's)."""
     if not getattr(args, "enable_lora", False):
         return "--lora-modules needs --enable-lora" if getattr(args, "lora_modules", []) else None
     if args.max_loras < 1 or args.max_lora_rank < 1:

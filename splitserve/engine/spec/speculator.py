@@ -85,12 +85,11 @@ class Speculator:
 
 def build_speculator(engine) -> Speculator:
     """The engine's speculator for its --speculative-config (draft_model: loads the draft model,
-    with a KV pool of as many blocks as the target's)."""
+    with a KV pool of as many blocks as the target's; EngineConfig refused it under tensor
+    parallelism: core/compatibility.py)."""
     config = engine.config.speculative_config
     draft = None
     if config.method == "draft_model":
-        if engine.config.tensor_parallel_size > 1:
-            raise ValueError("speculative method draft_model is not supported with tensor_parallel_size > 1 yet")
         draft = DraftModel(engine.config, config.model, engine.runner.kv_pool.num_blocks, int(engine.max_model_len),
                            engine.eos_token_ids)
     return Speculator(config, engine.long_rope_after, draft, engine.generator)

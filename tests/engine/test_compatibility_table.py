@@ -1,0 +1,201 @@
+"""The compatibility table (core/compatibility.py) and its engine-side readers: every pair of
+features walked through EngineConfig and through the command-line check `serve` and the
+workers run before Ray (engine/args.py compatibility_problem), each refused pair refused
+with the table's one line and every other pair accepted; the real mains exit 2 with it; and
+docs/compatibility.md is the rendered table. The operator and CRD side:
+tests/operator/test_compatibility_crd.py."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitserve.core.compatibility import (
+    FEATURES,
+    PAIRS,
+    all_pairs,
+    markdown_table,
+    message,
+    refusal,
+    refusals,
+    refused_pairs,
+    verdict,
+)
+from splitserve.engine.args import add_engine_args, compatibility_problem, flag_features
+from splitserve.engine.config import EngineConfig
+from tests.security.test_hostile_configs import Case, run_cases
+
+DOCS = Path(__file__).resolve().parents[2] / "docs/compatibility.md"
+CUDA = torch.cuda.is_available()
+DEVICE_ONLY = "cuda_graphs=True needs a CUDA device"  # a single-feature constraint, not a pair
+
+
+# ---- the table ----------------------------------------------------------------------------
+
+def test_the_table_names_every_unordered_pair_once():
+    assert len(PAIRS) == len(all_pairs()) == len(FEATURES) * (len(FEATURES) - 1) // 2
+    assert {frozenset(p) for p in PAIRS} == {frozenset(p) for p in all_pairs()}
+    for (a, b), v in PAIRS.items():
+        assert a != b and a in FEATURES and b in FEATURES
+        assert v.works == (v.reason == ""), (a, b)  # a refusal says why, in one line
+        assert "\n" not in message(a, b) and "|" not in v.reason
+
+
+def test_what_the_code_refuses_today():
+    """The refused pairs as of this table (a flip changes this list on purpose)."""
+    assert refused_pairs() == [
+        ("tensor-parallel", "cuda-graphs"), ("tensor-parallel", "async-scheduling"),
+        ("tensor-parallel", "draft-model"), ("tensor-parallel", "kv-offload-host"),
+        ("tensor-parallel", "kv-offload-disk"), ("tensor-parallel", "mooncake"), ("lora", "cuda-graphs"),
+        ("lora", "async-scheduling"), ("async-scheduling", "ngram"), ("async-scheduling", "draft-model"),
+        ("ngram", "draft-model")]
+
+
+def test_refusal_is_the_first_refused_pair_in_table_order():
+    assert refusal(set()) is None and refusal({"lora", "ngram", "fp8-kv-cache"}) is None
+    assert refusal({"async-scheduling", "lora", "tensor-parallel"}) == message("tensor-parallel", "async-scheduling")
+    assert refusals({"async-scheduling", "lora", "tensor-parallel", "cuda-graphs"}) == [
+        message("tensor-parallel", "cuda-graphs"), message("tensor-parallel", "async-scheduling"),
+        message("lora", "cuda-graphs"), message("lora", "async-scheduling")]
+    assert message("draft-model", "tensor-parallel") == message("tensor-parallel", "draft-model") == (
+        "tensor parallelism (size > 1) cannot be combined with draft-model speculation yet: the draft model is not "
+        "sharded over tensor-parallel ranks")
+    with pytest.raises(ValueError, match="unknown features \\['eagle'\\]"):
+        refusal({"eagle"})
+
+
+def test_the_docs_show_the_table():
+    """docs/compatibility.md holds `python -m splitserve.core.compatibility`'s output."""
+    assert markdown_table() in DOCS.read_text()
+
+
+# ---- EngineConfig -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ckpt(make_ckpt):
+    return str(make_ckpt("llama"))
+
+
+def engine_fields(feature: str, ckpt: str, tmp: Path) -> dict | None:
+    """EngineConfig fields turning `feature` on; None: not an engine setting (a worker flag)."""
+    return {
+        "tensor-parallel": dict(tensor_parallel_size=2),
+        "lora": dict(enable_lora=True),
+        "cuda-graphs": dict(cuda_graphs=True, device="cuda" if CUDA else "cpu"),
+        "async-scheduling": dict(async_scheduling=True),
+        "ngram": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+        "draft-model": dict(speculative_config={"method": "draft_model", "model": ckpt, "num_speculative_tokens": 2}),
+        "kv-offload-host": dict(kv_offload_bytes=2**20),
+        "kv-offload-disk": dict(kv_offload_dir=str(tmp / "tier"), kv_offload_dir_bytes=2**20),
+        "mooncake": None,
+        "fp8-kv-cache": dict(kv_cache_dtype="fp8"),
+        "quantized": dict(quantization="fp8"),
+    }[feature]
+
+
+def test_each_feature_alone_is_what_engine_config_reports(ckpt, tmp_path):
+    for feature in FEATURES:
+        fields = engine_fields(feature, ckpt, tmp_path)
+        if fields is None:
+            continue
+        if feature == "cuda-graphs" and not CUDA:
+            with pytest.raises(ValueError, match=DEVICE_ONLY):
+                EngineConfig(model=ckpt, **fields)
+            continue
+        assert EngineConfig(model=ckpt, **fields).features == {feature}
+
+
+@pytest.mark.parametrize("a, b", all_pairs(), ids=[f"{a}+{b}" for a, b in all_pairs()])
+def test_engine_config_refuses_exactly_the_refused_pairs(ckpt, tmp_path, a, b):
+    fa, fb = engine_fields(a, ckpt, tmp_path), engine_fields(b, ckpt, tmp_path)
+    if fa is None or fb is None:
+        pytest.skip("not an engine setting: the command-line walk below covers it")
+    if set(fa) & set(fb):  # one setting (the speculative method): no config asks for both
+        assert not verdict(a, b).works
+        return
+    if "device" in fa or "device" in fb:  # CUDA graphs set the device; the other feature must not
+        assert "device" not in set(fa) & set(fb)
+    if verdict(a, b).works:
+        if not CUDA and "cuda-graphs" in (a, b):  # accepted as a pair, refused for the device alone
+            with pytest.raises(ValueError, match=DEVICE_ONLY):
+                EngineConfig(model=ckpt, **fa, **fb)
+            return
+        assert EngineConfig(model=ckpt, **fa, **fb).features == {a, b}
+    else:
+        with pytest.raises(ValueError) as err:
+            EngineConfig(model=ckpt, **fa, **fb)
+        assert str(err.value) == message(a, b)
+
+
+def test_a_quantized_checkpoint_is_the_feature_without_the_flag(make_ckpt, tmp_path):
+    cfg = json.loads((Path(make_ckpt("llama")) / "config.json").read_text())
+    assert cfg.get("quantization_config") is None
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8"}}))
+    from splitserve.engine.config import checkpoint_is_quantized
+
+    assert checkpoint_is_quantized(str(tmp_path), None) and not checkpoint_is_quantized(make_ckpt("llama"), None)
+
+
+# ---- the command line (serve and the workers, before Ray) ---------------------------------
+
+FLAGS = {  # each feature's flags; the command line cannot force CUDA graphs on (auto turns them off)
+    "tensor-parallel": ["-tp", "2"],
+    "lora": ["--enable-lora"],
+    "cuda-graphs": None,
+    "async-scheduling": ["--async-scheduling"],
+    "ngram": ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+    "draft-model": ["--speculative-config", '{"method": "draft_model", "model": "/d", "num_speculative_tokens": 2}'],
+    "kv-offload-host": ["--kv-offload-gib", "1"],
+    "kv-offload-disk": ["--kv-offload-dir", "/nonexistent/tier", "--kv-offload-dir-gib", "1"],
+    "mooncake": ["--kv-backend", "mooncake"],
+    "fp8-kv-cache": ["--kv-cache-dtype", "fp8"],
+    "quantized": ["--quantization", "fp8"],
+}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    ap.add_argument("--kv-backend", choices=["grpc", "mooncake"], default="grpc")  # serve's and the workers'
+    return ap.parse_args(argv)
+
+
+@pytest.mark.parametrize("a, b", all_pairs(), ids=[f"{a}+{b}" for a, b in all_pairs()])
+def test_the_command_line_refuses_exactly_the_refused_pairs(a, b):
+    if FLAGS[a] is None or FLAGS[b] is None or FLAGS[a][0] == FLAGS[b][0] == "--speculative-config":
+        assert FLAGS[a] is None or FLAGS[b] is None or not verdict(a, b).works  # one flag, one method
+        return
+    args = parse(FLAGS[a] + FLAGS[b])
+    assert flag_features(args) == {a, b}
+    assert compatibility_problem(args) == (None if verdict(a, b).works else message(a, b))
+
+
+MAINS = {"serve": "splitserve.serve", "decode-worker": "splitserve.decode_worker.main",
+         "prefill-worker": "splitserve.prefill_worker.main"}
+
+
+def test_every_main_exits_2_with_the_tables_line_before_ray():
+    """The real mains, in one child process (tests/security/test_hostile_configs.py's): each
+    refused pair a command line can ask for, exit 2, one line, Ray never reached.
+    prefill-pool refuses through SystemExit(line): exit 1, as its other refusals."""
+    pairs = [(a, b) for a, b in refused_pairs() if FLAGS[a] and FLAGS[b] and FLAGS[a][0] != FLAGS[b][0]]
+    assert len(pairs) == 8
+    cases = {f"{cmd} {a}+{b}": Case(FLAGS[a] + FLAGS[b] + ([] if cmd == "serve" else ["--redis-url", "redis://x:1"]),
+                                    f"splitserve {cmd}: {message(a, b)}", module)
+             for (a, b), (cmd, module) in itertools.product(pairs, MAINS.items())
+             if not (cmd == "prefill-worker" and "mooncake" in (a, b))}  # it has no --kv-backend
+    cases |= {f"prefill-pool {a}+{b}": Case(FLAGS[a] + FLAGS[b] + ["--redis-url", "redis://x:1"],
+                                            f"splitserve prefill-pool: {message(a, b)}",
+                                            "splitserve.prefill_worker.pool") for a, b in pairs}
+    results = run_cases(cases)
+    for name, case in cases.items():
+        got = results[name]
+        if name.startswith("prefill-pool"):
+            assert got["code"] == case.expected, got
+            continue
+        assert got["code"] == 2 and got["stderr"].strip() == case.expected, (name, got)
