@@ -12,8 +12,8 @@ import argparse
 
 import pytest
 
-from splitserve.core.sampling_params import SamplingParams
 from splitserve.core.compatibility import message
+from splitserve.core.sampling_params import SamplingParams
 from splitserve.engine.args import add_engine_args, async_scheduling_problem, compatibility_problem
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
