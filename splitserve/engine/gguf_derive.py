@@ -23,7 +23,7 @@ from splitserve.core.gguf_file import read_gguf_header
 from splitserve.core.gguf_model import SOURCE_FILE
 from splitserve.core.model_config import CheckpointError
 
-SUPPORTED = ("llama", "gemma3")  # GGUF architectures whose tensors engine/gguf_weights.py maps (tested)
+SUPPORTED = ("llama", "gemma3", "qwen3moe")  # GGUF architectures whose tensors engine/gguf_weights.py maps (tested)
 
 
 def derive(gguf: Path, target: Path) -> Path:
@@ -38,6 +38,8 @@ def derive(gguf: Path, target: Path) -> Path:
 
     config = transformers.AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    if header.architecture == "qwen3moe":
+        fix_qwen3moe_config(config, header.metadata)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -63,6 +65,18 @@ def derive(gguf: Path, target: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def fix_qwen3moe_config(config, metadata: dict) -> None:
+    """What transformers' GGUF conversion (5.x) leaves out of a qwen3moe config: the experts'
+    width (`expert_feed_forward_length`; it keeps Qwen3MoeConfig's default 768, which only
+    30B-A3B has) and the renormalised top-k weights llama.cpp's qwen3moe graph applies
+    (norm_topk_prob, as every Qwen3-MoE release sets it)."""
+    width = metadata.get("qwen3moe.expert_feed_forward_length")
+    if width is None:
+        raise CheckpointError("a qwen3moe GGUF without qwen3moe.expert_feed_forward_length (the experts' width)")
+    config.moe_intermediate_size = int(width)
+    config.norm_topk_prob = True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,10 @@ What llama.cpp's converter did is undone here, as transformers' GGUF loader undo
   - llama: the rows of attn_q / attn_k were permuted per head (rotary halves interleaved);
     the inverse row permutation is applied to the float tensor, or to a QuantizedWeight's
     codes, scales and offsets (rows move whole, so it stays exact);
-  - gemma3: every RMSNorm weight was stored as 1 + w; 1 is subtracted again.
+  - gemma3: every RMSNorm weight was stored as 1 + w; 1 is subtracted again;
+  - qwen3moe: each layer's experts are stacked, `ffn_{gate,up,down}_exps` [experts, rows,
+    columns]; each expert's rows are yielded as its own tensor (`mlp.experts.E.gate_proj`
+    ...), a quantized stack split by rows, so exactly (quantization blocks run along rows).
 Block-quantized linears become QuantizedWeights EXACTLY, w = code * scale + offset per group
 (kernels/quant_weight.py): Q4_0 (scale d, offset -8d), Q4_1 (d, m), Q5_0 / Q5_1 (the same
 with a fifth bit), Q8_0 (int8 + 128, offset -128d), Q4_K / Q5_K (groups of 32, scale
@@ -41,7 +44,9 @@ _BLOCK_NAMES = {
     "ffn_norm": "post_attention_layernorm",
     "post_attention_norm": "post_attention_layernorm",  # gemma3 (whose ffn_norm is the pre-MLP norm)
     "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
 }
+_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -51,6 +56,8 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
     m = _BLOCK.fullmatch(gguf_name)
+    if m and m[2] in _EXPERT_STACKS and arch == "qwen3moe":  # a stack of experts: `{}` is each expert's number
+        return f"model.layers.{m[1]}.mlp.experts.{{}}.{_EXPERT_STACKS[m[2]]}.{m[3]}"
     if not m or m[2] not in _BLOCK_NAMES:
         return None
     part = _BLOCK_NAMES[m[2]]
@@ -140,10 +147,11 @@ def quantized_weight(kind: str, data: np.ndarray, out_features: int, in_features
 
 
 def permute_rows(w: torch.Tensor | QuantizedWeight, perm: torch.Tensor):
+    """w's rows in the order `perm` (any subset of them: an expert's rows of a stack)."""
     if isinstance(w, torch.Tensor):
         return w[perm]
     return QuantizedWeight(w.codes[perm].contiguous(), w.scales[perm].contiguous(), w.offsets[perm].contiguous(),
-                           w.bits, w.group_size, w.in_features, w.out_features)
+                           w.bits, w.group_size, w.in_features, len(perm))
 
 
 def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
@@ -164,11 +172,22 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | Qu
             raise CheckpointError(f"{path}: tensor {t.name} is {kind}, which is not supported (supported: "
                                   f"{', '.join(FLOAT_TYPES + QUANT_TYPES)})")
         raw = data[t.offset:t.offset + t.nbytes].reshape(t.shape[:-1] + (-1,))
-        if kind in FLOAT_TYPES or t.name == "token_embd.weight" or len(t.shape) != 2:
+        experts = t.shape[0] if "{}" in name and len(t.shape) == 3 else None
+        if experts is not None and kind in QUANT_TYPES:  # [experts * rows, columns], split by rows below
+            w = quantized_weight(kind, raw.reshape(-1, raw.shape[-1]), experts * t.shape[1], t.shape[2])
+        elif kind in FLOAT_TYPES or t.name == "token_embd.weight" or len(t.shape) != 2:
             floats = dequantize(raw, GGMLQuantizationType[kind])  # F32 comes back as a view of the map: copy
             w = torch.from_numpy(np.array(floats, dtype=np.float32)).reshape(t.shape)
+            w = w.reshape(-1, t.shape[-1]) if experts is not None else w
         else:
             w = quantized_weight(kind, raw, *t.shape)
+        if experts is not None:
+            rows = t.shape[1]
+            for e in range(experts):
+                yield name.format(e), permute_rows(w, torch.arange(e * rows, (e + 1) * rows))
+            continue
+        if "{}" in name:
+            raise CheckpointError(f"{path}: tensor {t.name} has shape {list(t.shape)}; expected [experts, rows, columns]")
         if arch == "gemma3" and t.name.endswith("norm.weight"):
             w = w - 1
         if arch == "llama" and t.name.endswith((".attn_q.weight", ".attn_k.weight")):

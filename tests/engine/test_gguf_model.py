@@ -186,7 +186,7 @@ def test_broken_files_are_one_line(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    assert checkpoint_problem(str(phi)) == f"{phi}: GGUF architecture 'phi3' is not supported (supported: llama, gemma3)"
+    assert checkpoint_problem(str(phi)) == f"{phi}: GGUF architecture 'phi3' is not supported (supported: llama, gemma3, qwen3moe)"
 
 
 def test_a_second_derivation_into_the_same_directory_leaves_the_first(tmp_path):
