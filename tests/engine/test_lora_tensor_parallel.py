@@ -5,7 +5,8 @@ engine's greedy tokens under three adapters and the base model, mixed in one bat
 fewer slots than adapters, equal transformers + PeftModel (float32). Loads reach every
 rank and are atomic (a rank that cannot read an adapter leaves it on no rank); an unloaded
 adapter is refused as at tp=1, a request running under it finishes under it on every rank,
-and its weights leave the ranks once no request holds it.
+and its weights leave the ranks once no request holds it. Qwen2 (one KV head, replicated on
+both ranks; q/k/v biases) under an adapter of every projection also equals PEFT.
 
 One tp=2 engine for the module (each start spawns a rank process)."""
 
@@ -39,6 +40,19 @@ def base(make_ckpt):
 def adapters(base, tmp_path_factory):
     root = tmp_path_factory.mktemp("tp-adapters")
     return {name: make_adapter(base, root / name, **spec) for name, spec in ADAPTERS.items()}
+
+
+def test_replicated_kv_heads_and_qkv_biases_match_peft(make_ckpt, tmp_path):
+    # (before the module's engine starts: one tensor-parallel engine per process)
+    qwen2 = make_ckpt("qwen2")  # 1 KV head < 2 ranks: both ranks hold all of k/v's rows of lora_B
+    adapter = make_adapter(qwen2, tmp_path / "qwen2-all", seed=5, r=8, alpha=16)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 1000) for _ in range(n)] for n in (20, 37)]
+    with LLM(str(qwen2), num_kv_blocks=32, tensor_parallel_size=2, enable_lora=True, max_lora_rank=8) as llm:
+        outs = llm.generate(prompts, greedy(), lora_request=[LoRARequest("all", 1, str(adapter)), None])
+    assert outs[0].token_ids == peft_greedy(qwen2, adapter, prompts[0], NEW_TOKENS)
+    assert outs[0].token_ids != peft_greedy(qwen2, None, prompts[0], NEW_TOKENS)  # the adapter matters
+    assert outs[1].token_ids == peft_greedy(qwen2, None, prompts[1], NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +99,13 @@ def test_base_and_three_adapters_in_one_batch_match_peft(llm, base, adapters):
         name = names[i % 4]
         loras.append(None if name is None else LoRARequest(name, i + 1, str(adapters[name])))
     outs = llm.generate(prompts, greedy(), lora_request=loras)
+    changed = set()
     for prompt, lora, out in zip(prompts, loras, outs, strict=True):
         assert out.token_ids == peft_greedy(base, lora and adapters[lora.lora_name], prompt, NEW_TOKENS), \
             (lora and lora.lora_name, len(prompt))
+        if lora is not None and out.token_ids != peft_greedy(base, None, prompt, NEW_TOKENS):
+            changed.add(lora.lora_name)
+    assert changed == set(ADAPTERS)  # every adapter changes the tokens of one of its prompts at least
     assert engine.loras.slots.num_loads >= 3
     assert engine.loras.rank_adapters() == [sorted(ADAPTERS)]
     assert engine.num_free_blocks == engine.num_total_blocks
