@@ -19,7 +19,7 @@ from splitserve.core.model_dir import checkpoint_problem
 from splitserve.core.quantization import quantization_from_config, tensor_parallel_split_problem
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.models.loader import load_model
-from splitserve.engine.models.quant_moe import QuantizedExperts
+from splitserve.engine.models.quant_moe import QuantizedExperts, has_quantized_experts
 from splitserve.engine.parallel.state import tp
 from splitserve.engine.quant import iter_quantized_weights
 from splitserve.kernels.quant_weight import QuantizedWeight
@@ -76,11 +76,23 @@ def test_quantized_experts_match_transformers_on_the_dequantised_weights(make_ck
         assert all(len(m.parts) == 1 and isinstance(m.parts[0], QuantizedWeight) for m in experts.linears().values())
     assert not [n for n, _ in model.named_parameters() if n.endswith((".w13", ".w2"))]  # no float expert stack
     assert isinstance(model.layers[0].mlp.gate, torch.nn.Linear)  # the router stays float
+    assert has_quantized_experts(model)  # (on CUDA: decode steps run without graph capture)
     assert_layers_match_float(model, rdir, cfg)
     ps = prompts(cfg.vocab_size)
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     for prompt, out in zip(ps, outs, strict=True):
         assert out.token_ids == hf_greedy(rdir, prompt, NEW_TOKENS), f"{name}: prompt of {len(prompt)} tokens"
+
+
+def test_the_padded_decode_step_with_quantized_experts_gives_the_same_tokens(make_ckpt, tmp_path):
+    """Async scheduling's padded static-buffer decode step (eager: what CUDA runs instead
+    of a captured graph with quantized experts) routes its padding rows harmlessly."""
+    qdir, _ = quantized_moe(make_ckpt, tmp_path, "gptq-g16-asym-act-order-qwen3_moe")
+    ps = prompts(1000) + [list(range(10, 22))]  # 3 decodes: a bucket of 4, one padding row
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    padded = LLM(str(qdir), num_kv_blocks=64, max_num_batched_tokens=64, async_scheduling=True).generate(ps, params)
+    plain = LLM(str(qdir), num_kv_blocks=64, max_num_batched_tokens=64).generate(ps, params)
+    assert [o.token_ids for o in padded] == [o.token_ids for o in plain]
 
 
 def test_float_expert_parts_before_the_first_quantized_one_are_kept(make_ckpt, tmp_path):
