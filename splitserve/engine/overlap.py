@@ -11,22 +11,25 @@ before the previous one's tokens reach the host:
             sampled on the device, copied into that buffer and (asynchronously) to the host
   then:     step N-1's tokens read (its copy is long done), placeholders replaced, stop
             checks and outputs as usual (`LLMEngine._took`), its full blocks published
-  then:     N's sequences count the token in flight (computed + 1, a new placeholder)
+  then:     N's sequences count the token in flight (computed + 1, a new placeholder:
+            `Scheduler.launched_ahead`)
 
 So each step's outputs arrive one step late, and a sequence that finished with step N-1's
 token still ran in step N: its row is ignored (as vLLM does). Tokens are those of the
 synchronous engine: the same padded step, the same sampler (`sampler.draw`), the same
 per-request generators (a finished row's extra draw only touches its own generator).
 
-Only steps the scheduler would have made the same way overlap: no waiting request, every
-running sequence decoding one token, a bucket and free blocks for all of them (so no
-preemption), and none needing the host between tokens: no grammar, penalties (they read the
-tokens so far), drafts, LoRA, held KV or longrope switch. Logit bias and min_tokens apply as
-in the synchronous step (min_tokens counts the token in flight); logprobs are computed on
-the device with the token and read with it. A sequence certain to finish with
-its token in flight (max_tokens, the context) is left out. Anything else drains first: the
-step in flight is finished, then the ordinary step runs. A block is published only after
-the step that wrote its last slot has completed (it may then be shared or written down).
+The scheduler makes the step in a mode of its own (`Scheduler.schedule_ahead`, with
+`launched_ahead` and `landed` for the placeholders): its ordinary `schedule`, called only when
+that is certain to be a decode of every running sequence with a bucket and free blocks for all
+(no waiting request, no preemption), leaving out a sequence certain to finish with its token
+in flight (max_tokens, the context). This module adds only what needs the host between two
+tokens, which cannot overlap: a grammar, penalties (they read the tokens so far), drafts,
+LoRA, held KV or a longrope switch. Logit bias and min_tokens apply as in the synchronous step
+(min_tokens counts the token in flight); logprobs are computed on the device with the token
+and read with it. Anything else drains first: the step in flight is finished, then the
+ordinary step runs. A block is published only after the step that wrote its last slot has
+completed (it may then be shared or written down).
 """
 
 from __future__ import annotations
@@ -73,18 +76,13 @@ class OverlappedDecode:
     def step(self) -> list[RequestOutput] | None:
         """Launch the next decode step ahead and return the previous one's outputs, or
         None when this step cannot overlap (the caller drains, then runs it ordinarily)."""
-        batch = self._decode_batch()
+        scheduler = self.engine.scheduler
+        batch = scheduler.schedule_ahead(_overlappable, self.graphs.buckets[-1], self.graphs.width)
         if batch is None:
             return None
-        seqs, growing = batch
-        for seq in growing:  # the scheduler's allocation for a decode (no preemption: _decode_batch checked)
-            self.engine.scheduler.bm.grow(seq, 1)
-        launched = self._launch(seqs)
+        launched = self._launch(batch.decodes)
         outputs = self._finish(self.in_flight)
-        for row, seq in enumerate(seqs):
-            if not seq.is_finished:  # (finished by the previous token: this row's token is void)
-                seq.num_computed_tokens += 1
-                seq.token_ids.append(-(row + 1))
+        scheduler.launched_ahead(batch)
         self.in_flight = launched
         self.steps += 1
         return outputs
@@ -105,30 +103,6 @@ class OverlappedDecode:
             self.in_flight = None
 
     # ---- parts ------------------------------------------------------------------------
-    def _decode_batch(self) -> tuple[list[Sequence], list[Sequence]] | None:
-        """(the sequences the scheduler would decode now, those of them needing a new block),
-        when it would decode every running one (minus those certain to finish with the token
-        in flight) and could overlap; else None."""
-        e = self.engine
-        s = e.scheduler
-        if s.waiting or not s.running:
-            return None
-        seqs, growing = [], []
-        for seq in s.running:
-            if seq.num_tokens - seq.num_computed_tokens != 1 or not _overlappable(seq):
-                return None
-            if _ends_by_length(seq):
-                continue
-            if seq.num_computed_tokens // s.bm.block_size >= len(seq.block_table):  # its next slot: a new block
-                if len(seq.block_table) + 1 > self.graphs.width:
-                    return None
-                growing.append(seq)
-            seqs.append(seq)
-        if not seqs or len(seqs) > min(self.graphs.buckets[-1], s.decoding_step_tokens) \
-                or len(growing) > s.num_free_blocks:
-            return None
-        return seqs, growing
-
     def _launch(self, seqs: list[Sequence]) -> InFlight:
         graphs, n = self.graphs, len(seqs)
         with torch.inference_mode():
@@ -160,8 +134,7 @@ class OverlappedDecode:
         for seq, token, part in zip(flight.seqs, tokens, flight.logprobs, strict=True):
             if seq.is_finished or e.sequences.get(seq.request_id) is not seq:
                 continue
-            seq.token_ids[-1] = token
-            e.scheduler.bm.publish_full_blocks(seq)  # its blocks' KV is written: the step completed
+            e.scheduler.landed(seq, token)  # (its blocks' KV is written: the step completed)
             outputs.append(e._took(seq, token, host_logprobs(part, token)))
         return outputs
 
@@ -173,9 +146,3 @@ def _overlappable(seq: Sequence) -> bool:
     return (seq.grammar is None and not penalties and not seq.draft_token_ids and seq.lora is None
             and not seq.hold_kv)
 
-
-def _ends_by_length(seq: Sequence) -> bool:
-    """Its last token (maybe still in flight) reaches max_tokens or the context."""
-    p = seq.params
-    return (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) \
-        or seq.num_tokens >= seq.max_total_tokens

@@ -78,6 +78,9 @@ class Scheduler:
         bm, bs = self.bm, self.bm.block_size
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.token_ids[-1] < 0 and ends_by_length(seq):  # its token in flight ends it: nothing to run
+                i += 1
+                continue
             computed = seq.num_computed_tokens
             n = min(len(seq.token_ids) - computed, budget)
             need = max(0, -(-(computed + n) // bs) - len(seq.block_table))  # bm.blocks_needed, inlined (per seq)
@@ -144,6 +147,50 @@ class Scheduler:
             seq.num_computed_tokens += 1
             if seq.num_computed_tokens // bs > seq.num_registered_blocks:  # (publish's own first check, inlined)
                 publish(seq)
+
+    # ---- overlapped decode (--async-scheduling, engine/overlap.py) ---------------------------
+    def schedule_ahead(self, eligible: Callable[[Sequence], bool], max_seqs: int,
+                       max_blocks: int) -> ScheduledBatch | None:
+        """The next step scheduled before the step in flight returns its tokens (vLLM's async
+        scheduling): the running sequences' last tokens may be placeholders (`launched_ahead`).
+        `schedule` makes it, when it is certain to make a decode step of `eligible` sequences
+        only, at most `max_seqs` of them and `max_blocks` blocks each: nothing waiting to be
+        admitted, every running sequence one token to decode and room for all (no preemption,
+        no drafts). Otherwise None, and nothing has changed."""
+        if self.waiting or self.speculator is not None:
+            return None
+        rows = [seq for seq in self.running if not (seq.token_ids[-1] < 0 and ends_by_length(seq))]
+        if not rows or len(rows) > min(max_seqs, self.max_num_batched_tokens, self.decoding_step_tokens):
+            return None
+        need = 0
+        for seq in self.running:
+            if seq.num_tokens - seq.num_computed_tokens != 1 or not eligible(seq):
+                return None
+        for seq in rows:
+            n = self.bm.blocks_needed(seq, 1)
+            if len(seq.block_table) + n > max_blocks:
+                return None
+            need += n
+        if need > self.bm.num_free_blocks:
+            return None
+        batch = self.schedule()
+        assert batch.decodes == rows and not batch.prefills and not batch.preempted, "schedule_ahead misjudged"
+        return batch
+
+    def launched_ahead(self, batch: ScheduledBatch) -> None:
+        """`batch` was launched and the tokens of the step before it have landed: each row's
+        token is in flight, a placeholder -(row + 1) (row j of the step's sampled tokens)
+        counted as computed. Its blocks are published when it lands (`landed`)."""
+        for row, seq in enumerate(batch.decodes):
+            if not seq.is_finished:  # (finished by the token that landed: its row's token is void)
+                seq.num_computed_tokens += 1
+                seq.token_ids.append(-(row + 1))
+
+    def landed(self, seq: Sequence, token: int) -> None:
+        """`seq`'s token in flight arrived: it replaces the placeholder, and the step that
+        wrote its KV has completed, so its full blocks may join the prefix cache."""
+        seq.token_ids[-1] = token
+        self.bm.publish_full_blocks(seq)
 
     # ---- speculative decoding (engine/spec/) ----------------------------------------------
     def _propose_drafts(self, seq: Sequence, n: int, budget: int, num_later: int) -> int:
@@ -258,3 +305,10 @@ class Scheduler:
                 self.finish(seq, "abort")
                 return seq
         return None
+
+
+def ends_by_length(seq: Sequence) -> bool:
+    """Its last token (maybe still in flight) reaches max_tokens or the context."""
+    p = seq.params
+    return (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) \
+        or seq.num_tokens >= seq.max_total_tokens

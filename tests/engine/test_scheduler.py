@@ -82,3 +82,49 @@ def test_abort_releases_blocks():
     assert bm.num_free_blocks == 5
     assert sched.abort("x") is s
     assert bm.num_free_blocks == 8 and s.finish_reason == "abort"
+
+
+
+def test_overlapped_decode_is_the_ordinary_schedule_with_placeholders():
+    """Scheduler.schedule_ahead (--async-scheduling): the decode step `schedule` makes, the
+    running sequences' last tokens placeholders until they land."""
+    bm = BlockManager(4, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = seq(4, "a"), seq(4, "b")
+    a.params = SamplingParams(max_tokens=2)
+    for s in (a, b):
+        sched.add(s)
+    complete(sched.schedule())  # both prefilled (one block each), a first token each
+    batch = sched.schedule_ahead(anyone, max_seqs=8, max_blocks=4)
+    assert batch.decodes == [a, b] and bm.num_free_blocks == 0  # each took its second block
+    sched.launched_ahead(batch)
+    assert (a.token_ids[-1], b.token_ids[-1], a.num_computed_tokens) == (-1, -2, 5)
+    # a's token in flight is its last (max_tokens=2): only b decodes next
+    assert sched.schedule_ahead(anyone, max_seqs=8, max_blocks=4).decodes == [b]
+    sched.landed(a, 41)
+    assert a.token_ids[-1] == 41 and bm.cached_hashes() != []  # its full block published
+
+
+def test_overlapped_decode_is_refused_unchanged_where_schedule_would_do_more():
+    bm = BlockManager(3, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a = seq(4, "a")
+    sched.add(a)
+    complete(sched.schedule())  # a holds 1 block and needs a second for its next token
+    before = (bm.num_free_blocks, list(a.block_table), a.num_computed_tokens, list(a.token_ids))
+    sched.add(seq(4, "c"))
+    assert sched.schedule_ahead(anyone, max_seqs=8, max_blocks=4) is None  # c would be admitted
+    sched.waiting.clear()
+    assert sched.schedule_ahead(lambda s: False, max_seqs=8, max_blocks=4) is None  # not eligible
+    assert sched.schedule_ahead(anyone, max_seqs=8, max_blocks=1) is None  # over the graph's width
+    assert sched.schedule_ahead(anyone, max_seqs=0, max_blocks=4) is None  # no bucket
+    held = bm.allocate_blocks(2)
+    assert sched.schedule_ahead(anyone, max_seqs=8, max_blocks=4) is None  # schedule would preempt
+    assert (bm.num_free_blocks, list(a.block_table), a.num_computed_tokens, list(a.token_ids)) == \
+        (before[0] - 2,) + before[1:]
+    bm.release_blocks(held)
+    assert sched.schedule_ahead(anyone, max_seqs=8, max_blocks=4).decodes == [a]
+
+
+def anyone(seq):
+    return True
