@@ -208,7 +208,7 @@ def write_down_cost(model: str, blocks: int = 256) -> dict:
         host = torch.empty(nb, dtype=torch.uint8)
         start = time.perf_counter()
         for b in range(blocks):
-            host.copy_(off._device_block(b))  # noqa: SLF001 - what copy-on-evict would do inline
+            off.blocks.read_into(b, host)  # what copy-on-evict would do inline
         copy = (time.perf_counter() - start) / blocks
     return {"block_nbytes": nb, "note_us_per_block": round(note * 1e6, 2), "copy_us_per_block": round(copy * 1e6, 2)}
 

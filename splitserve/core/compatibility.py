@@ -51,7 +51,6 @@ def refused(reason: str) -> Verdict:
     return Verdict(False, reason)
 
 
-_TP_POOL = "the offload tiers copy whole blocks of one KV pool, and a tensor-parallel worker's pool is split over its ranks"
 _ON_HOST = "the overlapped step runs ahead of the host, and drafts are proposed and checked on the host between tokens"
 
 # Every unordered pair, once. Flip a pair by editing its line (then regenerate: module docstring).
@@ -61,8 +60,8 @@ PAIRS: dict[tuple[str, str], Verdict] = {
     ("tensor-parallel", "async-scheduling"): refused("the overlapped decode step is not built over tensor-parallel ranks"),
     ("tensor-parallel", "ngram"): WORKS,
     ("tensor-parallel", "draft-model"): refused("the draft model is not sharded over tensor-parallel ranks"),
-    ("tensor-parallel", "kv-offload-host"): refused(_TP_POOL),
-    ("tensor-parallel", "kv-offload-disk"): refused(_TP_POOL),
+    ("tensor-parallel", "kv-offload-host"): WORKS,  # rank 0 gathers / scatters every rank's heads (kv_offload/device_blocks.py)
+    ("tensor-parallel", "kv-offload-disk"): WORKS,  # one file per block, every rank's heads under one MAC
     ("tensor-parallel", "mooncake"): refused("one-sided writes need one registered KV pool, and a tensor-parallel "
                                              "worker's is split over its ranks (use the grpc KV backend)"),
     ("tensor-parallel", "fp8-kv-cache"): WORKS,

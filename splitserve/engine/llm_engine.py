@@ -62,7 +62,10 @@ class LLMEngine(RequestIntake, Disaggregation, LoRAEngine, PeerPrefix):
         else:
             self.runner = ModelRunner(self.model_config, config, int(self.max_model_len))
         self.model_id = config.model_id or Path(config.model).resolve().name
-        self.offloader = build_offloader(config, self.runner.kv_pool)  # host / disk tiers, or None
+        # host / disk tiers, or None; under TP they copy every rank's heads of a block (kv_offload/device_blocks.py)
+        offloading = config.kv_offload_bytes or config.kv_offload_dir
+        self.offloader = build_offloader(config, self.share_kv_pool() if offloading and self.tp_group is not None
+                                         else self.runner.kv_pool)
         if self.offloader is not None:
             weakref.finalize(self, self.offloader.close)
         blocks = BlockManager(self.runner.kv_pool.num_blocks, config.block_size, hash_seed(self.model_id),

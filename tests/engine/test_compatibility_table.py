@@ -50,8 +50,7 @@ def test_what_the_code_refuses_today():
     """The refused pairs as of this table (a flip changes this list on purpose)."""
     assert refused_pairs() == [
         ("tensor-parallel", "cuda-graphs"), ("tensor-parallel", "async-scheduling"),
-        ("tensor-parallel", "draft-model"), ("tensor-parallel", "kv-offload-host"),
-        ("tensor-parallel", "kv-offload-disk"), ("tensor-parallel", "mooncake"), ("lora", "cuda-graphs"),
+        ("tensor-parallel", "draft-model"), ("tensor-parallel", "mooncake"), ("lora", "cuda-graphs"),
         ("lora", "async-scheduling"), ("async-scheduling", "ngram"), ("async-scheduling", "draft-model"),
         ("ngram", "draft-model")]
 

@@ -132,18 +132,18 @@ def test_the_crd_and_the_operator_refuse_exactly_the_refused_pairs(schema, minim
 
 
 def test_a_pair_split_over_the_roles_is_accepted(schema, minimal_spec):
-    """Tensor parallelism on prefill and the disk tier on decode: no worker runs both."""
-    spec = merged(minimal_spec, spec_part("tensor-parallel", "prefill"), spec_part("kv-offload-disk", "decode"))
+    """Tensor parallelism on prefill and async scheduling (decode workers only): no worker runs both."""
+    spec = merged(minimal_spec, spec_part("tensor-parallel", "prefill"), spec_part("async-scheduling", "decode"))
     assert admitted_errors(schema, spec) == []
     assert parse_spec("x", "ns", spec, "img:1").prefill.tensor_parallel_size == 2
 
 
 def test_every_refused_pair_of_a_spec_is_listed_once(schema, minimal_spec):
-    spec = merged(minimal_spec, spec_part("tensor-parallel", "prefill"), spec_part("kv-offload-host", "prefill"),
+    spec = merged(minimal_spec, spec_part("tensor-parallel", "prefill"), spec_part("mooncake", "prefill"),
                   spec_part("tensor-parallel", "decode"), spec_part("lora", "decode"),
                   spec_part("async-scheduling", "decode"))
-    want = [message("tensor-parallel", "kv-offload-host"), message("tensor-parallel", "async-scheduling"),
-            message("lora", "async-scheduling")]
+    want = [message("tensor-parallel", "mooncake"), message("tensor-parallel", "async-scheduling"),
+            message("lora", "async-scheduling")]  # prefill's, then decode's (its own Mooncake pair listed once)
     with pytest.raises(SpecError) as err:
         parse_spec("x", "ns", spec, "img:1")
     assert err.value.problems == want
@@ -163,21 +163,25 @@ def test_the_crds_rules_are_the_generated_ones():
 
 
 async def test_the_fake_api_server_refuses_the_issues_example(minimal_spec):
-    """issue 50's kind of example, `kvOffload` with `tensorParallelSize: 2`, which used to pass
-    and crash-loop its workers: refused at create, in the table's words."""
+    """issue 50's kind of example, a refused pair (async scheduling with `tensorParallelSize: 2`)
+    that used to pass and crash-loop its workers: refused at create, in the table's words; and
+    `kvOffload` with `tensorParallelSize: 2`, refused until the tiers worked under TP, accepted."""
     fake = FakeKube({})
     await fake.start()
     try:
         await fake.create(*CRDS, None, load_crd())
         await fake.create_namespace("ns")
         ifd = ("splitserve.io/v1alpha1", "inferencedeployments")
-        spec = merged(minimal_spec, spec_part("kv-offload-disk", "decode"), spec_part("tensor-parallel", "decode"))
+        spec = merged(minimal_spec, spec_part("async-scheduling", "decode"), spec_part("tensor-parallel", "decode"))
         body = {"apiVersion": ifd[0], "kind": "InferenceDeployment", "metadata": {"name": "x"}, "spec": spec}
         with pytest.raises(ApiError) as err:
             await fake.create(*ifd, "ns", body)
         assert err.value.code == 422
         assert err.value.message == ('InferenceDeployment.splitserve.io "x" is invalid: spec: Invalid value: '
-                                     f'"object": {message("tensor-parallel", "kv-offload-disk")}')
+                                     f'"object": {message("tensor-parallel", "async-scheduling")}')
+        spec = merged(minimal_spec, spec_part("kv-offload-disk", "decode"), spec_part("tensor-parallel", "decode"))
+        offload = {**body, "metadata": {"name": "offload"}, "spec": spec}
+        assert (await fake.create(*ifd, "ns", offload))["spec"]["decode"]["tensorParallelSize"] == 2
         spec = merged(minimal_spec, spec_part("mooncake", "decode"), spec_part("tensor-parallel", "prefill"))
         with pytest.raises(ApiError):
             await fake.create(*ifd, "ns", {**body, "spec": spec})  # prefill workers use the backend too

@@ -16,6 +16,10 @@ memcpy into a fresh device block, a disk hit a file read checked against its hea
 and checksum, on the disk thread with a timeout (guarded_disk.py: no disk failure ever reaches
 the step; the worst is a recompute). Tier membership changes become KV events (tier "host" / "disk") so the
 router can score a worker's offloaded prefix.
+
+Under tensor parallelism everything above runs on rank 0, as for one rank: a block is every
+rank's heads of it, gathered from and scattered to the ranks' pools, shared with rank 0
+(device_blocks.py), so a tier entry is whole or absent and the ranks never hear of the tiers.
 """
 
 from __future__ import annotations
@@ -29,34 +33,38 @@ import torch
 import xxhash
 
 from splitserve.core.block_events import BlockEvent
-from splitserve.engine.kv_cache import KVCachePool
+from splitserve.engine.kv_cache import KVCachePool, KVCacheSpec
+from splitserve.engine.kv_offload.device_blocks import device_blocks
 from splitserve.engine.kv_offload.disk_tier import DiskTier
 from splitserve.engine.kv_offload.guarded_disk import GuardedDisk
 from splitserve.engine.kv_offload.host_tier import HostTier
 from splitserve.engine.kv_offload.stats import OffloadCounters, OffloadStats
+from splitserve.engine.parallel.kv_shards import ShardedKVPool
 
 log = logging.getLogger(__name__)
 
 DIRECTORY_CHECK_S = 1.0  # how often an idle writer checks the disk tier's directory still exists
 
 
-def layout_tag(pool: KVCachePool) -> int:
+def layout_tag(spec: KVCacheSpec) -> int:
     """Identifies the byte layout of a block: a file written for another is foreign."""
-    s = pool.spec
+    s = spec
     return xxhash.xxh3_64_intdigest(f"{s.block_shape}:{s.dtype}".encode())
 
 
 class KVOffloader:
-    def __init__(self, pool: KVCachePool, host_bytes: int = 0, disk_dir: str | None = None, disk_bytes: int = 0):
-        self.pool = pool
-        self.block_nbytes = pool.spec.block_nbytes
-        on_gpu = pool.data.device.type != "cpu"
+    def __init__(self, pool: KVCachePool | ShardedKVPool, host_bytes: int = 0, disk_dir: str | None = None,
+                 disk_bytes: int = 0):
+        """`pool`: the engine's KV pool, or under tensor parallelism every rank's as one (device_blocks.py)."""
+        self.blocks = device_blocks(pool)
+        self.block_nbytes = self.blocks.spec.block_nbytes
+        on_gpu = self.blocks.on_gpu
         if host_bytes and host_bytes < self.block_nbytes:
             raise ValueError(f"--kv-offload-gib {host_bytes / 2**30:g} holds no KV block "
                              f"(a block is {self.block_nbytes} bytes)")
         self.host = HostTier(host_bytes // self.block_nbytes, self.block_nbytes, pin_memory=on_gpu) \
             if host_bytes else None
-        self.disk = GuardedDisk(DiskTier(disk_dir, disk_bytes, self.block_nbytes, layout_tag(pool))) \
+        self.disk = GuardedDisk(DiskTier(disk_dir, disk_bytes, self.block_nbytes, layout_tag(self.blocks.spec))) \
             if disk_dir else None
         self.sync_copy_ok = not on_gpu  # a device-to-host copy on the engine thread would stall the GPU
         self.lock = threading.Lock()
@@ -115,7 +123,7 @@ class KVOffloader:
         with self.lock:
             slot = self.host.lookup(block_hash) if self.host is not None else None
             if slot is not None:
-                self._device_block(block_id).copy_(self.host.slot(slot))
+                self.blocks.write_from(block_id, self.host.slot(slot))
                 self.host.touch(block_hash)
                 self.counters.loaded_blocks["host"] += 1
                 return True
@@ -128,7 +136,7 @@ class KVOffloader:
                 self.counters.read_failures += 1
                 self._left_tiers(block_hash, "disk")
                 return False
-            self._device_block(block_id).copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            self.blocks.write_from(block_id, torch.frombuffer(bytearray(payload), dtype=torch.uint8))
             self.counters.loaded_blocks["disk"] += 1
         return True
 
@@ -216,7 +224,9 @@ class KVOffloader:
                     return
                 self._copying = block_id
             try:
-                payload = bytes(memoryview(self._device_block(block_id).cpu().numpy()))
+                buffer = torch.empty(self.block_nbytes, dtype=torch.uint8)
+                self.blocks.read_into(block_id, buffer)
+                payload = bytes(memoryview(buffer.numpy()))
             finally:
                 self._copy_done()
             self._to_disk(h, memoryview(payload), newly_tiered=True)
@@ -229,7 +239,7 @@ class KVOffloader:
                 return
             self._copying = block_id
         try:
-            self.host.slot(slot).copy_(self._device_block(block_id))  # the slot is only this thread's
+            self.blocks.read_into(block_id, self.host.slot(slot))  # the slot is only this thread's
         except BaseException:
             self._copy_done()
             with self.lock:
@@ -280,13 +290,8 @@ class KVOffloader:
             self._rewrite.append(h)
 
     # ---- under the lock ------------------------------------------------------------------
-    def _device_block(self, block_id: int) -> torch.Tensor:
-        # a fresh view each time: the pool may have moved to shared memory since
-        start = self.pool.block_offset(block_id)
-        return self.pool.data.view(-1).view(torch.uint8)[start:start + self.block_nbytes]
-
     def _copy_to_host(self, block_id: int, h: int, slot: int) -> None:
-        self.host.slot(slot).copy_(self._device_block(block_id))
+        self.blocks.read_into(block_id, self.host.slot(slot))
         self._publish_host(h, slot)
 
     def _publish_host(self, h: int, slot: int) -> None:
@@ -309,8 +314,9 @@ class KVOffloader:
             self._events.append(BlockEvent("removed", [h], tier=tier))
 
 
-def build_offloader(config, pool: KVCachePool) -> KVOffloader | None:
-    """The tiers an EngineConfig asks for, or None (no --kv-offload-gib / --kv-offload-dir)."""
+def build_offloader(config, pool: KVCachePool | ShardedKVPool) -> KVOffloader | None:
+    """The tiers an EngineConfig asks for, or None (no --kv-offload-gib / --kv-offload-dir).
+    Under tensor parallelism `pool` is every rank's pool as one (LLMEngine.share_kv_pool)."""
     if not config.kv_offload_bytes and not config.kv_offload_dir:
         return None
     return KVOffloader(pool, config.kv_offload_bytes, config.kv_offload_dir, config.kv_offload_dir_bytes)
