@@ -183,7 +183,7 @@ def test_every_main_exits_2_with_the_tables_line_before_ray():
     refused pair a command line can ask for, exit 2, one line, Ray never reached.
     prefill-pool refuses through SystemExit(line): exit 1, as its other refusals."""
     pairs = [(a, b) for a, b in refused_pairs() if FLAGS[a] and FLAGS[b] and FLAGS[a][0] != FLAGS[b][0]]
-    assert len(pairs) == 8
+    assert len(pairs) == 6
     cases = {f"{cmd} {a}+{b}": Case(FLAGS[a] + FLAGS[b] + ([] if cmd == "serve" else ["--redis-url", "redis://x:1"]),
                                     f"splitserve {cmd}: {message(a, b)}", module)
              for (a, b), (cmd, module) in itertools.product(pairs, MAINS.items())
