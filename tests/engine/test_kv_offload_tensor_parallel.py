@@ -2,7 +2,8 @@
 ranks, each holding one of Llama's two KV heads, a prefix evicted from the device pools comes
 back from the host tier and from the disk tier with exactly transformers' (and one rank's)
 greedy tokens; a block file damaged in one rank's heads, or gone, is a miss for both ranks
-and recomputes the same tokens; a graceful close removes the disk tier's directory.
+and recomputes the same tokens; a peer pull from the tp=2 engine's tiers, into a tp=2 engine,
+serves the same tokens; a graceful close removes the disk tier's directory.
 
 One tp=2 engine for the module (rank processes are costly); each test starts from an empty
 prefix cache and empty tiers (reset_prefix_cache) and reads counter deltas."""
@@ -149,6 +150,36 @@ def test_a_damaged_block_file_is_a_miss_for_every_rank(fresh, reference, damage,
     assert again.num_cached_tokens == cached_blocks * BS
     assert delta(loaded(llm), before) == {"host": 0, "disk": cached_blocks}
     assert llm.engine.offloader.stats().counters.read_failures == failures + 1
+    assert_idle(llm)
+
+
+def test_a_peer_pull_under_tp_moves_the_offloaded_prefix(fresh, reference):
+    """Both ends of a peer prefix pull (decode_worker/peer_pull.py, over the KV transfer) on the
+    tp=2 engine (one TP engine per process): as the peer it pins PREFIX's blocks, loading them
+    back from disk into both ranks' pools, and its every-head pool view is read; then, its cache
+    and pools emptied, as the puller it writes them into blocks it reserved (each rank its
+    heads), adopts them and serves PREFIX from them with the reference tokens."""
+    llm = fresh
+    generate(llm, PREFIX)
+    to_disk(llm)
+    before = loaded(llm)
+    pinned, hashes = llm.engine.pin_prefix(PREFIX[:6 * BS], 0)
+    assert len(pinned) == 6 and hashes == prefix_hashes(llm)
+    assert delta(loaded(llm), before) == {"host": 0, "disk": 6}
+    blocks = llm.engine.kv_pool.read(pinned)  # every KV head, the one-rank layout
+    llm.engine.unpin(pinned)
+
+    llm.engine.scheduler.bm.reset_prefix_cache()  # the tiers too: nothing left to find but the pull
+    for shard in llm.engine.kv_pool.shards:
+        shard.zero_()
+    ids, want, parent, have = llm.engine.reserve_pull(PREFIX[:6 * BS])
+    assert (want, parent, have) == (hashes, None, 0)
+    llm.engine.kv_pool.write(ids, blocks)
+    llm.engine.adopt_pulled(ids, want, parent)
+    before = loaded(llm)
+    out = generate(llm, PREFIX)
+    assert out.token_ids == reference and out.num_cached_tokens == 6 * BS
+    assert delta(loaded(llm), before) == {"host": 0, "disk": 0}
     assert_idle(llm)
 
 
