@@ -274,8 +274,9 @@ class LLMEngine(RequestIntake, Disaggregation, LoRAEngine, PeerPrefix):
         return self.sharded_kv_pool
 
     def close(self) -> None:
-        """End the other tensor-parallel ranks (nothing to do at tp=1) and the offload writer."""
-        if self.tp_group is not None:
-            self.tp_group.close()
+        """End the offload writer, then the other tensor-parallel ranks (nothing to do at tp=1):
+        under TP the writer reads their pools (kv_offload/device_blocks.py)."""
         if self.offloader is not None:
             self.offloader.close()
+        if self.tp_group is not None:
+            self.tp_group.close()

@@ -192,3 +192,28 @@ def test_a_graceful_close_removes_the_disk_tier(llm):
     llm.close()
     assert not tier.dir.exists()
     assert list(tier.parent.iterdir()) == []
+
+
+def test_disk_only_tier_with_a_kv_head_replicated_on_both_ranks(make_ckpt, tmp_path):
+    """Qwen2's one KV head is held by both ranks: a write-down reads it once (rank 0), a
+    load-back writes it to both. Disk only: each block goes from the device pools to its file."""
+    path = make_ckpt("qwen2")
+    want = hf_greedy(path, PREFIX, NEW)
+    nb = block_nbytes(path)
+    with LLM(str(path), num_kv_blocks=POOL_BLOCKS, block_size=BS, tensor_parallel_size=2,
+             kv_offload_dir=str(tmp_path), kv_offload_dir_bytes=64 * (nb + HEADER.size)) as llm:
+        off = llm.engine.offloader
+        assert off.host is None and off.blocks.spec.block_nbytes == nb
+        assert llm.engine.sharded_kv_pool.ranges == [(0, 1), (0, 1)]
+        assert generate(llm, PREFIX).token_ids == want
+        for seed in (1, 2):
+            generate(llm, filler(seed))
+        assert all(h in off.disk for h in prefix_hashes(llm))
+        assert not set(llm.engine.cached_block_hashes()) & set(prefix_hashes(llm))
+        for shard in llm.engine.kv_pool.shards:  # nothing of PREFIX left on either rank
+            shard.zero_()
+        again = generate(llm, PREFIX)
+        assert again.token_ids == want
+        assert again.num_cached_tokens == 6 * BS
+        assert loaded(llm) == {"host": 0, "disk": 6}
+        assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
