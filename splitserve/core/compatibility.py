@@ -67,7 +67,7 @@ PAIRS: dict[tuple[str, str], Verdict] = {
     ("tensor-parallel", "fp8-kv-cache"): WORKS,
     ("tensor-parallel", "quantized"): WORKS,  # a GPTQ/AWQ checkpoint must split in whole groups (its own check)
     ("lora", "cuda-graphs"): refused("a graph would freeze one step's grouping of tokens by adapter"),
-    ("lora", "async-scheduling"): refused("a LoRA step groups its tokens by adapter on the host between steps"),
+    ("lora", "async-scheduling"): WORKS,  # a decode step's grouping by adapter is known ahead (engine/overlap.py)
     ("lora", "ngram"): WORKS,
     ("lora", "draft-model"): WORKS,
     ("lora", "kv-offload-host"): WORKS,
@@ -83,7 +83,7 @@ PAIRS: dict[tuple[str, str], Verdict] = {
     ("cuda-graphs", "mooncake"): WORKS,
     ("cuda-graphs", "fp8-kv-cache"): WORKS,
     ("cuda-graphs", "quantized"): WORKS,
-    ("async-scheduling", "ngram"): refused(_ON_HOST),
+    ("async-scheduling", "ngram"): WORKS,  # a step that may draft is not overlapped (engine/overlap.py)
     ("async-scheduling", "draft-model"): refused(_ON_HOST),
     ("async-scheduling", "kv-offload-host"): WORKS,
     ("async-scheduling", "kv-offload-disk"): WORKS,

@@ -25,7 +25,13 @@ that is certain to be a decode of every running sequence with a bucket and free 
 (no waiting request, no preemption), leaving out a sequence certain to finish with its token
 in flight (max_tokens, the context). This module adds only what needs the host between two
 tokens, which cannot overlap: a grammar, penalties (they read the tokens so far), drafts,
-LoRA, held KV or a longrope switch. Logit bias and min_tokens apply as in the synchronous step
+held KV or a longrope switch. LoRA overlaps: a decode step's tokens grouped by adapter
+depend only on which sequences run, the same as the step in flight's (its grouping is kept,
+apply.py), unless an adapter would have to be swapped into a slot (then it drains). n-gram
+speculation overlaps the steps that would have no drafts: a sequence whose known tail
+recurs (the lookup the next step would make, less the token in flight) drains, and the
+ordinary step proposes and verifies its drafts with every token on the host
+(Speculator.drafts_ahead); an overlapped step proposes none (its last token is in flight). Logit bias and min_tokens apply as in the synchronous step
 (min_tokens counts the token in flight); logprobs are computed on the device with the token
 and read with it. Anything else drains first: the step in flight is finished, then the
 ordinary step runs. A block is published only after the step that wrote its last slot has
@@ -77,9 +83,11 @@ class OverlappedDecode:
         """Launch the next decode step ahead and return the previous one's outputs, or
         None when this step cannot overlap (the caller drains, then runs it ordinarily)."""
         scheduler = self.engine.scheduler
-        batch = scheduler.schedule_ahead(_overlappable, self.graphs.buckets[-1], self.graphs.width)
+        batch = scheduler.schedule_ahead(self._eligible, self.graphs.buckets[-1], self.graphs.width)
         if batch is None:
             return None
+        if self.engine.loras is not None:  # the same sequences as the step in flight: its grouping, kept
+            self.engine.loras.prepare(batch.entries)
         launched = self._launch(batch.decodes)
         outputs = self._finish(self.in_flight)
         scheduler.launched_ahead(batch)
@@ -101,6 +109,13 @@ class OverlappedDecode:
                 if seq.token_ids and seq.token_ids[-1] < 0:
                     seq.token_ids.pop()
             self.in_flight = None
+
+    def _eligible(self, seq: Sequence) -> bool:
+        """`seq` may run in an overlapped step: nothing between its tokens needs the host, its
+        adapter is in a slot already (no swap) and speculation would give it no drafts."""
+        e = self.engine
+        return (_overlappable(seq) and (e.loras is None or e.loras.holds_slot(seq.lora))
+                and (e.speculator is None or not e.speculator.drafts_ahead(seq, len(e.scheduler.running))))
 
     # ---- parts ------------------------------------------------------------------------
     def _launch(self, seqs: list[Sequence]) -> InFlight:
@@ -143,6 +158,5 @@ def _overlappable(seq: Sequence) -> bool:
     """Nothing between two of its tokens needs the host (module docstring)."""
     p = seq.params
     penalties = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0  # (read the tokens)
-    return (seq.grammar is None and not penalties and not seq.draft_token_ids and seq.lora is None
-            and not seq.hold_kv)
+    return seq.grammar is None and not penalties and not seq.draft_token_ids and not seq.hold_kv
 

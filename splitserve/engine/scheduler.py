@@ -155,9 +155,10 @@ class Scheduler:
         scheduling): the running sequences' last tokens may be placeholders (`launched_ahead`).
         `schedule` makes it, when it is certain to make a decode step of `eligible` sequences
         only, at most `max_seqs` of them and `max_blocks` blocks each: nothing waiting to be
-        admitted, every running sequence one token to decode and room for all (no preemption,
-        no drafts). Otherwise None, and nothing has changed."""
-        if self.waiting or self.speculator is not None:
+        admitted, every running sequence one token to decode and room for all (no preemption;
+        no drafts: `eligible` rules out a sequence that may have some, and one with its token in
+        flight gets none). Otherwise None, and nothing has changed."""
+        if self.waiting:
             return None
         rows = [seq for seq in self.running if not (seq.token_ids[-1] < 0 and ends_by_length(seq))]
         if not rows or len(rows) > min(max_seqs, self.max_num_batched_tokens, self.decoding_step_tokens):
@@ -198,8 +199,8 @@ class Scheduler:
         pass): as many as the budget and the free blocks leave after one token for each of
         the `num_later` sequences still to schedule, so drafts never preempt or starve one."""
         seq.draft_token_ids = []
-        if n != 1 or seq.num_computed_tokens != seq.num_tokens - 1:
-            return 0
+        if n != 1 or seq.num_computed_tokens != seq.num_tokens - 1 or seq.token_ids[-1] < 0:
+            return 0  # (a token in flight, overlapped: nothing to look up from yet)
         free_blocks = self.bm.num_free_blocks - self.bm.blocks_needed(seq, 1) - num_later
         slots = (len(seq.block_table) + self.bm.blocks_needed(seq, 1) + max(free_blocks, 0)) * self.bm.block_size
         room = min(budget - 1 - num_later, slots - seq.num_tokens)

@@ -9,6 +9,7 @@ check times it."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -123,11 +124,13 @@ def test_delta_outputs_and_refusals(ckpt):
     assert problem(parser.parse_args(["--async-scheduling"])) is None
     assert problem(parser.parse_args(["--async-scheduling", "--no-cuda-graphs"])) == \
         "--async-scheduling runs the padded (graph) decode step: it cannot run with --no-cuda-graphs"
-    assert compatibility_problem(parser.parse_args(["--async-scheduling", "--enable-lora"])) == \
-        message("lora", "async-scheduling")  # the table's pairs: tests/engine/test_compatibility_table.py
+    assert compatibility_problem(parser.parse_args(["--async-scheduling", "--enable-lora"])) is None  # overlaps
+    draft_model = {"method": "draft_model", "model": str(ckpt), "num_speculative_tokens": 2}
+    assert compatibility_problem(parser.parse_args(["--async-scheduling", "--speculative-config",
+                                                    json.dumps(draft_model)])) == \
+        message("async-scheduling", "draft-model")  # the table's pairs: tests/engine/test_compatibility_table.py
     with pytest.raises(ValueError, match="async scheduling"):
-        EngineConfig(model=str(ckpt), async_scheduling=True, speculative_config={"method": "ngram",
-                                                                                 "num_speculative_tokens": 2})
+        EngineConfig(model=str(ckpt), async_scheduling=True, speculative_config=draft_model)
 
 
 def test_a_failed_step_fails_every_request_with_no_placeholder_in_its_output(ckpt):

@@ -140,15 +140,16 @@ def test_a_pair_split_over_the_roles_is_accepted(schema, minimal_spec):
 
 def test_every_refused_pair_of_a_spec_is_listed_once(schema, minimal_spec):
     spec = merged(minimal_spec, spec_part("tensor-parallel", "prefill"), spec_part("mooncake", "prefill"),
-                  spec_part("tensor-parallel", "decode"), spec_part("lora", "decode"),
+                  spec_part("tensor-parallel", "decode"), spec_part("draft-model", "decode"),
                   spec_part("async-scheduling", "decode"))
     want = [message("tensor-parallel", "mooncake"), message("tensor-parallel", "async-scheduling"),
-            message("lora", "async-scheduling")]  # prefill's, then decode's (its own Mooncake pair listed once)
+            message("tensor-parallel", "draft-model"),
+            message("async-scheduling", "draft-model")]  # prefill's, then decode's (its own Mooncake pair listed once)
     with pytest.raises(SpecError) as err:
         parse_spec("x", "ns", spec, "img:1")
     assert err.value.problems == want
     errors = admitted_errors(schema, spec)
-    assert len(errors) == 3 and all(any(e.endswith(line) for e in errors) for line in want), errors
+    assert len(errors) == 4 and all(any(e.endswith(line) for e in errors) for line in want), errors
 
 
 def test_the_crds_rules_are_the_generated_ones():

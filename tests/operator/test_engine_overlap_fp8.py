@@ -50,9 +50,18 @@ def test_the_flags_reach_their_workers_and_parse(minimal_spec):
     assert args.async_scheduling is True and args.fp8_activations == "off"
 
 
+@pytest.mark.parametrize("extra", [
+    {"engine": {"asyncScheduling": True, "speculative": SPECULATIVE}},
+    {"engine": {"asyncScheduling": True}, "loras": [{"name": "a", "path": "adapters/a"}]},
+], ids=["ngram", "lora"])
+def test_combinations_the_overlap_takes_are_accepted(minimal_spec, extra):
+    """n-gram speculation and LoRA overlap (engine/overlap.py): accepted, the decode workers get the flag."""
+    spec = {**minimal_spec, **extra}
+    assert admitted(spec)[1] == []
+    assert "--async-scheduling" in worker_commands(parse_spec("x", "ns", spec, "img:1"))["decode"]
+
+
 @pytest.mark.parametrize("extra, other", [
-    ({"engine": {"asyncScheduling": True, "speculative": SPECULATIVE}}, "ngram"),
-    ({"engine": {"asyncScheduling": True}, "loras": [{"name": "a", "path": "adapters/a"}]}, "lora"),
     ({"engine": {"asyncScheduling": True}, "decode": {"tensorParallelSize": 2}}, "tensor-parallel"),
 ])
 def test_combinations_the_engine_refuses_are_refused_at_apply_and_by_the_operator(minimal_spec, extra, other):

@@ -33,9 +33,16 @@ class LoRAStep:
     whole_slot: int | None = None  # every token of the step under this one slot: no gather needed
     padded_rows: torch.Tensor | None = None  # short segments (decode): [slots, L] for the batched path
     first_slot: int = 0
+    grouping: tuple[int, ...] | None = None  # the token_slots these fields were built for
 
     def set(self, token_slots: list[int], device: torch.device) -> None:
-        """token_slots: each token's slot in step order, -1 for the base model."""
+        """token_slots: each token's slot in step order, -1 for the base model. The same
+        grouping as the last step's (decode steps of the same sequences) is kept as it is:
+        nothing is rebuilt or copied, so an overlapped step never waits on the one in flight."""
+        grouping = tuple(token_slots)
+        if grouping == self.grouping:
+            return
+        self.grouping = grouping
         by_slot: dict[int, list[int]] = {}
         for i, slot in enumerate(token_slots):
             if slot >= 0:
@@ -45,7 +52,7 @@ class LoRAStep:
         for slot in self.seg_slots:
             perm.extend(by_slot[slot])
             self.seg_starts.append(len(perm))
-        self.perm = torch.tensor(perm, dtype=torch.int64, device=device) if perm else None
+        self.perm = _on(device, perm) if perm else None
         self.whole_slot = self.seg_slots[0] if len(self.seg_slots) == 1 and len(perm) == len(token_slots) else None
         self.padded_rows = None
         longest = max((len(rows) for rows in by_slot.values()), default=0)
@@ -54,8 +61,16 @@ class LoRAStep:
             width = self.seg_slots[-1] - self.first_slot + 1
             pad = len(token_slots)  # the zero row appended to x
             table = [by_slot.get(self.first_slot + s, []) for s in range(width)]
-            self.padded_rows = torch.tensor([r + [pad] * (longest - len(r)) for r in table], dtype=torch.int64,
-                                            device=device)
+            self.padded_rows = _on(device, [r + [pad] * (longest - len(r)) for r in table])
+
+
+def _on(device: torch.device, rows: list) -> torch.Tensor:
+    """An int64 tensor on `device`, copied from pinned memory without waiting: a plain copy
+    would wait for the step in flight (async scheduling builds the next step meanwhile)."""
+    host = torch.tensor(rows, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _lora_delta(x, a, b, out, step: LoRAStep):

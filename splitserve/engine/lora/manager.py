@@ -87,6 +87,11 @@ class LoRAManager:
         keys = {s.lora.key for s in live if s.lora is not None}
         return lora.key in keys or len(keys) < self.max_loras
 
+    def holds_slot(self, lora: LoRAAdapter | None) -> bool:
+        """Is `lora` (None: the base model) in a slot now? A step of such sequences only loads
+        nothing: the overlapped decode (engine/overlap.py) runs no step that swaps an adapter in."""
+        return lora is None or lora.key in self.slots.resident
+
     def prepare(self, entries: list) -> LoRAStepPlan | None:
         """Before a step over `entries` [(sequence, new tokens)], in the step's token order;
         under tensor parallelism, the plan the step's inputs carry to the other ranks."""

@@ -64,6 +64,21 @@ class Speculator:
             return self.draft.propose(seq, limit, self.generator)
         return propose_ngram(seq.token_ids, limit, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
 
+    def drafts_ahead(self, seq: Sequence, batch_size: int) -> bool:
+        """May `seq`'s next step have drafts? Asked before an overlapped decode step
+        (engine/overlap.py), which runs only when no sequence does: drafts are verified on the
+        host, and the step after depends on how many were kept. Judged from the tokens on the
+        host; a token still in flight (a placeholder, last) is left out, so a tail that recurs
+        before it says yes (the lookup the synchronous step then makes has the token).
+        Exact where no token is in flight: False means `propose` gives no drafts."""
+        if self.draft is not None:  # (a draft model always proposes)
+            return True
+        cap = self.config.disable_by_batch_size
+        if self._limit(seq) <= 0 or (cap is not None and batch_size > cap):
+            return False
+        tokens = seq.token_ids[:-1] if seq.token_ids[-1] < 0 else seq.token_ids
+        return bool(propose_ngram(tokens, 1, self.config.prompt_lookup_min, self.config.prompt_lookup_max))
+
     def release_finished(self) -> None:
         """The draft model's KV of sequences that ended goes back to its pool."""
         if self.draft is not None:
