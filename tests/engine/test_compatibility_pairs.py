@@ -12,11 +12,16 @@ with FP8 KV alone, on the dequantised weights or the adapter merged into them.
 
 The workload: a 100-token prompt, two 150-token prompts that push it out of a 12-block
 pool (only with a tier: then it comes back from the tier), two prompts sharing its first
-blocks, and a repetitive prompt the n-gram proposer drafts from."""
+blocks, and a repetitive prompt the n-gram proposer drafts from. Mooncake is a worker's KV
+backend, not an engine's: its pairs hand every prompt from a prefill engine to a decode
+engine (both with the other feature on) over Mooncake's tcp transport, as the workers do.
+CUDA-graph pairs need a CUDA device: skipped here, naming the pair."""
 
 from __future__ import annotations
 
+import itertools
 import shutil
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -24,12 +29,18 @@ import torch
 from splitserve.core.compatibility import FEATURES, all_pairs, verdict
 from splitserve.engine import LLM, LoRARequest, SamplingParams
 from splitserve.engine.kv_offload.block_file import HEADER
+from splitserve.engine.lora.offline import with_lora
 from splitserve.engine.models.quant_linear import QuantizedLinear
+from splitserve.kvtransfer import KVReceiver
+from splitserve.kvtransfer.sender import create_sender
+from splitserve.metrics import Metrics
+from tests.engine.test_disaggregation_handoff import drain
 from tests.engine.test_kv_offload_tiers import block_nbytes
 from tests.engine.test_quant_formats import quantize_checkpoint
 from tests.engine.test_spec_decode_exact import NGRAM, copy_heavy
 from tests.helpers.lora_adapters import ADAPTERS, make_adapter, peft_greedy
 from tests.helpers.reference import hf_greedy
+from tests.kvtransfer.conftest import config_for
 
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -48,10 +59,10 @@ TIERS = {"kv-offload-host", "kv-offload-disk"}
 SKIPPED = {
     "cuda-graphs": "CUDA graphs forced on need a CUDA device (cuda_graphs=True is refused on the CPU), "
                    "and this test compares with float32 references computed on the CPU",
-    "mooncake": "Mooncake KV transfer is a worker's --kv-backend between a prefill and a decode worker, "
-                "not an LLM feature (tests/kvtransfer covers it over tcp); no engine-level pair harness yet",
 }
-SWITCHED_ON = set(FEATURES) - set(SKIPPED)  # engine_kwargs below handles each of these
+# engine_kwargs below switches each of these on; Mooncake (a worker's --kv-backend, not an
+# engine's) by handing every prompt off between two engines over Mooncake's tcp transport
+SWITCHED_ON = set(FEATURES) - set(SKIPPED)
 
 
 def works_pairs() -> list[tuple[str, str]]:
@@ -95,7 +106,7 @@ def world(make_ckpt, tmp_path_factory):
 
 
 def engine_kwargs(features: set[str], world: World, tmp_path) -> dict:
-    """LLM's arguments with exactly `features` on."""
+    """LLM's arguments with exactly `features` on (Mooncake: see mooncake_rounds)."""
     model = world.quantized if "quantized" in features else world.float
     kw = dict(model=str(model), block_size=BS, max_num_batched_tokens=64,
               num_kv_blocks=12 if features & TIERS else 64)
@@ -120,7 +131,7 @@ def engine_kwargs(features: set[str], world: World, tmp_path) -> dict:
             kw.update(kv_offload_dir=str(tmp_path / "tier"), kv_offload_dir_bytes=64 * (nbytes + HEADER.size))
         elif feature == "fp8-kv-cache":
             kw["kv_cache_dtype"] = "fp8"
-        elif feature != "quantized":  # (the checkpoint chosen above)
+        elif feature not in ("quantized", "mooncake"):  # (the checkpoint chosen above; two engines)
             raise AssertionError(f"engine_kwargs cannot switch on {feature!r}")
     return kw
 
@@ -132,6 +143,61 @@ def run_rounds(llm: LLM, lora: LoRARequest | None) -> list:
         if llm.engine.offloader is not None:
             assert llm.engine.offloader.wait_idle()  # stores land before the next round looks them up
     return outs
+
+
+@contextmanager
+def mooncake_link(decode: LLM):
+    """A Mooncake receiver on the decode engine's pool and a sender, over tcp, as the workers hold them."""
+    metrics = Metrics()
+    receiver = KVReceiver(decode.engine.runner.kv_pool, config_for("mooncake"), worker_id="decode")
+    receiver.start()
+    sender = create_sender("mooncake", config_for("mooncake"), metrics)
+    try:
+        yield receiver, sender, metrics
+    finally:
+        sender.close()
+        receiver.stop()
+
+
+_handoff_ids = itertools.count()
+
+
+def handed_off(prefill: LLM, decode: LLM, link, prompt: list[int], lora: LoRARequest | None):
+    """`prompt` prefilled on `prefill`, its KV pushed over Mooncake into the blocks `decode`
+    reserved (past its own cached prefix), then decoded there (what the workers do)."""
+    receiver, sender, _ = link
+    rid = f"handoff-{next(_handoff_ids)}"
+    on_decode, on_prefill = (with_lora(llm.engine, [GREEDY], lora)[0] if lora else GREEDY for llm in (decode, prefill))
+    slot = decode.engine.reserve_remote_prefill(rid, prompt, on_decode)
+    assert slot is not None
+    prefill.engine.add_request(rid, prompt, SamplingParams(**{**on_prefill.__dict__, "max_tokens": 1}), hold_kv=True)
+    first = drain(prefill.engine)[rid]
+    src, hashes = prefill.engine.held_blocks(rid, slot.skip_blocks)
+    done = receiver.expect(rid, slot.block_ids, slot.block_hashes, lambda ids: None)
+    sender.push(rid, receiver.address, prefill.engine.runner.kv_pool, src, slot.block_ids, hashes)
+    assert done.result(timeout=30).ok
+    prefill.engine.release_held(rid)
+    decode.engine.complete_remote_prefill(rid, first.token_ids[0], None)
+    return drain(decode.engine)[rid]
+
+
+def mooncake_rounds(features: set[str], world: World, tmp_path, lora: LoRARequest | None) -> tuple[list, LLM]:
+    """The rounds' prompts one by one through a prefill engine and a decode engine, each with
+    the other feature on, every prompt's KV moved over Mooncake; (outputs, the decode engine)."""
+    other = features - {"mooncake"}
+    with LLM(**engine_kwargs(other, world, tmp_path / "prefill")) as prefill:
+        decode = LLM(**engine_kwargs(other, world, tmp_path / "decode"))
+        with mooncake_link(decode) as link:
+            outs = []
+            for prompt in (p for r in ROUNDS for p in r):
+                outs.append(handed_off(prefill, decode, link, prompt, lora))
+                for llm in (prefill, decode):
+                    if llm.engine.offloader is not None:
+                        assert llm.engine.offloader.wait_idle()
+            sent = link[2].kv_transfer_bytes.labels(backend="mooncake", direction="sent")._value.get()
+            assert sent > 0  # the KV really went over Mooncake
+        assert prefill.engine.num_free_blocks == prefill.engine.num_total_blocks  # every held block released
+    return outs, decode
 
 
 def reference(features: set[str], world: World) -> list[list[int]]:
@@ -203,11 +269,14 @@ def test_a_working_pair_gives_its_single_feature_references_tokens(pair, world, 
         pytest.fail(f"{' x '.join(pair)} works in the table but this test cannot switch on {sorted(unknown)}: "
                     "add it to engine_kwargs, or to SKIPPED with the reason")
     want = reference(features, world)
-    kw = engine_kwargs(features, world, tmp_path)
     base = world.dequantised if "quantized" in features else world.float
     lora = LoRARequest("all-r8", 1, str(world.adapters[base])) if "lora" in features else None
-    with LLM(**kw) as llm:
+    if "mooncake" in features:
+        outs, llm = mooncake_rounds(features, world, tmp_path, lora)
+    else:
+        llm = LLM(**engine_kwargs(features, world, tmp_path))
         outs = run_rounds(llm, lora)
+    with llm:
         got = [o.token_ids for o in outs]
         diverged = [(i, g, w) for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
         assert not diverged, f"{' x '.join(pair)}: prompt, tokens, reference's: {diverged}"
