@@ -57,7 +57,7 @@ _ON_HOST = "the overlapped step runs ahead of the host, and drafts are proposed 
 PAIRS: dict[tuple[str, str], Verdict] = {
     ("tensor-parallel", "lora"): WORKS,  # adapters sharded like the base weights (engine/lora/sharding.py)
     ("tensor-parallel", "cuda-graphs"): refused("tensor-parallel decode runs eagerly (no graph capture over ranks)"),
-    ("tensor-parallel", "async-scheduling"): refused("the overlapped decode step is not built over tensor-parallel ranks"),
+    ("tensor-parallel", "async-scheduling"): WORKS,  # the padded step broadcast to the ranks (parallel/padded_decode.py)
     ("tensor-parallel", "ngram"): WORKS,
     ("tensor-parallel", "draft-model"): refused("the draft model is not sharded over tensor-parallel ranks"),
     ("tensor-parallel", "kv-offload-host"): WORKS,  # rank 0 gathers / scatters every rank's heads (kv_offload/device_blocks.py)

@@ -128,6 +128,10 @@ class DecodeGraphs:
             self.staging.copied(bucket)
         return bucket
 
+    def stage_flat(self, flat: torch.Tensor, bucket: int) -> None:
+        """The bucket's inputs as another rank staged them (parallel/padded_decode.py)."""
+        self._input(bucket).copy_(flat)
+
     def execute(self, bucket: int) -> torch.Tensor:
         """Logits [bucket, vocab] of the staged step: the graph replayed, or run eagerly."""
         self.steps += 1

@@ -78,7 +78,8 @@ class ModelRunner:
         """Logits [k, vocab] (float32) for the k sequences that reach their last known
         token this step (those get a new token), and those sequences in order. `lora`: the
         step's LoRA plan for the other tensor-parallel ranks (LoRAManager.prepare)."""
-        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
+        # (under TP only an overlapped step takes the padded path: parallel/padded_decode.py)
+        if self.decode_graphs is not None and tp().size == 1 and self.decode_graphs.fits(batch):
             return self.decode_graphs.run(batch)
         step, sampled = step_inputs(batch, self.block_size)
         if tp().size > 1:  # the other ranks run the same step on their slices (parallel/worker.py)

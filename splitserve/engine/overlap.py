@@ -31,11 +31,13 @@ apply.py), unless an adapter would have to be swapped into a slot (then it drain
 speculation overlaps the steps that would have no drafts: a sequence whose known tail
 recurs (the lookup the next step would make, less the token in flight) drains, and the
 ordinary step proposes and verifies its drafts with every token on the host
-(Speculator.drafts_ahead); an overlapped step proposes none (its last token is in flight). Logit bias and min_tokens apply as in the synchronous step
-(min_tokens counts the token in flight); logprobs are computed on the device with the token
-and read with it. Anything else drains first: the step in flight is finished, then the
-ordinary step runs. A block is published only after the step that wrote its last slot has
-completed (it may then be shared or written down).
+(Speculator.drafts_ahead); an overlapped step proposes none (its last token is in flight).
+Under tensor parallelism the staged step and the previous step's tokens are broadcast to the
+other ranks before it runs (parallel/padded_decode.py). Logit bias and min_tokens apply as
+in the synchronous step (min_tokens counts the token in flight); logprobs are computed on
+the device with the token and read with it. Anything else drains first: the step in
+flight is finished, then the ordinary step runs. A block is published only after the step
+that wrote its last slot has completed (it may then be shared or written down).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import torch
 
 from splitserve.engine.logits_processors import apply_logits_processors
 from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.parallel.padded_decode import send_padded_step
 from splitserve.engine.sampler import device_logprobs, draw, host_logprobs
 from splitserve.engine.sequence import Sequence
 
@@ -86,9 +89,10 @@ class OverlappedDecode:
         batch = scheduler.schedule_ahead(self._eligible, self.graphs.buckets[-1], self.graphs.width)
         if batch is None:
             return None
+        lora_plan = None  # (the plan: what the other tensor-parallel ranks put in their slots)
         if self.engine.loras is not None:  # the same sequences as the step in flight: its grouping, kept
-            self.engine.loras.prepare(batch.entries)
-        launched = self._launch(batch.decodes)
+            lora_plan = self.engine.loras.prepare(batch.entries)
+        launched = self._launch(batch.decodes, lora_plan)
         outputs = self._finish(self.in_flight)
         scheduler.launched_ahead(batch)
         self.in_flight = launched
@@ -118,10 +122,13 @@ class OverlappedDecode:
                 and (e.speculator is None or not e.speculator.drafts_ahead(seq, len(e.scheduler.running))))
 
     # ---- parts ------------------------------------------------------------------------
-    def _launch(self, seqs: list[Sequence]) -> InFlight:
+    def _launch(self, seqs: list[Sequence], lora_plan=None) -> InFlight:
         graphs, n = self.graphs, len(seqs)
         with torch.inference_mode():
-            logits = graphs.execute(graphs.stage(seqs))[:n]
+            bucket = graphs.stage(seqs)
+            if self.engine.tp_group is not None:  # the other ranks run the same padded step
+                send_padded_step(graphs, bucket, lora_plan)
+            logits = graphs.execute(bucket)[:n]
             # logit bias and min_tokens read no token (min_tokens counts them, the one in flight included)
             processed = apply_logits_processors(logits, seqs, self.engine.eos_token_ids)
             tokens = draw(processed, seqs, self.engine.generator)

@@ -38,9 +38,9 @@ def _run(ckpt, requests: dict, async_scheduling: bool, **config) -> tuple[dict, 
     if engine.overlap is not None:
         launch = engine.overlap._launch
 
-        def recording(seqs, launch=launch):
+        def recording(seqs, *plan, launch=launch):
             launched.append([s.lora.name if s.lora is not None else None for s in seqs])
-            return launch(seqs)
+            return launch(seqs, *plan)
 
         engine.overlap._launch = recording
     got = {rid: {"tokens": [], "reason": None} for rid in requests}
@@ -56,6 +56,7 @@ def _run(ckpt, requests: dict, async_scheduling: bool, **config) -> tuple[dict, 
     if engine.overlap is not None:
         engine.step()  # a step still in flight is drained
     assert engine.num_free_blocks == engine.num_total_blocks and not engine.sequences
+    engine.close()  # (tensor parallelism: its rank processes end)
     return got, engine, launched
 
 
@@ -147,3 +148,19 @@ def test_lora_and_ngram_together(base, adapters):
         assert overlapped[rid]["tokens"] == peft_greedy(base, adapter, prompt, params.max_tokens), rid
     assert engine.overlap.steps > 0 and engine.speculator.stats.num_draft_tokens > 0
     assert any(name is not None for step in launched for name in step)
+
+
+def test_tensor_parallel_overlapped_steps_with_adapters_equal_peft(base, adapters):
+    """tp=2: each overlapped step's staged inputs, LoRA plan and the previous step's tokens
+    reach rank 1 (parallel/padded_decode.py), which runs the same padded step on its slices;
+    ordinary steps (prefills, a swap) in between take the broadcast eager path."""
+    plan = [(0, "all-r8", 20), (0, None, 16), (0, "qv-r4-rslora", 12), (3, "mlp-r16", 10), (4, None, 9)]
+    requests = {f"t{i}": (at, _random(40 + i, 8 + 6 * i), _greedy(n, lora)) for i, (at, lora, n) in enumerate(plan)}
+    config = dict(num_kv_blocks=64, tensor_parallel_size=2, enable_lora=True, max_loras=2,
+                  lora_modules={name: str(path) for name, path in adapters.items()})
+    got, engine, launched = _run(base, requests, True, **config)
+    for rid, (_, prompt, params) in requests.items():
+        adapter = adapters[params.lora_name] if params.lora_name else None
+        assert got[rid]["tokens"] == peft_greedy(base, adapter, prompt, params.max_tokens), rid
+    assert engine.overlap.steps == len(launched) >= 8
+    assert any(None in step and len(set(step)) >= 2 for step in launched)  # base and adapter rows, overlapped

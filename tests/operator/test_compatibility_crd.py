@@ -142,14 +142,13 @@ def test_every_refused_pair_of_a_spec_is_listed_once(schema, minimal_spec):
     spec = merged(minimal_spec, spec_part("tensor-parallel", "prefill"), spec_part("mooncake", "prefill"),
                   spec_part("tensor-parallel", "decode"), spec_part("draft-model", "decode"),
                   spec_part("async-scheduling", "decode"))
-    want = [message("tensor-parallel", "mooncake"), message("tensor-parallel", "async-scheduling"),
-            message("tensor-parallel", "draft-model"),
+    want = [message("tensor-parallel", "mooncake"), message("tensor-parallel", "draft-model"),
             message("async-scheduling", "draft-model")]  # prefill's, then decode's (its own Mooncake pair listed once)
     with pytest.raises(SpecError) as err:
         parse_spec("x", "ns", spec, "img:1")
     assert err.value.problems == want
     errors = admitted_errors(schema, spec)
-    assert len(errors) == 4 and all(any(e.endswith(line) for e in errors) for line in want), errors
+    assert len(errors) == 3 and all(any(e.endswith(line) for e in errors) for line in want), errors
 
 
 def test_the_crds_rules_are_the_generated_ones():
@@ -164,7 +163,7 @@ def test_the_crds_rules_are_the_generated_ones():
 
 
 async def test_the_fake_api_server_refuses_the_issues_example(minimal_spec):
-    """issue 50's kind of example, a refused pair (async scheduling with `tensorParallelSize: 2`)
+    """issue 50's kind of example, a refused pair (a draft model with `tensorParallelSize: 2`)
     that used to pass and crash-loop its workers: refused at create, in the table's words; and
     `kvOffload` with `tensorParallelSize: 2`, refused until the tiers worked under TP, accepted."""
     fake = FakeKube({})
@@ -173,13 +172,13 @@ async def test_the_fake_api_server_refuses_the_issues_example(minimal_spec):
         await fake.create(*CRDS, None, load_crd())
         await fake.create_namespace("ns")
         ifd = ("splitserve.io/v1alpha1", "inferencedeployments")
-        spec = merged(minimal_spec, spec_part("async-scheduling", "decode"), spec_part("tensor-parallel", "decode"))
+        spec = merged(minimal_spec, spec_part("draft-model", "decode"), spec_part("tensor-parallel", "decode"))
         body = {"apiVersion": ifd[0], "kind": "InferenceDeployment", "metadata": {"name": "x"}, "spec": spec}
         with pytest.raises(ApiError) as err:
             await fake.create(*ifd, "ns", body)
         assert err.value.code == 422
         assert err.value.message == ('InferenceDeployment.splitserve.io "x" is invalid: spec: Invalid value: '
-                                     f'"object": {message("tensor-parallel", "async-scheduling")}')
+                                     f'"object": {message("tensor-parallel", "draft-model")}')
         spec = merged(minimal_spec, spec_part("kv-offload-disk", "decode"), spec_part("tensor-parallel", "decode"))
         offload = {**body, "metadata": {"name": "offload"}, "spec": spec}
         assert (await fake.create(*ifd, "ns", offload))["spec"]["decode"]["tensorParallelSize"] == 2

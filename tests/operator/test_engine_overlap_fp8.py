@@ -53,16 +53,21 @@ def test_the_flags_reach_their_workers_and_parse(minimal_spec):
 @pytest.mark.parametrize("extra", [
     {"engine": {"asyncScheduling": True, "speculative": SPECULATIVE}},
     {"engine": {"asyncScheduling": True}, "loras": [{"name": "a", "path": "adapters/a"}]},
-], ids=["ngram", "lora"])
+    {"engine": {"asyncScheduling": True}, "decode": {"tensorParallelSize": 2}},
+], ids=["ngram", "lora", "tensor-parallel"])
 def test_combinations_the_overlap_takes_are_accepted(minimal_spec, extra):
-    """n-gram speculation and LoRA overlap (engine/overlap.py): accepted, the decode workers get the flag."""
+    """n-gram speculation, LoRA and tensor parallelism overlap (engine/overlap.py): accepted,
+    the decode workers get the flag."""
     spec = {**minimal_spec, **extra}
     assert admitted(spec)[1] == []
     assert "--async-scheduling" in worker_commands(parse_spec("x", "ns", spec, "img:1"))["decode"]
 
 
+DRAFT_MODEL = {"method": "draft_model", "model": "/d", "num_speculative_tokens": 2}
+
+
 @pytest.mark.parametrize("extra, other", [
-    ({"engine": {"asyncScheduling": True}, "decode": {"tensorParallelSize": 2}}, "tensor-parallel"),
+    ({"engine": {"asyncScheduling": True, "speculative": DRAFT_MODEL}}, "draft-model"),
 ])
 def test_combinations_the_engine_refuses_are_refused_at_apply_and_by_the_operator(minimal_spec, extra, other):
     """In the table's words (core/compatibility.py); every pair: test_compatibility_crd.py."""

@@ -23,6 +23,10 @@ class TPState:
 
 _state = TPState()
 NO_TIMEOUT = timedelta(days=365)
+# Under NCCL, the step descriptions go over a gloo group of the same ranks (vLLM's cpu_group):
+# an object broadcast over NCCL stages its bytes on the device, behind the step in flight,
+# which would make rank 0 wait for it (async scheduling launches the next step meanwhile).
+_host_group = None
 
 
 def tp() -> TPState:
@@ -34,14 +38,16 @@ def init_tensor_parallel(rank: int, size: int, store: dist.Store, device: str) -
     rank waits for the next step as long as rank 0 is idle, and rank 0 waits for a frozen rank
     until it thaws (each rank's heartbeat tells the worker meanwhile: group.silence); a dead
     peer fails the collective."""
-    global _state
+    global _state, _host_group
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=NO_TIMEOUT)
+    _host_group = dist.new_group(backend="gloo", timeout=NO_TIMEOUT) if backend == "nccl" else None
     _state = TPState(rank, size)
 
 
 def destroy_tensor_parallel() -> None:
-    global _state
+    global _state, _host_group
+    _host_group = None
     if dist.is_initialized():
         dist.destroy_process_group()
     _state = TPState()
@@ -85,8 +91,15 @@ def broadcast_object(obj=None):
     """Rank 0's `obj` on every rank (the per-step description)."""
     box = [obj]
     with _peers_alive():
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=_host_group)
     return box[0]
+
+
+def broadcast_tensor(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `x` into every rank's `x` (in place; on CUDA ordered on the stream, no host wait)."""
+    with _peers_alive():
+        dist.broadcast(x, src=0)
+    return x
 
 
 def gather_object(obj) -> list:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing  # noqa: F401 - registers the shared-memory pickling of tensors
 
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.parallel.padded_decode import PaddedDecodeStep, run_padded_step
 from splitserve.engine.parallel.state import (
     NO_TIMEOUT,
     RankLost,
@@ -101,6 +102,8 @@ def run_rank(rank: int, size: int, port: int, cfg: EngineConfig, max_model_len: 
         while (step := broadcast_object()) is not None:
             if isinstance(step, str) and step == SHARE_KV_POOL:
                 to_rank0.send(shared(runner.kv_pool.data))  # the handle: its memory is not copied
+            elif isinstance(step, PaddedDecodeStep):  # an overlapped decode step (engine/overlap.py)
+                run_padded_step(runner, step, lora)
             elif isinstance(step, StepInputs):
                 if lora is not None:  # the step's adapters in their slots, as rank 0 put them
                     lora.apply(step.lora)
