@@ -54,6 +54,16 @@ SLOW = {
     "tests/operator/test_cluster_token.py",  # a router and two decode worker processes
     "tests/operator/test_scale_to_zero.py",  # routers and a decode worker process, with the operator
     "tests/operator/test_cert_manager_tls.py",  # a router and a decode worker over mutual TLS
+    # engines over tensor-parallel rank processes, and the walk of every feature pair (issue 50:
+    # these took test-fast from 127 s to over 11 minutes here; `make test` runs them)
+    "tests/engine/test_tensor_parallel.py",
+    "tests/engine/test_tensor_parallel_kv.py",
+    "tests/engine/test_lora_tensor_parallel.py",
+    "tests/engine/test_kv_offload_tensor_parallel.py",
+    "tests/engine/test_compatibility_pairs.py",
+    "tests/engine/test_async_scheduling.py",
+    "tests/engine/test_async_scheduling_features.py",
+    "tests/workers/test_tensor_parallel_engine_process.py",
 }
 
 

@@ -84,8 +84,10 @@ async def test_tokens_made_before_a_failed_step_reach_the_router_before_the_erro
     finally:
         await worker.stop()
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "injected step failure" in err.value.details()
-    # steps 0-5 ran (prefill, then 5 decode steps): the header chunk with the first token, then
-    # the 5 held back for the 16-token interval
-    assert [len(c.token_ids) for c in chunks] == [1, 5]
+    # steps 0-5 ran (prefill, then 5 decode steps): the header chunk, then what was held back for
+    # the 16-token interval. Usually [1, 5]; a loaded machine can merge the second token into the
+    # header chunk while it is being sent ([2, 4]). Either way all 6 arrive before the error (the
+    # bug sent [1] and lost the rest).
+    assert len(chunks) == 2 and len(chunks[0].token_ids) >= 1, [len(c.token_ids) for c in chunks]
     assert chunks[0].worker_id == "d-raise" and not chunks[1].worker_id
     assert [t for c in chunks for t in c.token_ids] == want[:6]
