@@ -9,6 +9,10 @@ blocks are released and it is recomputed later (its prefix may still be cached).
 The scheduler owns the block manager: every allocation, publication to the prefix
 cache and release goes through it, including the disaggregated paths (a prompt
 reserved for a prefill worker to fill, the held blocks of a prompt pushed elsewhere).
+
+(Just over 300 lines: the overlapped mode, `schedule_ahead` and `landed`, is here because it
+calls `schedule()` itself rather than restating its rules; it moves out with the draft
+proposal when proposal becomes its own phase of the step, issue 50.)
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 """The router's core: choose workers for a prompt, call the decode worker, and keep the
 stream going when that worker dies (migration: prompt + tokens so far, elsewhere).
 The policy itself is pure (policy.py, prefill_placement.py); what this router sent each
-worker since its last load report is kept in worker_backlog.py."""
+worker since its last load report is kept in worker_backlog.py.
+
+(Just over 300 lines: choosing, calling and migrating are one request's retry loop, which
+reads in order here; the decisions it makes are already pure functions elsewhere.)
+"""
 
 from __future__ import annotations
 

@@ -20,6 +20,10 @@ router can score a worker's offloaded prefix.
 Under tensor parallelism everything above runs on rank 0, as for one rank: a block is every
 rank's heads of it, gathered from and scattered to the ranks' pools, shared with rank 0
 (device_blocks.py), so a tier entry is whole or absent and the ranks never hear of the tiers.
+
+(Just over 300 lines: write-down, the reuse fence and load-back share one lock and one map of
+pending writes, and their correctness is the order of those three; the tiers, the disk guard
+and the device copies already live in their own modules.)
 """
 
 from __future__ import annotations
