@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
 from splitserve.core.sampling_params import SamplingParams
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
-from tests.helpers.lora_adapters import ADAPTERS, make_adapter, peft_greedy
+from tests.helpers.lora_adapters import ADAPTERS, peft_greedy
 
 
 def _random(seed: int, n: int) -> list[int]:
@@ -58,17 +56,6 @@ def _run(ckpt, requests: dict, async_scheduling: bool, **config) -> tuple[dict, 
     assert engine.num_free_blocks == engine.num_total_blocks and not engine.sequences
     engine.close()  # (tensor parallelism: its rank processes end)
     return got, engine, launched
-
-
-@pytest.fixture(scope="module")
-def base(make_ckpt):
-    return make_ckpt("llama")
-
-
-@pytest.fixture(scope="module")
-def adapters(base, tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
-    return {name: make_adapter(base, root / name, **spec) for name, spec in ADAPTERS.items()}
 
 
 def test_lora_mixed_batches_overlap_and_equal_peft(base, adapters):

@@ -20,17 +20,6 @@ from tests.helpers.lora_adapters import ADAPTERS, make_adapter, peft_greedy
 NEW_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def base(make_ckpt):
-    return make_ckpt("llama")
-
-
-@pytest.fixture(scope="module")
-def adapters(base, tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
-    return {name: make_adapter(base, root / name, **spec) for name, spec in ADAPTERS.items()}
-
-
 def greedy(n=NEW_TOKENS):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 

@@ -31,17 +31,6 @@ from tests.helpers.lora_adapters import ADAPTERS, make_adapter, peft_greedy
 NEW_TOKENS = 10
 
 
-@pytest.fixture(scope="module")
-def base(make_ckpt):
-    return make_ckpt("llama")
-
-
-@pytest.fixture(scope="module")
-def adapters(base, tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp-adapters")
-    return {name: make_adapter(base, root / name, **spec) for name, spec in ADAPTERS.items()}
-
-
 def test_replicated_kv_heads_and_qkv_biases_match_peft(make_ckpt, tmp_path):
     # (before the module's engine starts: one tensor-parallel engine per process)
     qwen2 = make_ckpt("qwen2")  # 1 KV head < 2 ranks: both ranks hold all of k/v's rows of lora_B
