@@ -164,6 +164,13 @@ class MooncakeEndpoint:
                                     "for rdma check memlock limits (ulimit -l) and the device")
             self._registered[addr] = nbytes
 
+    def unregister(self, addr: int) -> None:
+        """Forget a region registered for one push (a staging buffer); call it only once no
+        write from it is in flight, and before the memory is freed."""
+        with self._lock:
+            if self._registered.pop(addr, None) is not None:
+                self.engine.unregister_memory(addr)
+
     def write(self, target_session: str, writes: Sequence[Write],
               on_landed: Callable[[Write], None] | None = None) -> None:
         """Run every write one-sided into the target; returns once none is in flight.

@@ -20,6 +20,7 @@ from concurrent import futures
 import grpc
 
 from splitserve.engine.kv_cache import KVCachePool
+from splitserve.engine.parallel.kv_shards import ShardedKVPool
 from splitserve.kvtransfer import frames
 from splitserve.kvtransfer import outcome as R
 from splitserve.kvtransfer.config import KVTransferConfig
@@ -28,6 +29,7 @@ from splitserve.kvtransfer.lease import Lease, LeaseTable
 from splitserve.kvtransfer.malloc_tuning import reuse_message_buffers
 from splitserve.kvtransfer.mooncake_endpoint import MooncakeEndpoint
 from splitserve.kvtransfer.push_handler import PushHandler
+from splitserve.kvtransfer.segments import pool_regions, pool_segments
 from splitserve.kvtransfer.stream_guard import StreamGuard
 from splitserve.kvtransfer.wire import (
     ReceiverInfo,
@@ -39,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 class KVReceiver:
-    def __init__(self, pool: KVCachePool, config: KVTransferConfig | None = None,
+    def __init__(self, pool: KVCachePool | ShardedKVPool, config: KVTransferConfig | None = None,
                  metrics: Metrics | None = None, worker_id: str = "decode"):
         self.pool = pool
         self.config = config or KVTransferConfig()
@@ -62,8 +64,8 @@ class KVReceiver:
         reuse_message_buffers(cfg.message_limit)
         if cfg.backend == "mooncake":
             self._mooncake = MooncakeEndpoint(cfg.host, cfg.mooncake_protocol, cfg.mooncake_device)
-            self._mooncake.register(self.pool.data_ptr(), self.pool.nbytes,  # once, for the pool's lifetime
-                                    self.pool.data.device.type)
+            for region in pool_regions(self.pool):  # once, for the pool's lifetime: each rank's shard under TP
+                self._mooncake.register(*region)
         slots = cfg.max_concurrent_pushes + 2  # + Describe and headroom
         server = cfg.security.sync_server(futures.ThreadPoolExecutor(max_workers=slots, thread_name_prefix="kv-recv"),
                                           options=cfg.grpc_options(), maximum_concurrent_rpcs=slots)
@@ -122,10 +124,15 @@ class KVReceiver:
 
     def info(self) -> ReceiverInfo:
         spec = self.pool.spec
+        if self._mooncake is None:
+            return ReceiverInfo(epoch=self.epoch, num_blocks=self.pool.num_blocks, block_shape=list(spec.block_shape),
+                                dtype=dtype_name(spec.dtype), block_nbytes=spec.block_nbytes)
+        segments = pool_segments(self.pool)
+        one_rank = not isinstance(self.pool, ShardedKVPool)  # pool_base: what a sender without segments writes to
         return ReceiverInfo(epoch=self.epoch, num_blocks=self.pool.num_blocks, block_shape=list(spec.block_shape),
                             dtype=dtype_name(spec.dtype), block_nbytes=spec.block_nbytes,
-                            mooncake_session=self._mooncake.session if self._mooncake else "",
-                            pool_base=self.pool.data_ptr() if self._mooncake else 0)
+                            mooncake_session=self._mooncake.session, pool_base=segments[0].base if one_rank else 0,
+                            extra={"segments": [list(s) for s in segments]})
 
     # ---- gRPC handlers --------------------------------------------------------------
     def _describe(self, request, context) -> pb.DescribeReply:

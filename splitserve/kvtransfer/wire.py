@@ -100,12 +100,26 @@ class ReceiverInfo:
     dtype: str
     block_nbytes: int
     mooncake_session: str = ""  # "host:rpc_port" when the receiver runs the mooncake backend
-    pool_base: int = 0  # registered address of block 0 (mooncake)
+    pool_base: int = 0  # registered address of block 0 (mooncake, a one-rank pool; 0 under TP)
+    # mooncake: {"segments": [[base, first KV head, number of heads], ...]}, a registered region
+    # per rank (kvtransfer/segments.py); in `extra` so that a receiver without it still decodes
     extra: dict = field(default_factory=dict)
 
     @property
     def num_layers(self) -> int:
         return self.block_shape[0]
+
+    @property
+    def segments(self) -> list[tuple[int, int, int]]:
+        """(base, first KV head, heads) per registered region; a receiver that does not say
+        has one: its whole pool at pool_base."""
+        listed = self.extra.get("segments")
+        if listed is None:
+            return [(self.pool_base, 0, self.block_shape[3])]
+        if not isinstance(listed, list) or not all(
+                isinstance(s, list) and len(s) == 3 and all(type(x) is int for x in s) for s in listed):
+            raise WireError(f"receiver description: segments {listed!r} must be a list of [base, first head, heads]")
+        return [tuple(s) for s in listed]
 
     def encode(self) -> bytes:
         return msgpack.packb(asdict(self), use_bin_type=True)

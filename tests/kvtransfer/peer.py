@@ -10,6 +10,7 @@ bytes, `stall` stops after the first bytes and never continues (the test kills i
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import threading
 import time
 
@@ -73,10 +74,11 @@ class FaultyGrpcSender(_Faults, GrpcSender):
 class FaultyMooncakeSender(_Faults, MooncakeSender):
     # Checksums are taken from the source as writes land, so corruption is made on the
     # "wire" instead: the write of the last region comes from a flipped copy.
-    def _plan_writes(self, endpoint, src_pool, src_block_ids, header, layout, info):
-        writes = super()._plan_writes(endpoint, src_pool, src_block_ids, header, layout, info)
+    def _plan_writes(self, endpoint, src_pool, src_block_ids, header, layout, info, regions):
+        planned = super()._plan_writes(endpoint, src_pool, src_block_ids, header, layout, info, regions)
         if not self._corrupt_now():
-            return writes
+            return planned
+        writes = planned.writes
         last = writes[-1]
         if getattr(self, "_garbled", None) is None:  # registered once: Mooncake refuses overlapping regions
             self._garbled = torch.empty(src_pool.nbytes, dtype=torch.uint8)
@@ -84,12 +86,12 @@ class FaultyMooncakeSender(_Faults, MooncakeSender):
         self._garbled[:last.length] = torch.frombuffer(bytearray(ctypes.string_at(last.src, last.length)),
                                                        dtype=torch.uint8)
         self._garbled[last.length - layout.region_nbytes // 2] ^= 0x5A  # inside the last region
-        return [*writes[:-1], last._replace(src=self._garbled.data_ptr())]
+        return dataclasses.replace(planned, writes=[*writes[:-1], last._replace(src=self._garbled.data_ptr())])
 
     def _write(self, call, outbox, attempt, endpoint, session, writes, reports):
         if self.behaviour == "stall":
             dict(call.initial_metadata() or ())  # lease granted: the stream is attached
-            first = writes[0]
+            first = writes.writes[0]
             endpoint.write(session, [first._replace(length=min(first.length, 4096))])
             self._pause()
         if self.behaviour == "slow":
