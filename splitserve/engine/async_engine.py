@@ -132,8 +132,7 @@ class AsyncEngine:
         """(healthy, why not): dead, a step running longer than `stall_timeout_s`, or a
         tensor-parallel rank silent past `heartbeat_timeout_s`."""
         ok, why = engine_health("thread", self.alive, self.error, self.step_running_s(), self.stall_timeout_s)
-        group = getattr(self.engine, "tp_group", None)
-        return rank_health(group.silence(), self.heartbeat_timeout_s) if ok and group is not None else (ok, why)
+        return rank_health(self.engine.executor.silence(), self.heartbeat_timeout_s) if ok else (ok, why)
 
     # ---- calls from the event loop -------------------------------------------------------
     async def call(self, fn: Callable, *args, **kwargs):

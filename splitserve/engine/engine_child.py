@@ -26,6 +26,7 @@ import torch.multiprocessing  # noqa: F401 - the KV pool's tensor crosses as sha
 from splitserve.engine.async_engine import AsyncEngine, EngineDeadError
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.parallel.state import RankLost
 from splitserve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -224,11 +225,14 @@ def child_main(config: EngineConfig, conn, step_clock, name: str, torch_threads:
             os._exit(0)
         kind = msg[0]
         if kind == "ping":  # answered by this thread, whatever the engine thread is doing
-            # a tensor-parallel rank gone while the engine idles: dead now, not at the next request
-            lost = engine.tp_group.lost_rank() if engine.tp_group is not None else None
-            # and how long its quietest rank has been silent (frozen, starved): the worker judges
-            silence = engine.tp_group.silence() if engine.tp_group is not None else None
-            send([("dead", lost)] if lost is not None else [("pong", silence)])
+            # a tensor-parallel rank gone while the engine idles: dead now, not at the next request;
+            # else how long its quietest rank has been silent (frozen, starved): the worker judges
+            try:
+                engine.executor.check_ranks()
+            except RankLost as lost:
+                send([("dead", lost)])
+            else:
+                send([("pong", engine.executor.silence())])
         elif kind == "call":
             _, call_id, method, args, wanted = msg
             try:

@@ -24,16 +24,13 @@ from splitserve.core.tokenizer import Tokenizer
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.disaggregation import Disaggregation
+from splitserve.engine.executor import build_executor
 from splitserve.engine.grammar import GrammarCompiler, advance
 from splitserve.engine.intake import InvalidPromptError, RequestIntake  # noqa: F401 - re-exported: callers import it from here
 from splitserve.engine.kv_offload.offloader import build_offloader
 from splitserve.engine.lora.engine_setup import LoRAEngine, attach_lora
-from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.overlap import OverlappedDecode
-from splitserve.engine.parallel.group import TensorParallelGroup
-from splitserve.engine.parallel.kv_shards import ShardedKVPool
-from splitserve.engine.parallel.sharding import check_shardable
 from splitserve.engine.peer_prefix import PeerPrefix
 from splitserve.engine.sampler import sample
 from splitserve.engine.scheduler import Scheduler
@@ -50,22 +47,14 @@ class LLMEngine(RequestIntake, Disaggregation, LoRAEngine, PeerPrefix):
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer(config.model, self.model_config.eos_token_ids)
         self.max_model_len = min(config.max_model_len or math.inf, self.model_config.max_model_len)
-        check_shardable(self.model_config, config.tensor_parallel_size, config.model)
-        self.tp_group: TensorParallelGroup | None = None
-        self.sharded_kv_pool: ShardedKVPool | None = None  # under TP, once share_kv_pool() ran
-        if config.tensor_parallel_size > 1:  # ranks 1..N-1 load their slices alongside this one
-            self.tp_group = TensorParallelGroup(config)
-            weakref.finalize(self, self.tp_group.close)  # an engine dropped without close() ends its ranks
-            self.tp_group.start(int(self.max_model_len))
-            self.runner = self.tp_group.load(
-                lambda: ModelRunner(self.model_config, self.tp_group.cfg, int(self.max_model_len)))
-        else:
-            self.runner = ModelRunner(self.model_config, config, int(self.max_model_len))
+        # the model in this process or over tensor-parallel ranks (engine/executor.py)
+        self.executor = build_executor(config, self.model_config, int(self.max_model_len))
+        weakref.finalize(self, self.executor.close)  # an engine dropped without close() ends its ranks
+        self.runner = self.executor.runner
         self.model_id = config.model_id or Path(config.model).resolve().name
         # host / disk tiers, or None; under TP they copy every rank's heads of a block (kv_offload/device_blocks.py)
         offloading = config.kv_offload_bytes or config.kv_offload_dir
-        self.offloader = build_offloader(config, self.share_kv_pool() if offloading and self.tp_group is not None
-                                         else self.runner.kv_pool)
+        self.offloader = build_offloader(config, self.executor.transfer_pool()) if offloading else None
         if self.offloader is not None:
             weakref.finalize(self, self.offloader.close)
         blocks = BlockManager(self.runner.kv_pool.num_blocks, config.block_size, hash_seed(self.model_id),
@@ -142,10 +131,7 @@ class LLMEngine(RequestIntake, Disaggregation, LoRAEngine, PeerPrefix):
             self.step_seconds += time.perf_counter() - started
 
     def _step(self) -> list[RequestOutput]:
-        # A rank process gone before the step: said now. Gloo does not always fail a collective
-        # whose peer died (a broadcast from rank 0 only sends): it could block here for good.
-        if self.tp_group is not None and (lost := self.tp_group.lost_rank()) is not None:
-            raise lost
+        self.executor.check_ranks()  # a tensor-parallel rank gone: said now, not blocked in a collective
         drained: list[RequestOutput] = []
         if self.overlap is not None:  # engine/overlap.py: a pure-decode step launched ahead, or
             launched = self.overlap.step()  # the outputs of the one in flight, then an ordinary step
@@ -253,30 +239,17 @@ class LLMEngine(RequestIntake, Disaggregation, LoRAEngine, PeerPrefix):
     def kv_pool(self):
         """The KV cache tensors (a prefill worker's sender reads its held blocks from them);
         under TP every rank's heads as one pool, once share_kv_pool() ran."""
-        if self.tp_group is not None:
-            if self.sharded_kv_pool is None:
-                raise RuntimeError("a tensor-parallel engine's KV pool is read through share_kv_pool() "
-                                   "(rank 0 holds only its KV heads)")
-            return self.sharded_kv_pool
-        return self.runner.kv_pool
+        return self.executor.kv_pool
 
     def share_kv_pool(self):
         """The KV pool in shared memory, for the worker's KV transfer: the pool itself at tp=1;
         under TP every rank's pool as one (parallel/kv_shards.py). Call it before steps run
         on another thread: under TP it is a broadcast to the ranks."""
-        pool = self.runner.kv_pool
-        if self.tp_group is None:
-            pool.data.share_memory_()  # in place: the engine's views follow it
-            return pool
-        if self.sharded_kv_pool is None:
-            shards = self.tp_group.share_kv_pools(pool.data)
-            self.sharded_kv_pool = ShardedKVPool.of(self.model_config, pool.spec, pool.num_blocks, shards)
-        return self.sharded_kv_pool
+        return self.executor.share_kv_pool()
 
     def close(self) -> None:
         """End the offload writer, then the other tensor-parallel ranks (nothing to do at tp=1):
         under TP the writer reads their pools (kv_offload/device_blocks.py)."""
         if self.offloader is not None:
             self.offloader.close()
-        if self.tp_group is not None:
-            self.tp_group.close()
+        self.executor.close()

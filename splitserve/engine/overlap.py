@@ -49,7 +49,6 @@ import torch
 
 from splitserve.engine.logits_processors import apply_logits_processors
 from splitserve.engine.outputs import RequestOutput
-from splitserve.engine.parallel.padded_decode import send_padded_step
 from splitserve.engine.sampler import device_logprobs, draw, host_logprobs
 from splitserve.engine.sequence import Sequence
 
@@ -126,8 +125,7 @@ class OverlappedDecode:
         graphs, n = self.graphs, len(seqs)
         with torch.inference_mode():
             bucket = graphs.stage(seqs)
-            if self.engine.tp_group is not None:  # the other ranks run the same padded step
-                send_padded_step(graphs, bucket, lora_plan)
+            self.engine.executor.follow_padded_step(graphs, bucket, lora_plan)  # (under TP: the other ranks)
             logits = graphs.execute(bucket)[:n]
             # logit bias and min_tokens read no token (min_tokens counts them, the one in flight included)
             processed = apply_logits_processors(logits, seqs, self.engine.eos_token_ids)

@@ -91,8 +91,8 @@ class WorkerBase(abc.ABC):
             self.engine = engine = await asyncio.to_thread(proc.launch)
         else:
             engine = await asyncio.to_thread(LLMEngine, config)
-            if config.tensor_parallel_size > 1:  # the ranks' pools, before the engine thread steps
-                await asyncio.to_thread(engine.share_kv_pool)
+            # under TP the ranks' pools, shared before the engine thread steps (a broadcast to them)
+            await asyncio.to_thread(engine.executor.transfer_pool)
             self.engine = AsyncEngine(engine, loop, self._on_outputs, self._on_block_events, **callbacks)
         freeze_startup_heap()  # engine/heap.py: full collections stop walking the start-up heap
         self.engine.start()

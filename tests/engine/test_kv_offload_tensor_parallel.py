@@ -125,7 +125,7 @@ def test_evicted_prefix_comes_back_from_the_disk_tier_on_both_ranks(fresh, refer
 def rank1_heads_offset(llm: LLM) -> int:
     """A byte of rank 1's KV head in a block file (layer 0, keys, token 0, head 1)."""
     spec = llm.engine.offloader.blocks.spec
-    assert spec.num_kv_heads == 2 and llm.engine.sharded_kv_pool.ranges == [(0, 1), (1, 1)]
+    assert spec.num_kv_heads == 2 and llm.engine.kv_pool.ranges == [(0, 1), (1, 1)]
     return HEADER.size + spec.head_dim * spec.dtype.itemsize
 
 
@@ -204,7 +204,7 @@ def test_disk_only_tier_with_a_kv_head_replicated_on_both_ranks(make_ckpt, tmp_p
              kv_offload_dir=str(tmp_path), kv_offload_dir_bytes=64 * (nb + HEADER.size)) as llm:
         off = llm.engine.offloader
         assert off.host is None and off.blocks.spec.block_nbytes == nb
-        assert llm.engine.sharded_kv_pool.ranges == [(0, 1), (0, 1)]
+        assert llm.engine.kv_pool.ranges == [(0, 1), (0, 1)]
         assert generate(llm, PREFIX).token_ids == want
         for seed in (1, 2):
             generate(llm, filler(seed))

@@ -92,7 +92,7 @@ def test_a_dead_rank_fails_the_next_step_at_once(make_ckpt):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     with LLM(str(make_ckpt("llama")), num_kv_blocks=16, tensor_parallel_size=2) as llm:
         assert len(llm.generate([[5, 6, 7]], params)[0].token_ids) == 4
-        rank1 = llm.engine.tp_group.procs[0]
+        rank1 = llm.engine.executor.group.procs[0]
         rank1.kill()
         rank1.join()
         # found before the step: its broadcast to the dead rank could block (gloo only sends)
@@ -108,7 +108,7 @@ def test_a_frozen_rank_is_silent_until_it_thaws_and_the_step_it_held_then_comple
     step completes with the tokens it would have had."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with LLM(str(make_ckpt("llama")), num_kv_blocks=16, tensor_parallel_size=2) as llm:
-        group = llm.engine.tp_group
+        group = llm.engine.executor.group
         want = llm.generate([[5, 6, 7]], params)[0].token_ids
         pid = group.procs[0].pid
         silent_s, who = group.silence()

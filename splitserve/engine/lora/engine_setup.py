@@ -20,8 +20,7 @@ def attach_lora(engine) -> LoRAManager | None:
         for name, path in cfg.lora_modules.items():
             manager.add(name, path)
     except Exception:
-        if engine.tp_group is not None:  # the start failed: its rank processes end with it
-            engine.tp_group.close()
+        engine.executor.close()  # the start failed: its tensor-parallel rank processes end with it
         raise
     # a reserved remote prefill joins the batch later without admission: it counts as live
     engine.scheduler.admits = lambda seq: manager.admits(
