@@ -62,8 +62,7 @@ PAIRS: dict[tuple[str, str], Verdict] = {
     ("tensor-parallel", "draft-model"): refused("the draft model is not sharded over tensor-parallel ranks"),
     ("tensor-parallel", "kv-offload-host"): WORKS,  # rank 0 gathers / scatters every rank's heads (kv_offload/device_blocks.py)
     ("tensor-parallel", "kv-offload-disk"): WORKS,  # one file per block, every rank's heads under one MAC
-    ("tensor-parallel", "mooncake"): refused("one-sided writes need one registered KV pool, and a tensor-parallel "
-                                             "worker's is split over its ranks (use the grpc KV backend)"),
+    ("tensor-parallel", "mooncake"): WORKS,  # a Mooncake segment per rank's pool shard (kvtransfer/segments.py)
     ("tensor-parallel", "fp8-kv-cache"): WORKS,
     ("tensor-parallel", "quantized"): WORKS,  # a GPTQ/AWQ checkpoint must split in whole groups (its own check)
     ("lora", "cuda-graphs"): refused("a graph would freeze one step's grouping of tokens by adapter"),

@@ -135,10 +135,6 @@ class PrefillWorker(LoRAService, WorkerBase, PrefillWorkerServicer):
         if request.kv_backend not in BACKENDS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request {rid}: kv_backend {request.kv_backend!r} is not one of {BACKENDS}")
-        if request.kv_backend == "mooncake" and self.config.engine.tensor_parallel_size > 1:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"request {rid}: prefill worker {self.worker_id} is tensor-parallel: it pushes KV "
-                                "over grpc only (one-sided writes need one registered pool); prefill it locally")
         try:
             sampling = sampling_from_proto(request.sampling)  # the first token: min_tokens 1 at most
             params = replace(sampling, max_tokens=1, stop=[], n=1, min_tokens=min(sampling.min_tokens, 1))

@@ -1,19 +1,15 @@
 """`splitserve serve --tensor-parallel-size 2` colocated (Ray, one decode worker whose engine
 runs two rank processes over gloo): greedy completions answer the tokens of a TP=1
-in-process engine, again as a prefix-cache hit. TP over the mooncake KV backend is refused
-in one line before anything starts (disaggregated TP over grpc:
-tests/chaos/test_tensor_parallel_disaggregated.py)."""
+in-process engine, again as a prefix-cache hit (disaggregated TP over grpc:
+tests/chaos/test_tensor_parallel_disaggregated.py; over mooncake, prefill and decode workers
+at TP 2: tests/workers/test_tensor_parallel_mooncake.py)."""
 
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 
-import pytest
 import requests
 
-from splitserve.core.compatibility import message
 from splitserve.core.tokenizer import Tokenizer
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.demo import ensure_demo_checkpoint
@@ -53,12 +49,3 @@ def test_tp2_served_colocated_answers_as_a_tp1_engine():
     assert serve.proc.returncode == 0, log[-3000:]
     assert "Traceback" not in log, log[max(0, log.find("Traceback") - 1500):][:6000]
 
-
-@pytest.mark.parametrize("command", ["serve", "decode-worker", "prefill-pool"])
-def test_tp_over_the_mooncake_backend_is_refused_in_one_line(command):
-    """grpc carries every KV head and re-shards on arrival; mooncake writes one-sided into one
-    registered pool, which a tensor-parallel worker's (split over its ranks) is not."""
-    r = subprocess.run([sys.executable, "-m", "splitserve.cli", command, "--redis-url", "redis://127.0.0.1:1",
-                        "-tp", "2", "--kv-backend", "mooncake"], capture_output=True, text=True, timeout=60)
-    assert r.returncode != 0
-    assert r.stderr.strip() == f"splitserve {command}: {message('tensor-parallel', 'mooncake')}"  # the table's line

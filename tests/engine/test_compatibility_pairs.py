@@ -20,6 +20,7 @@ CUDA-graph pairs need a CUDA device: skipped here, naming the pair."""
 from __future__ import annotations
 
 import itertools
+import multiprocessing as mp
 import shutil
 from contextlib import contextmanager
 
@@ -38,6 +39,7 @@ from tests.engine.test_disaggregation_handoff import drain
 from tests.engine.test_kv_offload_tiers import block_nbytes
 from tests.engine.test_quant_formats import quantize_checkpoint
 from tests.engine.test_spec_decode_exact import NGRAM, copy_heavy
+from tests.engine.test_tensor_parallel_kv import prefill_side
 from tests.helpers.lora_adapters import ADAPTERS, make_adapter, peft_greedy
 from tests.helpers.reference import hf_greedy
 from tests.kvtransfer.conftest import config_for
@@ -148,9 +150,10 @@ def run_rounds(llm: LLM, lora: LoRARequest | None) -> list:
 
 @contextmanager
 def mooncake_link(decode: LLM):
-    """A Mooncake receiver on the decode engine's pool and a sender, over tcp, as the workers hold them."""
+    """A Mooncake receiver on the decode engine's pool and a sender, over tcp, as the workers hold them
+    (share_kv_pool: under TP every rank's shard, each a Mooncake segment: kvtransfer/segments.py)."""
     metrics = Metrics()
-    receiver = KVReceiver(decode.engine.runner.kv_pool, config_for("mooncake"), worker_id="decode")
+    receiver = KVReceiver(decode.engine.share_kv_pool(), config_for("mooncake"), metrics, worker_id="decode")
     receiver.start()
     sender = create_sender("mooncake", config_for("mooncake"), metrics)
     try:
@@ -175,7 +178,7 @@ def handed_off(prefill: LLM, decode: LLM, link, prompt: list[int], lora: LoRAReq
     first = drain(prefill.engine)[rid]
     src, hashes = prefill.engine.held_blocks(rid, slot.skip_blocks)
     done = receiver.expect(rid, slot.block_ids, slot.block_hashes, lambda ids: None)
-    sender.push(rid, receiver.address, prefill.engine.runner.kv_pool, src, slot.block_ids, hashes)
+    sender.push(rid, receiver.address, prefill.engine.share_kv_pool(), src, slot.block_ids, hashes)
     assert done.result(timeout=30).ok
     prefill.engine.release_held(rid)
     decode.engine.complete_remote_prefill(rid, first.token_ids[0], None)
@@ -186,6 +189,8 @@ def mooncake_rounds(features: set[str], world: World, tmp_path, lora: LoRAReques
     """The rounds' prompts one by one through a prefill engine and a decode engine, each with
     the other feature on, every prompt's KV moved over Mooncake; (outputs, the decode engine)."""
     other = features - {"mooncake"}
+    if "tensor-parallel" in other:
+        return mooncake_rounds_tp(other, world, tmp_path)
     with LLM(**engine_kwargs(other, world, tmp_path / "prefill")) as prefill:
         decode = LLM(**engine_kwargs(other, world, tmp_path / "decode"))
         with mooncake_link(decode) as link:
@@ -198,6 +203,40 @@ def mooncake_rounds(features: set[str], world: World, tmp_path, lora: LoRAReques
             sent = link[2].kv_transfer_bytes.labels(backend="mooncake", direction="sent")._value.get()
             assert sent > 0  # the KV really went over Mooncake
         assert prefill.engine.num_free_blocks == prefill.engine.num_total_blocks  # every held block released
+    return outs, decode
+
+
+def mooncake_rounds_tp(other: set[str], world: World, tmp_path) -> tuple[list, LLM]:
+    """mooncake_rounds with both engines at TP 2: one tensor-parallel engine per process, so
+    the prefill engine runs in a process of its own (test_tensor_parallel_kv.prefill_side),
+    writing each block's heads from its ranks' pool shards into the decode ranks' shards."""
+    assert other == {"tensor-parallel"}, other  # (the only pair of the two; prefill_side knows no other feature)
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=prefill_side, args=(str(world.float), 2, child, "mooncake"))
+    proc.start()
+    try:
+        decode = LLM(**engine_kwargs(other, world, tmp_path / "decode"))
+        assert conn.recv() == list(decode.engine.share_kv_pool().spec.block_shape)  # the prefill engine is up
+        with mooncake_link(decode) as (receiver, _, metrics):
+            outs = []
+            for i, prompt in enumerate(p for r in ROUNDS for p in r):
+                rid = f"tp-handoff-{i}"
+                slot = decode.engine.reserve_remote_prefill(rid, prompt, GREEDY)
+                done = receiver.expect(rid, slot.block_ids, slot.block_hashes, lambda ids: None)
+                conn.send((rid, prompt, receiver.address, slot.skip_blocks, slot.block_ids))
+                first = conn.recv()
+                assert done.result(timeout=30).ok
+                decode.engine.complete_remote_prefill(rid, first, None)
+                outs.append(drain(decode.engine)[rid])
+            received = metrics.kv_transfer_bytes.labels(backend="mooncake", direction="received")._value.get()
+            assert received > 0  # the KV really went over Mooncake
+        conn.send(None)
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
     return outs, decode
 
 

@@ -53,13 +53,14 @@ def prompts(vocab: int) -> list[list[int]]:
     return [first, first[:40] + [rng.randrange(5, vocab) for _ in range(9)]]  # the second: a cached prefix
 
 
-def prefill_side(path: str, tp_size: int, conn) -> None:
+def prefill_side(path: str, tp_size: int, conn, backend: str = "grpc") -> None:
     """A prefill engine in a process of its own (one TP group per process): for each
     (request id, prompt, receiver, skip_blocks, destination blocks) it gets, it prefills the
-    prompt, pushes its KV over gRPC and answers the first token."""
+    prompt, pushes its KV over `backend` (the Mooncake pairs' walk uses it too:
+    test_compatibility_pairs.py) and answers the first token."""
     first_only = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     with LLM(path, num_kv_blocks=BLOCKS, tensor_parallel_size=tp_size) as p, \
-            create_sender("grpc", config_for("grpc")) as sender:
+            create_sender(backend, config_for(backend)) as sender:
         pool = p.engine.share_kv_pool()
         conn.send(list(pool.spec.block_shape))
         while (job := conn.recv()) is not None:

@@ -125,9 +125,6 @@ INVALID_BY_CEL = [
     ("prefill gpus not a multiple of tp", {"prefill": {"tensorParallelSize": 2, "resources": {"limits": {
         "nvidia.com/gpu": 3}}}}, "nvidia.com/gpu must be a multiple of tensorParallelSize",
      "spec.prefill.resources nvidia.com/gpu (3) must be a multiple of spec.prefill.tensorParallelSize (2)"),
-    ("mooncake with a tensor-parallel role", {"kvTransfer": {"backend": "mooncake"}, "decode": {"tensorParallelSize": 2}},
-     "tensor parallelism (size > 1) cannot be combined with Mooncake KV transfer yet",
-     "tensor parallelism (size > 1) cannot be combined with Mooncake KV transfer yet"),
     ("batched tokens below seqs", {"decode": {"maxNumSeqs": 512, "maxNumBatchedTokens": 256}},
      "maxNumBatchedTokens must be >= maxNumSeqs", "maxNumBatchedTokens (256) must be >= spec.decode.maxNumSeqs (512)"),
 ]
