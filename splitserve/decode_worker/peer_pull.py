@@ -20,7 +20,7 @@ import time
 
 import grpc
 
-from splitserve.engine.async_engine import AsyncEngine, EngineDeadError
+from splitserve.engine.async_engine import EngineDeadError
 from splitserve.kvtransfer import KVTransferConfig, KVTransferError, create_sender
 from splitserve.proto.convert import pb
 from splitserve.proto.worker_pb2_grpc import DecodeWorkerStub
@@ -28,16 +28,9 @@ from splitserve.proto.worker_pb2_grpc import DecodeWorkerStub
 log = logging.getLogger(__name__)
 
 
-async def engine_call(engine, method: str, *args):
-    """Call an LLMEngine method on the engine's own thread, or in its process."""
-    if isinstance(engine, AsyncEngine):
-        return await engine.call(getattr(engine.engine, method), *args)
-    return await engine._call(method, *args)  # noqa: SLF001 (EngineProcess: calls by method name)
-
-
 class PeerPull:
-    """DecodeWorker's peer pulls (it provides engine, receiver, config, metrics, worker_id,
-    kv_address, failed, draining and _prefill_channel)."""
+    """DecodeWorker's peer pulls (it provides engine, an EngineHandle (engine/handle.py), and
+    receiver, config, metrics, worker_id, kv_address, failed, draining and _prefill_channel)."""
 
     async def _pull_prefix(self, request: pb.GenerateRequest, prompt: list[int], params) -> int:
         """Pull the prefix blocks the router said a peer holds; how many arrived (0: recompute)."""
@@ -47,7 +40,7 @@ class PeerPull:
             return 0
         start = time.monotonic()
         rid = f"{request.request_id}/pull"
-        reserved = await engine_call(self.engine, "reserve_pull", prompt[:n * bs])
+        reserved = await self.engine.reserve_pull(prompt[:n * bs])
         if reserved is None:
             self.metrics.kv_peer_pull_requests.labels(worker=self.worker_id, outcome="skipped").inc()
             return 0
@@ -65,7 +58,7 @@ class PeerPull:
             outcome = await asyncio.wrap_future(lease)
             if not outcome.ok:
                 raise RuntimeError(f"KV transfer {outcome.reason}: {outcome.detail}")
-            await engine_call(self.engine, "adopt_pulled", ids, hashes, parent)
+            await self.engine.adopt_pulled(ids, hashes, parent)
         except (grpc.aio.AioRpcError, RuntimeError) as exc:
             if isinstance(exc, EngineDeadError):
                 raise
@@ -94,7 +87,7 @@ class PeerPull:
                 log.error("peer pull %s: the KV receiver never released its lease; freeing the blocks anyway", rid)
         if not self.failed:
             try:
-                await engine_call(self.engine, "drop_pulled", ids)
+                await self.engine.drop_pulled(ids)
             except EngineDeadError:
                 pass
 
@@ -105,8 +98,7 @@ class PeerPull:
                                 f"{'draining' if self.draining else 'failed'}")
         dest = list(request.dest_block_ids)
         try:
-            pinned, hashes = await engine_call(self.engine, "pin_prefix", list(request.prompt_token_ids),
-                                               request.skip_blocks)
+            pinned, hashes = await self.engine.pin_prefix(list(request.prompt_token_ids), request.skip_blocks)
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.worker_id}: {exc}")
         try:
@@ -121,7 +113,7 @@ class PeerPull:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finally:
             try:
-                await engine_call(self.engine, "unpin", pinned)
+                await self.engine.unpin(pinned)
             except EngineDeadError:
                 pass
         self.metrics.kv_peer_pull_blocks.labels(worker=self.worker_id, direction="pushed").inc(len(dest))

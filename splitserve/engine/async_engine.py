@@ -31,11 +31,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from splitserve.core.block_events import BlockEvent
-from splitserve.core.logprobs import TokenLogprobs
-from splitserve.core.sampling_params import SamplingParams
 from splitserve.engine.faults import FaultPlan
+from splitserve.engine.handle import EngineHandle
 from splitserve.engine.llm_engine import LLMEngine, RequestOutput
-from splitserve.engine.outputs import Reservation
 from splitserve.engine.parallel.state import RankLost
 from splitserve.engine.stats import EngineStats
 
@@ -72,7 +70,7 @@ def rank_health(silence: tuple[float, str] | None, heartbeat_timeout_s: float) -
                    f"{heartbeat_timeout_s:g}s): frozen (SIGSTOP, a hung system call) or starved of CPU")
 
 
-class AsyncEngine:
+class AsyncEngine(EngineHandle):
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
                  on_outputs: Callable[[list[RequestOutput]], None],
                  on_events: Callable[[list[BlockEvent]], None] | None = None, *,
@@ -149,44 +147,9 @@ class AsyncEngine:
             self._commands.put((fn, args, kwargs, fut))
         return fut
 
-    # ---- the calls workers make (each runs on the engine thread) -----------------------------
-    async def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                          hold_kv: bool = False, num_draws_done: int = 0) -> None:
-        """Queue a request; its outputs reach `on_outputs`. No text: the router builds it."""
-        await self.call(self.engine.add_request, request_id, prompt, params, hold_kv, num_draws_done, False)
-
-    async def abort(self, request_id: str, free_reservation: bool = True) -> bool:
-        return await self.call(self.engine.abort, request_id, free_reservation)
-
-    async def reserve_remote_prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                                     num_draws_done: int = 0) -> Reservation | None:
-        return await self.call(self.engine.reserve_remote_prefill, request_id, prompt, params, num_draws_done,
-                               False)
-
-    async def complete_remote_prefill(self, request_id: str, first_token: int,
-                                      logprob: TokenLogprobs | None) -> RequestOutput:
-        return await self.call(self.engine.complete_remote_prefill, request_id, first_token, logprob)
-
-    async def cancel_remote_prefill(self, request_id: str) -> None:
-        await self.call(self.engine.cancel_remote_prefill, request_id)
-
-    async def held_blocks(self, request_id: str, skip_blocks: int) -> tuple[list[int], list[int]]:
-        return await self.call(self.engine.held_blocks, request_id, skip_blocks)
-
-    async def release_held(self, request_id: str) -> None:
-        await self.call(self.engine.release_held, request_id)
-
-    async def add_lora(self, name: str, path: str) -> int:
-        return await self.call(self.engine.add_lora, name, path)
-
-    async def remove_lora(self, name: str) -> bool:
-        return await self.call(self.engine.remove_lora, name)
-
-    async def held_summary(self) -> dict[str, int]:
-        return await self.call(self.engine.held_summary)
-
-    async def cached_block_hashes(self) -> list[int]:
-        return await self.call(self.engine.cached_block_hashes)
+    async def _invoke(self, method: str, *args, result: bool = True):
+        """The worker's calls (engine/handle.py) run on the engine thread, between steps."""
+        return await self.call(getattr(self.engine, method), *args)
 
     @property
     def kv_pool(self):

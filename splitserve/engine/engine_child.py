@@ -6,7 +6,8 @@ What it sends, one batch per loop iteration (one pickle, one write): ("outputs",
 ("result", call id, exc or None, value), ("stats", EngineStats) when they changed,
 ("dead", exc), ("pong", the tensor-parallel ranks' silence or None). First of all ("ready",
 model id, total blocks, KV pool, stats), or ("start_failed", exc). What it reads: ("call", id,
-method, args, result wanted), ("cancel", id), ("stop",); the pipe's end means the worker is gone.
+method, args, result wanted) for any call of engine/handle.py's CALLS, ("cancel", id), ("ping",),
+("stop",); the pipe's end means the worker is gone.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.multiprocessing  # noqa: F401 - the KV pool's tensor crosses as sha
 
 from splitserve.engine.async_engine import AsyncEngine, EngineDeadError
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.handle import CALLS
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.parallel.state import RankLost
 from splitserve.engine.stats import EngineStats
@@ -233,8 +235,11 @@ def child_main(config: EngineConfig, conn, step_clock, name: str, torch_threads:
                 send([("dead", lost)])
             else:
                 send([("pong", engine.executor.silence())])
-        elif kind == "call":
+        elif kind == "call":  # one of the handle's calls, by name (engine/handle.py)
             _, call_id, method, args, wanted = msg
+            if method not in CALLS:  # a bug in the parent: said to its caller, the engine untouched
+                send([("result", call_id, AttributeError(f"{method!r} is not an engine call (handle.CALLS)"), None)])
+                continue
             try:
                 fut = child.submit(getattr(engine, method), *args)
             except EngineDeadError as exc:

@@ -6,8 +6,8 @@ takes it, so a decode step on the CPU cost 30% more than the same step alone (2.
 against 2.27 ms at batch 1, measured; a helper thread that only wakes 2,000 times a second
 adds 10%). In its own process the engine has its interpreter to itself.
 
-`EngineProcess` offers what workers use of `AsyncEngine` (the named calls, `stats`,
-`health()`, `step_running_s()`, `kv_pool`) and keeps its promises:
+`EngineProcess` is an `EngineHandle` (engine/handle.py) as `AsyncEngine` is (the calls, by
+name over the pipe; `stats`, `health()`, `step_running_s()`, `kv_pool`) and keeps its promises:
 - the child runs an ordinary `AsyncEngine` (same command queue, step-failure handling,
   fault injection, death); whatever it would hand to the event loop it sends on a pipe
   instead, batched: one message per loop iteration (outputs, events, step timings, the new
@@ -26,8 +26,8 @@ adds 10%). In its own process the engine has its interpreter to itself.
   process frozen between steps is seen (`health()`, `--engine-heartbeat-timeout`); a
   tensor-parallel engine's answer says how long its quietest rank process has been silent,
   judged against the same timeout (a frozen rank blocks rank 0 in a collective, not its pings).
-(Just over 300 lines: the parent's half of one pipe protocol, calls, reader, heartbeat and
-death, is one piece; engine_child.py is the other half.)
+(The parent's half of one pipe protocol, calls, reader, heartbeat and death, is one piece;
+engine_child.py is the other half.)
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from splitserve.engine.allocator import engine_environment, engine_preload
 from splitserve.engine.async_engine import EngineDeadError, engine_health, rank_health
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine_child import child_main
+from splitserve.engine.handle import EngineHandle
 from splitserve.engine.stats import EngineStats
 
 START_TIMEOUT_S = 600.0  # a large checkpoint from a slow disk
@@ -72,8 +73,8 @@ def use_engine_process(config: EngineConfig, requested: bool | None) -> bool:
     return torch.device(config.device).type == "cpu"
 
 
-class EngineProcess:
-    """AsyncEngine's interface, the engine in a spawned child process."""
+class EngineProcess(EngineHandle):
+    """An EngineHandle whose engine runs in a spawned child process."""
 
     def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop, on_outputs, on_events=None, *,
                  on_dead=None, name: str = "engine", max_step_failures: int = 3, stall_timeout_s: float = 120.0,
@@ -201,7 +202,9 @@ class EngineProcess:
         return rank_health(self.rank_silence, self.heartbeat_timeout_s) if ok else (ok, why)
 
     # ---- calls --------------------------------------------------------------------------
-    async def _call(self, method: str, *args, result: bool = True):
+    async def _invoke(self, method: str, *args, result: bool = True):
+        """The worker's calls (engine/handle.py): one ("call", id, method, args, result wanted)
+        message; the child answers ("result", id, error, value) with the iteration that ran it."""
         if self.dead:
             raise EngineDeadError(f"engine {self.name} is dead: {self.error!r}")
         call_id = next(self._ids)
@@ -223,39 +226,6 @@ class EngineProcess:
                 except (OSError, ValueError):  # the child is gone: nothing left to skip
                     pass
             raise
-
-    async def add_request(self, request_id, prompt, params, hold_kv=False, num_draws_done=0) -> None:
-        await self._call("add_request", request_id, prompt, params, hold_kv, num_draws_done, False, result=False)
-
-    async def abort(self, request_id, free_reservation=True) -> bool:
-        return await self._call("abort", request_id, free_reservation)
-
-    async def reserve_remote_prefill(self, request_id, prompt, params, num_draws_done=0):
-        return await self._call("reserve_remote_prefill", request_id, prompt, params, num_draws_done, False)
-
-    async def complete_remote_prefill(self, request_id, first_token, logprob):
-        return await self._call("complete_remote_prefill", request_id, first_token, logprob)
-
-    async def cancel_remote_prefill(self, request_id) -> None:
-        await self._call("cancel_remote_prefill", request_id, result=False)
-
-    async def held_blocks(self, request_id, skip_blocks):
-        return await self._call("held_blocks", request_id, skip_blocks)
-
-    async def release_held(self, request_id) -> None:
-        await self._call("release_held", request_id, result=False)
-
-    async def add_lora(self, name, path) -> int:
-        return await self._call("add_lora", name, path)
-
-    async def remove_lora(self, name) -> bool:
-        return await self._call("remove_lora", name)
-
-    async def held_summary(self):
-        return await self._call("held_summary")
-
-    async def cached_block_hashes(self):
-        return await self._call("cached_block_hashes")
 
     # ---- the pipe reader (a thread of the parent) -----------------------------------------
     def _read(self) -> None:

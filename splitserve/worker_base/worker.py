@@ -30,6 +30,7 @@ from splitserve.cluster.remote_bus import open_bus
 from splitserve.core import tracing
 from splitserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineStalledError
 from splitserve.engine.engine_process import EngineProcess, use_engine_process
+from splitserve.engine.handle import EngineHandle
 from splitserve.engine.heap import freeze_startup_heap
 from splitserve.engine.llm_engine import LLMEngine, RequestOutput
 from splitserve.engine.stats import EngineStats
@@ -56,7 +57,7 @@ class WorkerBase(abc.ABC):
         self.draining = False
         self.failed: str | None = None  # why this worker can no longer serve (its engine died)
         self.fatal = asyncio.Event()  # set once failed: the host process should exit and be restarted
-        self.engine: AsyncEngine | EngineProcess | None = None
+        self.engine: EngineHandle | None = None  # on a thread (AsyncEngine) or in a process (EngineProcess)
         self.presence: WorkerPresence | None = None
         self._admin = None
         self._self_channel: grpc.aio.Channel | None = None
