@@ -64,6 +64,7 @@ SLOW = {
     "tests/engine/test_async_scheduling.py",
     "tests/engine/test_async_scheduling_features.py",
     "tests/workers/test_tensor_parallel_engine_process.py",
+    "tests/workers/test_tensor_parallel_mooncake.py",  # TP 2 prefill and decode workers over Mooncake
 }
 
 
