@@ -11,7 +11,9 @@ blocks; a receiver scatters each block's heads to the ranks holding them. So the
 format does not depend on either side's TP size: prefill TP=1 -> decode TP=2, 2 -> 1,
 2 -> 2 and 4 -> 2 are all the same transfer, re-sharded by head ranges on the receiving
 side. Rank 0 gathering over the TP group instead would stop the engine loop for every
-push and carry the bytes through the engine's pipe.
+push and carry the bytes through the engine's pipe. The mooncake backend, which cannot
+scatter on arrival (its writes are one-sided), registers each of `shards` as a segment of
+its own and writes each rank's heads there (kvtransfer/segments.py).
 
 A KV head held by several ranks (fewer KV heads than ranks: `sharding.kv_heads`) is read
 from the first and written to all of them."""
