@@ -104,7 +104,9 @@ class EngineConfig:
 
     @property
     def use_cuda_graphs(self) -> bool:
-        if self.cuda_graphs is None:  # (a graph would freeze one step's LoRA token grouping)
+        # not by default under TP or LoRA yet: their graphs are checked on the CPU path only (the padded
+        # step eagerly) until bench/gpu/graphs_tp_lora.py has run on a GPU; cuda_graphs=True turns them on
+        if self.cuda_graphs is None:
             return torch.device(self.device).type == "cuda" and self.tensor_parallel_size == 1 and not self.enable_lora
         return self.cuda_graphs
 

@@ -23,6 +23,13 @@ largest bucket, run eagerly.
 
 With `capture=False` the same padded static-buffer step runs eagerly: this is how the
 CPU tests check that padding changes no result, where no capture is possible.
+
+LoRA: each row's adapter slot is one more column of the static input (padding and base
+rows: -1), and the projections' deltas are gathered by that slot row by row (lora/apply.py
+`row_slots`), so one graph serves every mix of adapters. Tensor parallelism: every rank
+holds its own graphs over its slices, captured at start-up in the same bucket order (their
+all-reduces are NCCL collectives inside the graph); rank 0 stages the step and broadcasts
+its flat input (parallel/padded_decode.py), and each rank replays the same bucket.
 """
 
 from __future__ import annotations
@@ -61,7 +68,9 @@ class DecodeGraphs:
     (`capture=True`, CUDA only) or run eagerly (`capture=False`)."""
 
     def __init__(self, model, kv_pool, ropes: dict[str, RopeTable], max_num_seqs: int, max_model_len: int,
-                 block_size: int, device: torch.device, capture: bool = True, device_ids: bool = False):
+                 block_size: int, device: torch.device, capture: bool = True, device_ids: bool = False,
+                 lora=None):
+        """`lora`: the model's LoRALayers (lora/layers.py) when LoRA is on, hooks installed."""
         if kv_pool.scratch_block is None:
             raise ValueError("the decode graphs need a KV pool with a scratch block (scratch_blocks=1)")
         self.model, self.kv_pool, self.ropes = model, kv_pool, ropes
@@ -75,7 +84,9 @@ class DecodeGraphs:
             if not any(t is table for t in self.tables):
                 self.tables.append(table)
         offsets = [t.long_offset if t.long_after is not None else 0 for t in self.tables]
-        self.staging = DecodeInputs(self.width, block_size, self.scratch, offsets, device)
+        self.lora = lora
+        self.staging = DecodeInputs(self.width, block_size, self.scratch, offsets, device,
+                                    adapter_column=lora is not None)
         self.inputs: dict[int, torch.Tensor] = {}  # bucket -> static flat input buffer
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> logits written by its graph
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -106,10 +117,13 @@ class DecodeGraphs:
         return (not batch.prefills and 0 < len(batch.decodes) <= self.buckets[-1]
                 and all(len(s.block_table) <= self.width for s in batch.decodes))
 
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """ModelRunner.run's result for a batch that `fits`."""
+    def run(self, batch: ScheduledBatch, share=None) -> tuple[torch.Tensor, list[Sequence]]:
+        """ModelRunner.run's result for a batch that `fits`; `share(bucket)`, called once the
+        step is staged, hands it to the other tensor-parallel ranks."""
         seqs = batch.decodes
         bucket = self.stage(seqs)
+        if share is not None:
+            share(bucket)
         logits = self.execute(bucket)
         # a one-token entry is not sampled when it is not the sequence's last known token
         rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens + 1 == s.num_tokens]
@@ -121,7 +135,8 @@ class DecodeGraphs:
         """Write the step's inputs into its bucket's static buffer; returns the bucket
         (by default the smallest that holds them)."""
         bucket = bucket or bucket_for(len(seqs), self.buckets)
-        host = self.staging.write(seqs, bucket)
+        adapter_slots = [self.lora.slot_of(s) for s in seqs] if self.lora is not None else None
+        host = self.staging.write(seqs, bucket, adapter_slots)
         static = self._input(bucket)
         if static is not host:
             static.copy_(host, non_blocking=True)
@@ -156,6 +171,9 @@ class DecodeGraphs:
         if self.previous_tokens is not None:
             ids = torch.where(ids >= 0, ids, self.previous_tokens[(-1 - ids).clamp_min(0)])
         start = 3 * b
+        adapter_slots = None
+        if self.lora is not None:
+            adapter_slots, start = flat[start : start + b], start + b
         rows = {}
         for table in self.tables:
             rows[id(table)] = flat[start : start + b]
@@ -167,7 +185,15 @@ class DecodeGraphs:
         cos_sin = {id(t): (t.cos[rows[id(t)]], t.sin[rows[id(t)]]) for t in self.tables}
         ropes = {kind: cos_sin[id(table)] for kind, table in self.ropes.items()}
         every_row = torch.arange(b, device=self.device)
-        return self.model(ids, ropes, self.kv_pool, meta, every_row)
+        if self.lora is None:
+            return self.model(ids, ropes, self.kv_pool, meta, every_row)
+        step = self.lora.step
+        # a graph gathers by slot always; an eager step with no adapted row skips the deltas
+        step.row_slots = adapter_slots if self.capture or step.perm is not None else None
+        try:
+            return self.model(ids, ropes, self.kv_pool, meta, every_row)
+        finally:
+            step.row_slots = None
 
     @torch.inference_mode()
     def _capture(self, bucket: int) -> None:

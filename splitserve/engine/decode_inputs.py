@@ -2,7 +2,8 @@
 (engine/cuda_graphs.py holds the step itself).
 
 Each bucket owns one host buffer laid out like its graph's flat input
-`[ids | slots | seq_lens | rope rows per table | block tables]` (pinned on CUDA, so the
+`[ids | slots | seq_lens | adapter slots (LoRA on) | rope rows per table | block tables]`
+(pinned on CUDA, so the
 copy to the device is asynchronous), filled through numpy, never through Python lists of
 the whole step. Block tables are the bulk of it (bucket x ceil(max_model_len / block_size)
 ids), and a decoding sequence's table changes once every block_size tokens, so each row
@@ -15,6 +16,10 @@ block_manager.py only ever extends a block table in place, replaces it with a ne
 (a freed or re-admitted sequence) or cuts the blocks past the next token's (rejected drafts:
 never one a decode step wrote), never edits an entry. The row keeps a reference to the
 list, so its identity cannot be reused by another.
+
+With LoRA on, a row's adapter slot (-1: the base model; padding rows too) is one more
+scalar column: the graph's LoRA delta reads it (lora/apply.py, `row_slots`), so which rows
+share an adapter is an input of the step, not part of the captured graph.
 
 Entries past a row's length are left as they are (ids of earlier tables, all valid blocks):
 the decode kernel masks block loads by the sequence length and never reads them. A padding
@@ -49,13 +54,15 @@ class _BucketRows:
 
 class DecodeInputs:
     def __init__(self, width: int, block_size: int, scratch_block: int, rope_offsets: list[int],
-                 device: torch.device):
+                 device: torch.device, adapter_column: bool = False):
         """`rope_offsets`: per rope table of the model, the row offset of a long-rope
-        sequence's positions (0 where the table has no long factors)."""
+        sequence's positions (0 where the table has no long factors); `adapter_column`: the
+        rows' LoRA slots follow seq_lens (LoRA on)."""
         self.width, self.block_size, self.scratch = width, block_size, scratch_block
         self.rope_offsets = rope_offsets
         self.pin = device.type == "cuda"
-        self.columns = 3 + len(rope_offsets)  # scalars per row before the block tables
+        self.adapters = int(adapter_column)
+        self.columns = 3 + self.adapters + len(rope_offsets)  # scalars per row before the block tables
         self.buckets: dict[int, _BucketRows] = {}
 
     def size(self, bucket: int) -> int:
@@ -75,9 +82,10 @@ class DecodeInputs:
             self.buckets[bucket] = rows
         return rows
 
-    def write(self, seqs: list[Sequence], bucket: int) -> torch.Tensor:
+    def write(self, seqs: list[Sequence], bucket: int, adapter_slots: list[int] | None = None) -> torch.Tensor:
         """Fill the bucket's host buffer for `seqs` (each computes the token at its
-        num_computed_tokens), padding rows after them; returns the buffer."""
+        num_computed_tokens), padding rows after them; returns the buffer. `adapter_slots`:
+        each sequence's LoRA slot (-1: none), when the buffer has that column."""
         n, bs, width = len(seqs), self.block_size, self.width
         if n > bucket:
             raise ValueError(f"{n} sequences do not fit a bucket of {bucket}")
@@ -113,9 +121,12 @@ class DecodeInputs:
         pos = np.asarray(positions, dtype=np.int64)
         flat[2 * b:2 * b + n] = pos + 1  # seq_lens
         flat[2 * b + n:3 * b] = 1
+        if self.adapters:
+            flat[3 * b:3 * b + n] = adapter_slots if adapter_slots is not None else -1
+            flat[3 * b + n:4 * b] = -1
         long_rows = np.asarray(longs, dtype=bool) if any(longs) else None
         for k, offset in enumerate(self.rope_offsets):
-            start = (3 + k) * b
+            start = (3 + self.adapters + k) * b
             flat[start:start + n] = pos if not offset or long_rows is None else pos + offset * long_rows
             flat[start + n:start + b] = 0
         return rows.host

@@ -1,6 +1,8 @@
 """Runs one scheduled batch through the model: flattens the sequences' new tokens,
 builds the paged-attention metadata, and returns logits where a token is due. Pure-decode
-batches go through the CUDA-graph path (engine/cuda_graphs.py) when it is on."""
+batches go through the CUDA-graph path (engine/cuda_graphs.py) when it is on, under tensor
+parallelism too (each rank replays its own graphs). With LoRA on, the projections' LoRA
+hooks are installed here, before any graph is captured (lora/layers.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from splitserve.engine.models.layers import AttentionMetadata
 from splitserve.engine.models.loader import load_model
 from splitserve.engine.models.quant_moe import has_quantized_experts
 from splitserve.engine.models.rope import RopeTable, rope_table
+from splitserve.engine.parallel.padded_decode import send_padded_step
 from splitserve.engine.parallel.sharding import kv_heads
 from splitserve.engine.parallel.state import broadcast_object, tp
 from splitserve.engine.scheduler import ScheduledBatch
@@ -49,6 +52,11 @@ class ModelRunner:
         # one scratch block: where the padding rows of a fixed-shape decode batch write
         self.kv_pool = KVCachePool(spec, num_blocks, self.device, scratch_blocks=1)
         self.max_model_len = max_model_len
+        self.lora = None  # the model's LoRA slots and hooks (lora/layers.py), before any capture
+        if cfg.enable_lora:
+            from splitserve.engine.lora.layers import lora_layers
+
+            self.lora = lora_layers(self.model, cfg.max_loras, cfg.max_lora_rank, cfg.torch_dtype, self.device)
         self.decode_graphs: DecodeGraphs | None = None
         # quantized experts read their token counts on the host: no capture (models/quant_moe.py)
         if cfg.use_cuda_graphs and not has_quantized_experts(self.model):
@@ -62,7 +70,7 @@ class ModelRunner:
         tests' way to check the padded step on the CPU)."""
         self.decode_graphs = DecodeGraphs(self.model, self.kv_pool, self.ropes, self.cfg.max_num_seqs,
                                           self.max_model_len, self.block_size, self.device, capture,
-                                          device_ids=self.cfg.async_scheduling)
+                                          device_ids=self.cfg.async_scheduling, lora=self.lora)
 
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -78,9 +86,10 @@ class ModelRunner:
         """Logits [k, vocab] (float32) for the k sequences that reach their last known
         token this step (those get a new token), and those sequences in order. `lora`: the
         step's LoRA plan for the other tensor-parallel ranks (LoRAManager.prepare)."""
-        # (under TP only an overlapped step takes the padded path: parallel/padded_decode.py)
-        if self.decode_graphs is not None and tp().size == 1 and self.decode_graphs.fits(batch):
-            return self.decode_graphs.run(batch)
+        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
+            # under TP the other ranks run the same padded step (parallel/padded_decode.py)
+            share = (lambda bucket: send_padded_step(self.decode_graphs, bucket, lora)) if tp().size > 1 else None
+            return self.decode_graphs.run(batch, share)
         step, sampled = step_inputs(batch, self.block_size)
         if tp().size > 1:  # the other ranks run the same step on their slices (parallel/worker.py)
             step.lora = lora

@@ -48,3 +48,16 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Ten
     parts = [(rows[s:e] @ a[slot].T) @ b[slot].T
              for s, e, slot in zip(seg_starts, seg_starts[1:], seg_slots, strict=False)]
     return out.index_add_(0, perm, torch.cat(parts).to(out.dtype))
+
+
+def lora_delta_by_row(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                      row_slots: torch.Tensor) -> torch.Tensor:
+    """out[i] += (x[i] @ a[s].T) @ b[s].T with s = row_slots[i], for every row whose slot is
+    >= 0 (Punica's BGMV: each row gathers its own slot of the stacked weights). Its shapes
+    depend only on x and the stacks, never on which rows share an adapter, so a CUDA graph
+    can hold it (the padded decode step, lora/apply.py); rows with slot -1 add exactly 0."""
+    live = (row_slots >= 0).to(out.dtype).unsqueeze(1)
+    slot = row_slots.clamp_min(0)
+    h = torch.bmm(x.unsqueeze(1), a.index_select(0, slot).transpose(1, 2))  # [n, 1, rank columns]
+    delta = torch.bmm(h, b.index_select(0, slot).transpose(1, 2)).squeeze(1)
+    return out.add_(delta.to(out.dtype) * live)

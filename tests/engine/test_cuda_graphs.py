@@ -1,7 +1,10 @@
 """The CUDA-graph decode path (engine/cuda_graphs.py). On the CPU no graph can be captured,
 but the padded static-buffer step the graphs hold can run eagerly: it must give the
 eager step's logits and tokens for every batch size (padded up to a bucket), with GQA,
-sliding windows and soft-capping (Gemma 2), and padding must never touch real KV."""
+sliding windows and soft-capping (Gemma 2), and padding must never touch real KV. With LoRA
+(adapter slots a column of the static input, deltas gathered by slot) and under tensor
+parallelism (each rank's own padded step) the padded step's tokens equal transformers + PEFT;
+capture itself is checked on a GPU only (the CUDA test below, bench/gpu/graphs_tp_lora.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +16,13 @@ import pytest
 import torch
 
 from splitserve.core.sampling_params import SamplingParams
-from splitserve.engine import LLM
+from splitserve.engine import LLM, LoRARequest
 from splitserve.engine.args import add_engine_args, engine_config_from_args
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs, batch_buckets, blocks_per_seq, bucket_for
 from splitserve.engine.decode_inputs import DecodeInputs
+from splitserve.kernels import lora_reference
+from tests.helpers.lora_adapters import ADAPTERS, peft_greedy
 
 MAX_SEQS = 24  # buckets 1, 2, 4, 8, 16, 24
 
@@ -58,6 +63,15 @@ def test_padding_rows_point_at_the_scratch_block_only():
         inputs.write(seqs, 1)
     with pytest.raises(ValueError, match="wider"):
         inputs.write([_seq([1] * 20, 13, [1, 2, 3, 4])], 1)
+
+
+def test_adapter_slots_are_a_column_of_the_static_input():
+    seqs = [_seq([7, 8], 1, [3]), _seq([1, 2, 3], 2, [6])]
+    inputs = DecodeInputs(width=2, block_size=4, scratch_block=9, rope_offsets=[0], device=torch.device("cpu"),
+                          adapter_column=True)
+    (ids, _, lens, adapter, rope), _ = _layout(inputs.write(seqs, 4, adapter_slots=[1, -1]), 4, 2, 2)
+    assert ids == [8, 3, 0, 0] and lens == [2, 3, 1, 1] and rope == [1, 2, 0, 0]
+    assert adapter == [1, -1, -1, -1]  # the base model's row and the padding rows: no adapter
 
 
 def test_block_tables_are_written_incrementally_and_rewritten_for_another_owner():
@@ -229,3 +243,86 @@ def test_captured_graphs_match_eager_on_cuda(make_ckpt):
     assert [o.token_ids for o in graphs.generate(prompts, params)] == \
         [o.token_ids for o in eager.generate(prompts, params)]
     assert graphs.engine.runner.decode_graphs.steps > 10
+
+
+def _adapter_requests(adapters, n: int, seed: int):
+    """n prompts cycling over the adapters and the base model, each its own length of output."""
+    rng = random.Random(seed)
+    names = [*ADAPTERS, None]
+    prompts = [[rng.randrange(5, 1000) for _ in range(rng.choice((7, 16, 40)))] for _ in range(n)]
+    loras = [None if names[i % 4] is None else LoRARequest(names[i % 4], i + 1, str(adapters[names[i % 4]]))
+             for i in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True) for i in range(n)]
+    return prompts, loras, params
+
+
+def _assert_equal_peft(base, adapters, prompts, loras, params, outs):
+    for prompt, lora, p, out in zip(prompts, loras, params, outs, strict=True):
+        want = peft_greedy(base, lora and adapters[lora.lora_name], prompt, p.max_tokens)
+        assert out.token_ids == want, (lora and lora.lora_name, len(prompt))
+
+
+@pytest.fixture
+def by_row_calls(monkeypatch):
+    """The distinct row-slot columns the padded step's LoRA deltas were gathered by."""
+    seen, original = set(), lora_reference.lora_delta_by_row
+
+    def spy(x, a, b, out, row_slots):
+        seen.add(tuple(row_slots.tolist()))
+        return original(x, a, b, out, row_slots)
+
+    monkeypatch.setattr(lora_reference, "lora_delta_by_row", spy)
+    return seen
+
+
+def test_lora_batches_through_the_padded_step_equal_peft(base, adapters, by_row_calls):
+    """LoRA x CUDA graphs on the CPU path (capture=False: the padded step eagerly; capture is
+    checked on a GPU only). One bucket's static step serves changing mixes of adapters and
+    the base model (2 slots for 3 adapters: swaps between steps), every row gathering its own
+    slot, padding rows none."""
+    llm = LLM(str(base), num_kv_blocks=128, max_num_seqs=8, enable_lora=True, max_loras=2, max_lora_rank=16)
+    llm.engine.runner.enable_decode_graphs(capture=False)
+    prompts, loras, params = _adapter_requests(adapters, 8, seed=1)
+    outs = llm.generate(prompts, params, lora_request=loras)
+    _assert_equal_peft(base, adapters, prompts, loras, params, outs)
+    assert llm.engine.runner.decode_graphs.steps > 10
+    assert any(len({s for s in rows if s >= 0}) == 2 and -1 in rows for rows in by_row_calls)  # a mixed step
+    assert llm.engine.loras.slots.num_loads >= 3
+
+
+def test_tensor_parallel_padded_steps_with_adapters_equal_peft(base, adapters, by_row_calls):
+    """TP x CUDA graphs and TP x LoRA x CUDA graphs on the CPU path: rank 0 stages each
+    pure-decode step and broadcasts its static input (adapter slots included), rank 1 copies
+    it into its own static buffer and runs the same padded step on its slices (capture=False:
+    gloo's collectives cannot be captured; NCCL's are, on a GPU: bench/gpu/graphs_tp_lora.py)."""
+    with LLM(str(base), num_kv_blocks=96, max_num_seqs=8, tensor_parallel_size=2, enable_lora=True, max_loras=3,
+             max_lora_rank=16) as llm:
+        llm.engine.runner.enable_decode_graphs(capture=False)  # (rank 1 builds its own on the first step)
+        prompts, loras, params = _adapter_requests(adapters, 6, seed=2)
+        outs = llm.generate(prompts, params, lora_request=loras)
+        _assert_equal_peft(base, adapters, prompts, loras, params, outs)
+        assert llm.engine.runner.decode_graphs.steps > 5
+        assert any(len({s for s in rows if s >= 0}) >= 2 and -1 in rows for rows in by_row_calls)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: graph capture needs one")
+def test_captured_lora_graphs_match_peft_on_cuda(base, adapters):
+    """What the CPU cannot check: the deltas gathered by slot inside captured graphs."""
+    llm = LLM(str(base), device="cuda", num_kv_blocks=128, max_num_seqs=8, enable_lora=True, max_loras=2,
+              max_lora_rank=16, cuda_graphs=True)
+    assert llm.engine.runner.decode_graphs.graphs.keys() == set(batch_buckets(8))
+    prompts, loras, params = _adapter_requests(adapters, 8, seed=1)
+    _assert_equal_peft(base, adapters, prompts, loras, params, llm.generate(prompts, params, lora_request=loras))
+    assert llm.engine.runner.decode_graphs.steps > 10
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor-parallel graph capture needs two CUDA devices")
+def test_captured_tensor_parallel_graphs_with_adapters_match_peft_on_cuda(base, adapters):
+    """Each rank captures its own graphs, NCCL all-reduces inside them."""
+    with LLM(str(base), device="cuda", num_kv_blocks=96, max_num_seqs=8, tensor_parallel_size=2, enable_lora=True,
+             max_loras=3, max_lora_rank=16, cuda_graphs=True) as llm:
+        assert llm.engine.runner.decode_graphs.graphs.keys() == set(batch_buckets(8))
+        prompts, loras, params = _adapter_requests(adapters, 6, seed=2)
+        _assert_equal_peft(base, adapters, prompts, loras, params,
+                           llm.generate(prompts, params, lora_request=loras))
+        assert llm.engine.runner.decode_graphs.steps > 5

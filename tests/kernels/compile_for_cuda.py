@@ -125,6 +125,9 @@ def _launches():
         a, b = torch.zeros(3, rank, 4096, dtype=torch.bfloat16), torch.zeros(3, 4096, rank, dtype=torch.bfloat16)
         out = torch.zeros(6, 4096, dtype=torch.bfloat16)
         triton_lora.lora_delta(torch.zeros(6, 4096, dtype=torch.bfloat16), a, b, out, perm, [0, 2, 6], [0, 2])
+        # the padded (CUDA-graph) step's form: gathered by each row's slot, -1 rows skipped
+        rows = torch.tensor([0, -1, 2, 2, -1, 0])
+        triton_lora.lora_delta_by_row(torch.zeros(6, 4096, dtype=torch.bfloat16), a, b, out, rows)
     return captured
 
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"_decode_split_kernel", "_decode_merge_kernel", "_prefill_kernel", "_store_kv_kernel",
            "_copy_blocks_kernel", "_rms_norm_kernel", "_rotary_kernel", "_moe_gemm_kernel",
            "_rotary_store_kernel", "_act_and_mul_kernel", "_add_rms_norm_kernel", "_quant_linear_kernel",
-           "_sgmv_kernel", "_gemv_kernel"}
+           "_sgmv_kernel", "_bgmv_kernel", "_gemv_kernel"}
 
 
 def test_all_kernels_compile_to_sm90_cubins():

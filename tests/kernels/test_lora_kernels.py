@@ -108,3 +108,23 @@ def test_padded_decode_path_matches_a_loop_over_tokens(dtype):
     want = base.double() + loop_reference(x, a, b, token_slots)
     assert (out.double() - want).abs().max() < TOLERANCE[dtype] * want.abs().max()
     assert torch.equal(out[[1, 5]], base[[1, 5]])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_delta_gathered_by_row_slot_matches_a_loop_over_tokens(device, dtype):
+    """The padded (CUDA-graph) step's form: each row gathers its own slot (Punica's BGMV),
+    -1 rows (base model, padding) add exactly nothing; torch path and Triton kernel, whose
+    shapes depend only on the rows, never on which rows share a slot."""
+    gen = torch.Generator().manual_seed(5)
+    token_slots = [2, -1, 0, 2, 2, -1, 1, 0, -1, 2, 1, 1, 0, -1, 2, 2, 0, 1, -1]  # 19: not a tile multiple
+    x = torch.randn(len(token_slots), 72, generator=gen).to(dtype)
+    a = (torch.randn(3, 24, 72, generator=gen) / 8).to(dtype)
+    b = (torch.randn(3, 130, 24, generator=gen) / 5).to(dtype)
+    base = torch.randn(len(token_slots), 130, generator=gen).to(dtype)
+    want = base.double() + loop_reference(x, a, b, token_slots)
+    slots = torch.tensor(token_slots)
+    base_rows = [i for i, s in enumerate(token_slots) if s < 0]
+    for delta in (lora_reference.lora_delta_by_row, triton_lora.lora_delta_by_row):
+        out = delta(*(t.to(device) for t in (x, a, b, base.clone(), slots))).cpu()
+        assert (out.double() - want).abs().max() < TOLERANCE[dtype] * want.abs().max(), delta.__module__
+        assert torch.equal(out[base_rows], base[base_rows]), delta.__module__

@@ -7,6 +7,13 @@ model tokens are in no segment and pay nothing; a step with no adapted token ski
 hooks' work entirely. Under tensor parallelism a row-parallel projection (o_proj,
 down_proj) adds the delta of its rank's input columns to its partial sum instead, before
 the all-reduce (parallel/linear.py `before_reduce`; lora/sharding.py says why it is exact).
+
+The padded decode step (engine/cuda_graphs.py, replayed from a CUDA graph) cannot use the
+grouping: a graph would freeze one step's segments. There `row_slots` is set, a device
+tensor of each row's slot (NO_ADAPTER for base-model and padding rows) that the step's
+static input holds and every step rewrites, and the delta is gathered by slot row by row
+(Punica's BGMV: `lora_delta_by_row`), whose shapes depend only on the bucket. Eager steps
+keep the grouped path: it does no work for base-model tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from splitserve.kernels.ops import backend_for
 # Segments of at most this many tokens (decode steps, short chunks) take the padded batched
 # path: its padding costs less than one matmul call per segment would.
 PADDED_MAX_ROWS = 16
+NO_ADAPTER = -1  # a row's slot when it runs the base model (and a padding row's)
 
 
 @dataclass
@@ -34,6 +42,9 @@ class LoRAStep:
     padded_rows: torch.Tensor | None = None  # short segments (decode): [slots, L] for the batched path
     first_slot: int = 0
     grouping: tuple[int, ...] | None = None  # the token_slots these fields were built for
+    # the padded (graph) step: [rows] int64 on the device, each row's slot (NO_ADAPTER: none);
+    # set by cuda_graphs.DecodeGraphs around its forward pass, None otherwise
+    row_slots: torch.Tensor | None = None
 
     def set(self, token_slots: list[int], device: torch.device) -> None:
         """token_slots: each token's slot in step order, -1 for the base model. The same
@@ -74,6 +85,12 @@ def _on(device: torch.device, rows: list) -> torch.Tensor:
 
 
 def _lora_delta(x, a, b, out, step: LoRAStep):
+    if step.row_slots is not None:  # the padded step: gathered by each row's slot, no grouping
+        if backend_for(x) == "triton":
+            from splitserve.kernels import triton_lora
+
+            return triton_lora.lora_delta_by_row(x, a, b, out, step.row_slots)
+        return lora_reference.lora_delta_by_row(x, a, b, out, step.row_slots)
     if backend_for(x) == "triton":
         from splitserve.kernels import triton_lora  # lazily: Triton is heavy
 
@@ -89,7 +106,7 @@ def install_hooks(targets: dict[str, nn.Module], a: dict[str, torch.Tensor], b: 
                   step: LoRAStep) -> None:
     for name, linear in targets.items():
         def add_delta(x, out, a=a[name], b=b[name]):
-            if step.perm is None:
+            if step.perm is None and step.row_slots is None:
                 return out
             return _lora_delta(x.reshape(-1, x.shape[-1]), a, b, out.reshape(-1, out.shape[-1]), step).view_as(out)
 

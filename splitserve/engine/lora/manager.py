@@ -18,10 +18,9 @@ import torch
 from torch import nn
 
 from splitserve.core.lora_names import lora_name_problem
-from splitserve.engine.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter, lora_targets
-from splitserve.engine.lora.apply import LoRAStep, install_hooks
+from splitserve.engine.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter
+from splitserve.engine.lora.layers import lora_layers
 from splitserve.engine.lora.ranks import LoRARanks, LoRAStepPlan
-from splitserve.engine.lora.slots import LoRASlots
 from splitserve.engine.parallel.state import tp
 
 
@@ -35,10 +34,8 @@ class LoRAManager:
             raise ValueError(f"max_loras and max_lora_rank must be at least 1, got {max_loras} and {max_rank}")
         self.model, self.max_rank, self.device = model, max_rank, device
         self.adapters: dict[str, LoRAAdapter] = {}
-        targets = lora_targets(model)
-        self.slots = LoRASlots(targets, max_loras, max_rank, dtype, device)
-        self.step = LoRAStep()
-        install_hooks(targets, self.slots.a, self.slots.b, self.step)
+        layers = lora_layers(model, max_loras, max_rank, dtype, device)  # (the runner's, when it made them)
+        self.slots, self.step = layers.slots, layers.step
         self.requests: Counter[str] = Counter()  # requests run per adapter (metrics)
         self.ranks = LoRARanks() if tp().size > 1 else None  # the other tensor-parallel ranks
 

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from splitserve.engine.lora.adapter import LoRAAdapter, load_adapter, lora_targets
-from splitserve.engine.lora.apply import LoRAStep, install_hooks
-from splitserve.engine.lora.slots import LoRASlots
+from splitserve.engine.lora.adapter import LoRAAdapter, load_adapter
+from splitserve.engine.lora.layers import lora_layers
 from splitserve.engine.parallel.state import broadcast_object, gather_object
 
 Key = tuple[str, int]  # LoRAAdapter.key: (name, salt)
@@ -125,10 +124,8 @@ class RankLoRA:
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device):
         self.model, self.max_rank, self.device = model, max_rank, device
-        targets = lora_targets(model)
-        self.slots = LoRASlots(targets, max_loras, max_rank, dtype, device)
-        self.step = LoRAStep()
-        install_hooks(targets, self.slots.a, self.slots.b, self.step)
+        layers = lora_layers(model, max_loras, max_rank, dtype, device)  # (the runner's, when it made them)
+        self.slots, self.step = layers.slots, layers.step
         self.adapters: dict[Key, LoRAAdapter] = {}
         self.refs: Counter[Key] = Counter()
 

@@ -3,7 +3,9 @@ model and its slice of the KV pool, then runs every step rank 0 broadcasts, unti
 broadcasts None. Rank 0 schedules and samples; these ranks only compute (their copy of
 the gathered logits is dropped). With LoRA on, a rank also loads the adapters rank 0
 loads (all ranks or none) and puts each step's adapters in the slots rank 0 chose
-(lora/ranks.py). Asked once (SHARE_KV_POOL), a rank hands rank 0 its KV
+(lora/ranks.py). A pure-decode step comes as a PaddedDecodeStep: the rank replays its own
+CUDA graph of that bucket (captured at its start) or runs the padded step eagerly
+(parallel/padded_decode.py). Asked once (SHARE_KV_POOL), a rank hands rank 0 its KV
 pool tensor in shared memory, for the worker's KV transfer (parallel/kv_shards.py).
 A thread of each rank writes the time into its slot of `beats` every BEAT_INTERVAL_S, so
 rank 0 sees a rank frozen (SIGSTOP) or starved, which no collective reports (group.silence)."""
@@ -102,7 +104,7 @@ def run_rank(rank: int, size: int, port: int, cfg: EngineConfig, max_model_len: 
         while (step := broadcast_object()) is not None:
             if isinstance(step, str) and step == SHARE_KV_POOL:
                 to_rank0.send(shared(runner.kv_pool.data))  # the handle: its memory is not copied
-            elif isinstance(step, PaddedDecodeStep):  # an overlapped decode step (engine/overlap.py)
+            elif isinstance(step, PaddedDecodeStep):  # a padded (graph) decode step, overlapped or not
                 run_padded_step(runner, step, lora)
             elif isinstance(step, StepInputs):
                 if lora is not None:  # the step's adapters in their slots, as rank 0 put them
