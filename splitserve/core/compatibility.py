@@ -56,7 +56,7 @@ _ON_HOST = "the overlapped step runs ahead of the host, and drafts are proposed 
 # Every unordered pair, once. Flip a pair by editing its line (then regenerate: module docstring).
 PAIRS: dict[tuple[str, str], Verdict] = {
     ("tensor-parallel", "lora"): WORKS,  # adapters sharded like the base weights (engine/lora/sharding.py)
-    ("tensor-parallel", "cuda-graphs"): refused("tensor-parallel decode runs eagerly (no graph capture over ranks)"),
+    ("tensor-parallel", "cuda-graphs"): WORKS,  # each rank replays its own graphs (engine/parallel/padded_decode.py)
     ("tensor-parallel", "async-scheduling"): WORKS,  # the padded step broadcast to the ranks (parallel/padded_decode.py)
     ("tensor-parallel", "ngram"): WORKS,
     ("tensor-parallel", "draft-model"): refused("the draft model is not sharded over tensor-parallel ranks"),
@@ -65,7 +65,7 @@ PAIRS: dict[tuple[str, str], Verdict] = {
     ("tensor-parallel", "mooncake"): WORKS,  # a Mooncake segment per rank's pool shard (kvtransfer/segments.py)
     ("tensor-parallel", "fp8-kv-cache"): WORKS,
     ("tensor-parallel", "quantized"): WORKS,  # a GPTQ/AWQ checkpoint must split in whole groups (its own check)
-    ("lora", "cuda-graphs"): refused("a graph would freeze one step's grouping of tokens by adapter"),
+    ("lora", "cuda-graphs"): WORKS,  # adapter slots a static input, deltas gathered by slot (engine/lora/apply.py)
     ("lora", "async-scheduling"): WORKS,  # a decode step's grouping by adapter is known ahead (engine/overlap.py)
     ("lora", "ngram"): WORKS,
     ("lora", "draft-model"): WORKS,

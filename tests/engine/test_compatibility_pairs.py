@@ -15,7 +15,10 @@ pool (only with a tier: then it comes back from the tier), two prompts sharing i
 blocks, and a repetitive prompt the n-gram proposer drafts from. Mooncake is a worker's KV
 backend, not an engine's: its pairs hand every prompt from a prefill engine to a decode
 engine (both with the other feature on) over Mooncake's tcp transport, as the workers do.
-CUDA-graph pairs need a CUDA device: skipped here, naming the pair."""
+CUDA graphs cannot be captured on the CPU (cuda_graphs=True is refused there): their pairs
+run the step the graphs hold, the padded static-buffer decode step, eagerly (capture=False,
+`new_llm`), and their test ids say so ("-padded-step-no-capture"); capture itself is checked on a GPU only
+(tests/engine/test_cuda_graphs.py's CUDA test, bench/gpu/graphs_tp_lora.py)."""
 
 from __future__ import annotations
 
@@ -58,14 +61,13 @@ ROUNDS = [  # generated round by round, each round one batch
 TIERS = {"kv-offload-host", "kv-offload-disk"}
 
 # feature -> why its pairs are not run here; any other feature must be switched on by engine_kwargs
-SKIPPED = {
-    "cuda-graphs": "CUDA graphs forced on need a CUDA device (cuda_graphs=True is refused on the CPU), "
-                   "and this test compares with float32 references computed on the CPU",
-}
+SKIPPED: dict[str, str] = {}
 # what engine_kwargs below switches on; Mooncake (a worker's --kv-backend, not an engine's) by
-# handing every prompt off between two engines over Mooncake's tcp transport (mooncake_rounds)
-SWITCHED_ON = {"tensor-parallel", "lora", "async-scheduling", "ngram", "draft-model", "kv-offload-host",
-               "kv-offload-disk", "mooncake", "fp8-kv-cache", "quantized"}
+# handing every prompt off between two engines over Mooncake's tcp transport (mooncake_rounds);
+# CUDA graphs by their padded step run eagerly (new_llm: no capture on the CPU)
+SWITCHED_ON = {"tensor-parallel", "lora", "cuda-graphs", "async-scheduling", "ngram", "draft-model",
+               "kv-offload-host", "kv-offload-disk", "mooncake", "fp8-kv-cache", "quantized"}
+PADDED_EAGERLY = "padded-step-no-capture"  # the id suffix of a CUDA-graph pair: capture is checked on a GPU only
 
 
 def works_pairs() -> list[tuple[str, str]]:
@@ -134,9 +136,20 @@ def engine_kwargs(features: set[str], world: World, tmp_path) -> dict:
             kw.update(kv_offload_dir=str(tmp_path / "tier"), kv_offload_dir_bytes=64 * (nbytes + HEADER.size))
         elif feature == "fp8-kv-cache":
             kw["kv_cache_dtype"] = "fp8"
-        elif feature not in ("quantized", "mooncake"):  # (the checkpoint chosen above; two engines)
+        elif feature not in ("quantized", "mooncake", "cuda-graphs"):  # (the checkpoint chosen above;
+            # two engines; the padded step turned on after the start: new_llm)
             raise AssertionError(f"engine_kwargs cannot switch on {feature!r}")
     return kw
+
+
+def new_llm(features: set[str], world: World, tmp_path) -> LLM:
+    """An LLM with exactly `features` on; CUDA graphs as their padded static-buffer step, run
+    eagerly (capture=False) for every pure-decode step, by every tensor-parallel rank too
+    (parallel/padded_decode.py): what a captured graph replays, without the capture."""
+    llm = LLM(**engine_kwargs(features, world, tmp_path))
+    if "cuda-graphs" in features and llm.engine.runner.decode_graphs is None:  # (async scheduling has it)
+        llm.engine.runner.enable_decode_graphs(capture=False)
+    return llm
 
 
 def run_rounds(llm: LLM, lora: LoRARequest | None) -> list:
@@ -191,8 +204,8 @@ def mooncake_rounds(features: set[str], world: World, tmp_path, lora: LoRAReques
     other = features - {"mooncake"}
     if "tensor-parallel" in other:
         return mooncake_rounds_tp(other, world, tmp_path)
-    with LLM(**engine_kwargs(other, world, tmp_path / "prefill")) as prefill:
-        decode = LLM(**engine_kwargs(other, world, tmp_path / "decode"))
+    with new_llm(other, world, tmp_path / "prefill") as prefill:
+        decode = new_llm(other, world, tmp_path / "decode")
         with mooncake_link(decode) as link:
             outs = []
             for prompt in (p for r in ROUNDS for p in r):
@@ -265,6 +278,9 @@ def assert_engaged(features: set[str], llm: LLM, outs: list, world: World, want:
         assert engine.loras.slots.num_loads >= 1
     if "async-scheduling" in features:
         assert engine.stats().overlapped_steps > 0
+    if "cuda-graphs" in features and "draft-model" not in features:  # (a draft model drafts in every decode
+        # step here, and steps with drafts are verified eagerly: graphs replay only steps without drafts)
+        assert engine.runner.decode_graphs.steps > 0  # decode steps ran the padded static-buffer step
     if features & {"ngram", "draft-model"}:
         stats = engine.speculator.stats
         assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
@@ -292,7 +308,8 @@ KNOWN_BROKEN: dict[tuple[str, str], str] = {}
 
 
 def pair_params() -> list:
-    return [pytest.param(pair, id="+".join(pair), marks=[pytest.mark.xfail(strict=True, reason=KNOWN_BROKEN[pair])]
+    return [pytest.param(pair, id="+".join(pair) + (f"-{PADDED_EAGERLY}" if "cuda-graphs" in pair else ""),
+                         marks=[pytest.mark.xfail(strict=True, reason=KNOWN_BROKEN[pair])]
                          if pair in KNOWN_BROKEN else []) for pair in works_pairs()]
 
 
@@ -312,7 +329,7 @@ def test_a_working_pair_gives_its_single_feature_references_tokens(pair, world, 
     if "mooncake" in features:
         outs, llm = mooncake_rounds(features, world, tmp_path, lora)
     else:
-        llm = LLM(**engine_kwargs(features, world, tmp_path))
+        llm = new_llm(features, world, tmp_path)
         outs = run_rounds(llm, lora)
     with llm:
         got = [o.token_ids for o in outs]

@@ -49,7 +49,7 @@ def test_the_table_names_every_unordered_pair_once():
 def test_what_the_code_refuses_today():
     """The refused pairs as of this table (a flip changes this list on purpose)."""
     assert refused_pairs() == [
-        ("tensor-parallel", "cuda-graphs"), ("tensor-parallel", "draft-model"), ("lora", "cuda-graphs"),
+        ("tensor-parallel", "draft-model"),
         ("async-scheduling", "draft-model"), ("ngram", "draft-model")]
 
 
@@ -58,8 +58,7 @@ def test_refusal_is_the_first_refused_pair_in_table_order():
     assert refusal({"async-scheduling", "lora", "tensor-parallel", "ngram"}) is None
     assert refusal({"async-scheduling", "draft-model", "tensor-parallel"}) == message("tensor-parallel", "draft-model")
     assert refusals({"async-scheduling", "lora", "tensor-parallel", "cuda-graphs", "draft-model"}) == [
-        message("tensor-parallel", "cuda-graphs"), message("tensor-parallel", "draft-model"),
-        message("lora", "cuda-graphs"), message("async-scheduling", "draft-model")]
+        message("tensor-parallel", "draft-model"), message("async-scheduling", "draft-model")]
     assert message("draft-model", "tensor-parallel") == message("tensor-parallel", "draft-model") == (
         "tensor parallelism (size > 1) cannot be combined with draft-model speculation yet: the draft model is not "
         "sharded over tensor-parallel ranks")
