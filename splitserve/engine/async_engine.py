@@ -1,7 +1,8 @@
 """An LLMEngine on its own thread, driven from asyncio.
 
 The engine is single-threaded by design; workers are asyncio servers. Calls are
-queued to the engine thread and answered through futures; every step's outputs
+queued to the engine thread and answered through futures (a worker's calls are the
+EngineHandle's, engine/handle.py, each run by name on the engine); every step's outputs
 and KV events are handed back to the event loop, and after every loop iteration
 the thread publishes an immutable `EngineStats`, the only engine state other
 threads read.

@@ -2,7 +2,8 @@
 so each has its own torch and its own slice), joins the group with them, and ends them.
 
 The scheduler, block manager, prefix cache and sampler stay in rank 0 (the engine's own
-process); ModelRunner.run broadcasts each step's inputs before running it.
+process); ModelRunner.run broadcasts each step's inputs before running it. The engine
+reaches this group only through its executor (engine/executor.py, TensorParallelExecutor).
 Gloo on the CPU: the collectives go over loopback TCP; NCCL on CUDA."""
 
 from __future__ import annotations
