@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 class Disaggregation:
     """Needs LLMEngine's scheduler, config, sequences, held, remote, _new_sequence,
-    _skip_draw and _append."""
+    _skip_draw and token_output."""
 
     held: dict[str, Sequence]
     remote: dict[str, Sequence]
@@ -57,7 +57,7 @@ class Disaggregation:
         self.scheduler.join_computed(seq)
         self._skip_draw(seq)  # the first token was drawn on the prefill worker
         self.sequences[request_id] = seq
-        return self._append(seq, first_token, logprob)
+        return self.token_output.append(seq, first_token, logprob)
 
     def cancel_remote_prefill(self, request_id: str) -> None:
         """Decode side: the remote prefill failed or the client left; free the blocks."""

@@ -18,14 +18,13 @@ from pathlib import Path
 import torch
 
 from splitserve.core.hashing import hash_seed
-from splitserve.core.logprobs import TokenLogprobs
 from splitserve.core.model_config import ModelConfig
 from splitserve.core.tokenizer import Tokenizer
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.disaggregation import Disaggregation
 from splitserve.engine.executor import build_executor
-from splitserve.engine.grammar import GrammarCompiler, advance
+from splitserve.engine.grammar import GrammarCompiler
 from splitserve.engine.intake import InvalidPromptError, RequestIntake  # noqa: F401 - re-exported: callers import it from here
 from splitserve.engine.kv_offload.offloader import build_offloader
 from splitserve.engine.lora.engine_setup import LoRAEngine, attach_lora
@@ -38,6 +37,7 @@ from splitserve.engine.sequence import Sequence
 from splitserve.engine.spec.speculator import build_speculator
 from splitserve.engine.spec.step import speculative_step
 from splitserve.engine.stats import EngineStats
+from splitserve.engine.token_output import TokenOutput
 from splitserve.engine.warmup import warm_up
 
 
@@ -67,10 +67,12 @@ class LLMEngine(RequestIntake, Disaggregation, LoRAEngine, PeerPrefix):
                                         self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.long_rope_after = self.model_config.rope.long_after  # longrope: see engine/models/rope.py
         self.speculator = build_speculator(self) if config.speculative_config is not None else None
-        self.scheduler.speculator = self.speculator  # it asks for drafts as it schedules (engine/spec/)
         self.sequences: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # finished, blocks kept for a KV push
         self.remote: dict[str, Sequence] = {}  # waiting for KV from a prefill worker
+        # a sampled token into its sequence and a RequestOutput (engine/token_output.py)
+        self.token_output = TokenOutput(self.scheduler, self.sequences, self.held, self.eos_token_ids,
+                                        self.long_rope_after, config.delta_outputs)
         self.step_seconds = 0.0  # wall time in step() so far (with prompt_tokens_computed: the prefill rate)
         self.loras = attach_lora(self)  # None unless enable_lora (engine/lora/)
         self.overlap = OverlappedDecode(self) if config.async_scheduling else None
@@ -102,7 +104,7 @@ class LLMEngine(RequestIntake, Disaggregation, LoRAEngine, PeerPrefix):
         for rid in list(self.sequences):
             seq = self.sequences[rid]
             self.abort(rid)
-            out = self._output(seq, [], [])
+            out = self.token_output.output(seq, [], [])
             out.error = error
             outputs.append(out)
         return outputs
@@ -141,6 +143,9 @@ class LLMEngine(RequestIntake, Disaggregation, LoRAEngine, PeerPrefix):
         return drained + self._ordinary_step()
 
     def _ordinary_step(self) -> list[RequestOutput]:
+        """Propose, schedule, execute, then sample or verify (docs/architecture.md, One engine step)."""
+        if self.speculator is not None:  # drafts attached to the decodes about to be scheduled
+            self.speculator.propose_drafts(self.scheduler)
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -159,65 +164,8 @@ class LLMEngine(RequestIntake, Disaggregation, LoRAEngine, PeerPrefix):
         if len(plain) < len(due):
             return speculative_step(self, logits, sampled, mask)
         tokens, logprobs = sample(logits, sampled, self.generator, self.eos_token_ids, mask)
-        return [self._append(seq, token, lp) for seq, token, lp in zip(sampled, tokens, logprobs, strict=True)]
-
-    def _append(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> RequestOutput:
-        """A sampled token joins `seq`, which may finish with it."""
-        seq.token_ids.append(token)
-        return self._took(seq, token, lp)
-
-    def _took(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> RequestOutput:
-        """`token`, now the last of `seq.token_ids`: its logprobs, grammar, text, stop checks."""
-        if lp is not None:
-            seq.logprobs.append(lp)
-        if seq.grammar is not None:
-            advance(seq.grammar, token, seq.request_id)
-        delta = seq.text.add([token]) if seq.text is not None else None
-        new_text = delta.text if delta is not None else ""
-        num_output = len(seq.token_ids) - seq.num_prompt_tokens  # (read once: this runs per token)
-        reason = self._stop_reason(seq, token, delta is not None and delta.stopped, num_output)
-        if reason is not None:
-            if seq.text is not None and not seq.text.stopped:
-                final = seq.text.add([], final=True)  # the rest, an incomplete character too
-                new_text += final.text
-                reason = "stop" if final.stopped else reason
-            self._finish(seq, reason)
-        elif self.long_rope_after is not None and not seq.long_rope and seq.num_tokens > self.long_rope_after:
-            self.scheduler.recompute_with_long_rope(seq)
-        times = seq.first_token_times() if num_output == 1 else None
-        return self._output(seq, [token], [lp] if lp is not None else [], new_text, times)
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason, free_blocks=not seq.hold_kv)
-        self.sequences.pop(seq.request_id, None)
-        if seq.hold_kv:
-            self.held[seq.request_id] = seq
-
-    def _stop_reason(self, seq: Sequence, token: int, stop_string: bool, num_output: int) -> str | None:
-        p = seq.params
-        if seq.grammar is not None and seq.grammar.is_stopped():  # complete: nothing more may follow
-            return "abort" if seq.grammar.is_error() else "stop"
-        if num_output < p.min_tokens:  # (EOS and stop ids were masked in sampling)
-            stop_string = False
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids or stop_string:
-            return "stop"
-        if p.max_tokens is not None and num_output >= p.max_tokens:
-            return "length"
-        if num_output + seq.num_prompt_tokens >= seq.max_total_tokens:
-            return "length"
-        return None
-
-    def _output(self, seq: Sequence, new_tokens: list[int], new_lps: list[TokenLogprobs],
-                new_text: str = "", times: dict | None = None) -> RequestOutput:
-        if self.config.delta_outputs:  # the cumulative fields left empty (EngineConfig.delta_outputs)
-            return RequestOutput(seq.request_id, [], [], new_tokens, "", new_text, seq.is_finished,
-                                 seq.finish_reason, max(seq.num_cached_tokens, 0), [], new_lps, **(times or {}))
-        return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            token_ids=seq.output_token_ids, new_token_ids=new_tokens,
-            text=seq.text.visible_text if seq.text is not None else "", new_text=new_text, finished=seq.is_finished,
-            finish_reason=seq.finish_reason, num_cached_tokens=max(seq.num_cached_tokens, 0),
-            logprobs=list(seq.logprobs), new_logprobs=new_lps, **(times or {}))
+        append = self.token_output.append
+        return [append(seq, token, lp) for seq, token, lp in zip(sampled, tokens, logprobs, strict=True)]
 
     # ---- introspection (tests, metrics, load reports) ---------------------------------
     @property

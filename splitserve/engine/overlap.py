@@ -10,7 +10,7 @@ before the previous one's tokens reach the host:
             step reads from a device buffer (cuda_graphs.DecodeGraphs.previous_tokens);
             sampled on the device, copied into that buffer and (asynchronously) to the host
   then:     step N-1's tokens read (its copy is long done), placeholders replaced, stop
-            checks and outputs as usual (`LLMEngine._took`), its full blocks published
+            checks and outputs as usual (`TokenOutput.took`), its full blocks published
   then:     N's sequences count the token in flight (computed + 1, a new placeholder:
             `Scheduler.launched_ahead`)
 
@@ -155,7 +155,7 @@ class OverlappedDecode:
             if seq.is_finished or e.sequences.get(seq.request_id) is not seq:
                 continue
             e.scheduler.landed(seq, token)  # (its blocks' KV is written: the step completed)
-            outputs.append(e._took(seq, token, host_logprobs(part, token)))
+            outputs.append(e.token_output.took(seq, token, host_logprobs(part, token)))
         return outputs
 
 

@@ -10,16 +10,21 @@ The scheduler owns the block manager: every allocation, publication to the prefi
 cache and release goes through it, including the disaggregated paths (a prompt
 reserved for a prefill worker to fill, the held blocks of a prompt pushed elsewhere).
 
-(Just over 300 lines: the overlapped mode, `schedule_ahead` and `landed`, is here because it
-calls `schedule()` itself rather than restating its rules; it moves out with the draft
-proposal when proposal becomes its own phase of the step, issue 50.)
+Drafts (speculative decoding) are proposed in a phase of their own before `schedule`
+(`Speculator.propose_drafts`, engine/spec/speculator.py): `draft_rooms` tells it how many each
+running decode may carry, by the walk `schedule` then makes; `schedule` only accounts for the
+drafts attached to the sequences.
+
+(About 350 lines: the overlapped mode, `schedule_ahead` and `landed`, is here because it
+calls `schedule()` itself rather than restating its rules, and `draft_rooms` because it is
+`schedule`'s own walk, made without changing anything.)
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from splitserve.engine.block_manager import BlockManager
@@ -64,7 +69,6 @@ class Scheduler:
         self.prompt_tokens_computed = 0  # prefill tokens run so far (a prefill worker's rate)
         # may this waiting sequence join the live ones? (LoRA: at most --max-loras adapters live)
         self.admits: Callable[[Sequence], bool] = lambda seq: True
-        self.speculator = None  # engine/spec/speculator.py when --speculative-config is given
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -73,11 +77,17 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _step_budget(self) -> int:
+        if self.decoding_step_tokens < self.max_num_batched_tokens and any(
+                s.num_tokens - s.num_computed_tokens <= 1 for s in self.running):
+            return self.decoding_step_tokens
+        return self.max_num_batched_tokens
+
     def schedule(self) -> ScheduledBatch:
+        """This step's batch. A running decode runs with the drafts the propose phase attached
+        to it (`draft_rooms` sized them); other sequences carry none."""
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        if self.decoding_step_tokens < budget and any(s.num_tokens - s.num_computed_tokens <= 1 for s in self.running):
-            budget = self.decoding_step_tokens
+        budget = self._step_budget()
         i = 0
         bm, bs = self.bm, self.bm.block_size
         while i < len(self.running) and budget > 0:
@@ -87,6 +97,8 @@ class Scheduler:
                 continue
             computed = seq.num_computed_tokens
             n = min(len(seq.token_ids) - computed, budget)
+            if seq.draft_token_ids:  # a decode and its drafts, verified in the same pass
+                n = self._with_drafts(seq, budget)
             need = max(0, -(-(computed + n) // bs) - len(seq.block_table))  # bm.blocks_needed, inlined (per seq)
             while need > bm.num_free_blocks:
                 victim = self.running.pop()  # never one scheduled earlier this step (index < i)
@@ -96,9 +108,6 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            if self.speculator is not None:
-                n += self._propose_drafts(seq, n, budget, len(self.running) - i - 1)
-                need = self.bm.blocks_needed(seq, n)
             if need:  # (a decode mostly writes into its last block: nothing to allocate)
                 bm.grow(seq, n)
             if n == 1:
@@ -198,18 +207,39 @@ class Scheduler:
         self.bm.publish_full_blocks(seq)
 
     # ---- speculative decoding (engine/spec/) ----------------------------------------------
-    def _propose_drafts(self, seq: Sequence, n: int, budget: int, num_later: int) -> int:
-        """Drafts for a decode step of `seq` (appended provisionally, verified in the same
-        pass): as many as the budget and the free blocks leave after one token for each of
-        the `num_later` sequences still to schedule, so drafts never preempt or starve one."""
-        seq.draft_token_ids = []
-        if n != 1 or seq.num_computed_tokens != seq.num_tokens - 1 or seq.token_ids[-1] < 0:
-            return 0  # (a token in flight, overlapped: nothing to look up from yet)
-        free_blocks = self.bm.num_free_blocks - self.bm.blocks_needed(seq, 1) - num_later
-        slots = (len(seq.block_table) + self.bm.blocks_needed(seq, 1) + max(free_blocks, 0)) * self.bm.block_size
-        room = min(budget - 1 - num_later, slots - seq.num_tokens)
-        seq.draft_token_ids = self.speculator.propose(seq, room, len(self.running))
-        return len(seq.draft_token_ids)
+    def draft_rooms(self) -> Iterator[tuple[Sequence, int]]:
+        """For the propose phase (Speculator.propose_drafts): the running decodes `schedule`
+        will step, in its order, each with the drafts the budget and free blocks leave it after
+        one token for each sequence after it (drafts never preempt or starve one). `schedule`'s
+        walk, changing nothing; set each one's drafts before taking the next (they use its
+        room). It stops where `schedule` will preempt (the pool is short: no drafts from there)."""
+        budget, free, bs = self._step_budget(), self.bm.num_free_blocks, self.bm.block_size
+        for i, seq in enumerate(self.running):
+            if budget <= 0:
+                return
+            if seq.token_ids[-1] < 0 and ends_by_length(seq):  # (skipped by schedule too)
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = self.bm.blocks_needed(seq, n)
+            if need > free:
+                return
+            if n == 1 and seq.num_computed_tokens == seq.num_tokens - 1 and seq.token_ids[-1] >= 0:
+                later = len(self.running) - i - 1
+                slots = (len(seq.block_table) + need + max(free - need - later, 0)) * bs
+                yield seq, min(budget - 1 - later, slots - seq.num_tokens)
+                n += len(seq.draft_token_ids)
+                need = self.bm.blocks_needed(seq, n)
+            free -= need
+            budget -= n
+
+    def _with_drafts(self, seq: Sequence, budget: int) -> int:
+        """1 + `seq`'s drafts: its decode step. `draft_rooms` sized them to fit; were the budget
+        or the pool to differ now, they are cut, never a reason to preempt."""
+        drafts = seq.draft_token_ids
+        del drafts[max(budget - 1, 0):]
+        if self.bm.blocks_needed(seq, 1 + len(drafts)) > self.bm.num_free_blocks:
+            drafts.clear()
+        return 1 + len(drafts)
 
     def reject_drafts(self, seq: Sequence, num_accepted: int) -> None:
         """Verification kept `num_accepted` of `seq`'s drafts: the KV of the others is void.
@@ -229,6 +259,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free_sequence(seq)
+        seq.draft_token_ids = []
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1

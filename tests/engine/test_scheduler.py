@@ -128,3 +128,57 @@ def test_overlapped_decode_is_refused_unchanged_where_schedule_would_do_more():
 
 def anyone(seq):
     return True
+
+
+def propose(sched, most):
+    """The propose phase (Speculator.propose_drafts) with a proposer of `most` drafts: the rooms."""
+    rooms = []
+    for s, room in sched.draft_rooms():
+        rooms.append((s.request_id, room))
+        s.draft_token_ids = [5] * max(0, min(room, most))
+    return rooms
+
+
+def test_drafts_are_proposed_before_schedule_within_the_budget_each_leaves_the_next():
+    """Each decode's room is what the budget leaves after its earlier neighbours' drafts and
+    one token for every later sequence; schedule runs the attached drafts and adds none."""
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    for rid in "abc":
+        sched.add(seq(3, rid))
+    complete(sched.schedule())  # prefilled, a token each: each decodes next
+    assert propose(sched, 4) == [("a", 7), ("b", 3), ("c", 0)]  # 10 - 1 - 2; 10 - 5 - 1 - 1; nothing left
+    batch = sched.schedule()
+    assert [(s.request_id, n) for s, n in batch.prefills] == [("a", 5), ("b", 4)]  # 1 + drafts, verified
+    assert [s.request_id for s in batch.decodes] == ["c"] and batch.num_tokens == 10
+
+
+def test_drafts_leave_a_block_for_each_later_sequence_and_none_are_proposed_where_schedule_preempts():
+    sched = Scheduler(BlockManager(3, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    for rid in "ab":
+        sched.add(seq(3, rid))
+    complete(sched.schedule())  # one block each, its 4th token still to compute there; 1 block free
+    assert propose(sched, 8) == [("a", 0), ("b", 4)]  # a's drafts would need the block kept for b
+    assert [(s.request_id, n) for s, n in sched.schedule().entries] == [("b", 5), ("a", 1)]
+    tight = Scheduler(BlockManager(2, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    for rid in "cd":
+        tight.add(seq(4, rid))
+    complete(tight.schedule())  # both blocks full: c's next token needs a block, d is preempted for it
+    assert propose(tight, 8) == []
+    assert tight.schedule().preempted == [tight.waiting[0]]
+
+
+def test_schedule_cuts_drafts_that_no_longer_fit_rather_than_preempt():
+    bm = BlockManager(4, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=8)
+    a = seq(3, "a")
+    sched.add(a)
+    complete(sched.schedule())
+    a.draft_token_ids = [5] * 20  # past the budget: cut to 7
+    sched.computed(batch := sched.schedule())
+    assert batch.prefills == [(a, 8)] and len(a.draft_token_ids) == 7
+    sched.reject_drafts(a, 0)  # none kept: 4 tokens computed, two blocks, the correction next
+    a.token_ids.append(8)
+    held = bm.allocate_blocks(bm.num_free_blocks)
+    a.draft_token_ids = [5] * 4  # they would need a third block, none is free: the decode runs alone
+    assert sched.schedule().decodes == [a] and a.draft_token_ids == [] and not sched.waiting
+    bm.release_blocks(held)

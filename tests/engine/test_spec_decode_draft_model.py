@@ -2,10 +2,9 @@
 the outputs without speculation token for token (the target itself as its own draft, a
 1-layer model, a perturbed copy), sampled outputs follow the target's distribution (chi-square
 against sampling without speculation, with drafts both kept and rejected), seeded requests
-give the tokens of sampling without speculation, the draft model rebuilds its KV on a decode engine after a remote prefill, and
-its pool gets every block back."""
+give the tokens of sampling without speculation, the draft model rebuilds its KV on a decode engine after a remote prefill,
+its pool gets every block back, and it runs in the step's propose phase, not inside the scheduler."""
 
-import re
 import shutil
 from collections import Counter
 
@@ -13,7 +12,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from splitserve.core.compatibility import message
 from splitserve.engine import LLM, SamplingParams
 from tests.engine.test_disaggregation_handoff import drain, handoff
 from tests.engine.test_spec_decode_exact import accepted, copy_heavy
@@ -100,7 +98,30 @@ def test_the_draft_model_rebuilds_its_kv_after_a_remote_prefill(drafts):
     assert accepted(decode) > 0
 
 
-def test_draft_model_under_tensor_parallelism_is_refused(drafts):
+def test_the_draft_model_runs_in_the_propose_phase_never_inside_schedule(drafts):
+    """Propose, then schedule: the draft model's forward passes come before Scheduler.schedule,
+    which only accounts for the drafts attached (a draft pass inside it raises here)."""
     target, by_name = drafts
-    with pytest.raises(ValueError, match=re.escape(message("tensor-parallel", "draft-model"))):
-        engine(target, by_name["small"], tensor_parallel_size=2)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = LLM(target, num_kv_blocks=96).generate(PROMPTS, params)
+    spec = engine(target, by_name["self"])
+    scheduler, draft = spec.engine.scheduler, spec.engine.speculator.draft.runner
+    schedule, execute, scheduling, passes = scheduler.schedule, draft.execute, [], []
+
+    def schedule_step():
+        scheduling.append(True)
+        try:
+            return schedule()
+        finally:
+            scheduling.pop()
+
+    def draft_pass(step):
+        if scheduling:
+            raise AssertionError("a draft model forward pass inside Scheduler.schedule()")
+        passes.append(step)
+        return execute(step)
+
+    scheduler.schedule, draft.execute = schedule_step, draft_pass
+    got = spec.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert passes and accepted(spec) == spec.engine.speculator.stats.num_draft_tokens > 0

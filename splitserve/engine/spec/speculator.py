@@ -1,14 +1,17 @@
-"""The scheduler's source of drafts, and the counters of what verification kept.
+"""The propose phase of an engine step, and the counters of what verification kept.
 
-The scheduler asks for drafts when it gives a running sequence its decode step, with the
-number of extra tokens the step's budget and the free KV blocks allow; the speculator caps
-that by what the request may still produce (max_tokens, the context, a longrope switch)
-and by the batch size past which speculation is off (disable_by_batch_size).
+Before the step is scheduled, the speculator proposes drafts for the running decodes the
+scheduler will step (`propose_drafts`), each within the extra tokens the step's budget and
+the free KV blocks allow it (`Scheduler.draft_rooms`), capped by what the request may still
+produce (max_tokens, the context, a longrope switch) and by the batch size past which
+speculation is off (disable_by_batch_size). The drafts are attached to the sequences;
+`Scheduler.schedule` then accounts for them, and no model runs inside it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +19,9 @@ from splitserve.core.speculative import SpeculativeConfig
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.spec.draft_model import DraftModel
 from splitserve.engine.spec.ngram import propose_ngram
+
+if TYPE_CHECKING:
+    from splitserve.engine.scheduler import Scheduler
 
 
 @dataclass
@@ -53,6 +59,17 @@ class Speculator:
         self.draft = draft  # method draft_model: the second model and its KV pool
         self.generator = generator  # the engine's, for unseeded sampled drafts
         self.stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
+
+    def propose_drafts(self, scheduler: Scheduler) -> None:
+        """The step's propose phase, before `scheduler.schedule()`: drafts attached to each
+        running decode it will step (a draft model's forward passes run here), within the
+        room its budget walk leaves each; any other sequence carries none."""
+        batch_size = len(scheduler.running)
+        for seq in scheduler.running:
+            if seq.draft_token_ids:
+                seq.draft_token_ids = []
+        for seq, room in scheduler.draft_rooms():
+            seq.draft_token_ids = self.propose(seq, room, batch_size)
 
     def propose(self, seq: Sequence, room: int, batch_size: int) -> list[int]:
         """Drafts for `seq`'s next step, at most `room` (what the step's budget and KV allow)."""

@@ -1,7 +1,8 @@
 """The engine's step once the forward pass of a batch with drafts ran: sample the sequences
 without drafts as any step does, verify the others (verify.py), hand the rejected drafts'
-KV back to the scheduler, and append each sequence's new tokens, stopping exactly where
-one ends it (EOS, a stop string, max_tokens, a complete grammar)."""
+KV back to the scheduler, and append each sequence's new tokens through the engine's
+TokenOutput (engine/token_output.py), stopping exactly where one ends it (EOS, a stop
+string, max_tokens, a complete grammar)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from splitserve.core.logprobs import TokenLogprobs
 from splitserve.engine.grammar import BatchMask
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampler import sample
-from splitserve.engine.sequence import Sequence, SequenceStatus
+from splitserve.engine.sequence import Sequence
 from splitserve.engine.spec.verify import verify
 
 if TYPE_CHECKING:
@@ -34,9 +34,10 @@ def speculative_step(engine: LLMEngine, logits: torch.Tensor, sampled: list[Sequ
         spans.append((at, width))
         at += width
     outputs = []
+    out = engine.token_output
     if plain:
         tokens, logprobs = sample(logits[rows], plain, engine.generator, engine.eos_token_ids, mask)
-        outputs = [engine._append(seq, t, lp) for seq, t, lp in zip(plain, tokens, logprobs, strict=True)]
+        outputs = [out.append(seq, t, lp) for seq, t, lp in zip(plain, tokens, logprobs, strict=True)]
     words = (engine.grammars.vocab_size + 31) // 32
     stats = engine.speculator.stats
     for seq, (start, width) in zip(sampled, spans, strict=True):
@@ -47,7 +48,7 @@ def speculative_step(engine: LLMEngine, logits: torch.Tensor, sampled: list[Sequ
                                   engine.eos_token_ids, words)
         stats.record(len(drafts), _num_matching(tokens, drafts))
         engine.scheduler.reject_drafts(seq, len(tokens) - 1)
-        outputs.append(append_run(engine, seq, tokens, logprobs))
+        outputs.append(out.append_run(seq, tokens, logprobs))
     engine.speculator.release_finished()
     return outputs
 
@@ -57,18 +58,3 @@ def _num_matching(tokens: list[int], drafts: list[int]) -> int:
     while n < min(len(tokens), len(drafts)) and tokens[n] == drafts[n]:
         n += 1
     return n
-
-
-def append_run(engine: LLMEngine, seq: Sequence, tokens: list[int],
-               logprobs: list[TokenLogprobs | None]) -> RequestOutput:
-    """Several tokens join `seq` as one output; the first that ends it is the last taken."""
-    taken: list[int] = []
-    text = ""
-    for token, lp in zip(tokens, logprobs, strict=True):
-        out = engine._append(seq, token, lp)
-        taken.append(token)
-        text += out.new_text
-        if seq.status != SequenceStatus.RUNNING:  # finished, or back to the queue (longrope)
-            break
-    new_lps = [lp for lp in logprobs[: len(taken)] if lp is not None]
-    return engine._output(seq, taken, new_lps, text)

@@ -19,7 +19,7 @@ row's token is a bonus. So:
   are, again, those of sampling without speculation.
 
 The grammar matcher consumes accepted drafts to mask the next row and is rolled back before
-returning: it only advances through the engine's _append, token by token.
+returning: it only advances as tokens join (TokenOutput.append, engine/token_output.py).
 """
 
 from __future__ import annotations
