@@ -78,7 +78,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action="store_true",
                    help="overlap pure-decode steps: the next step is scheduled and launched while the previous "
                         "one's tokens are still on the device, its outputs processed after (vLLM's flag; same "
-                        "tokens; not with draft-model speculation). Off by default "
+                        "tokens; a step that may draft runs ordinarily). Off by default "
                         "until measured on a GPU (docs/gpu.md)")
     g.add_argument("--speculative-config", metavar="JSON",
                    help='speculative decoding, vLLM\'s JSON object, e.g. {"method": "ngram", '

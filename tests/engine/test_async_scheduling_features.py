@@ -1,4 +1,4 @@
-"""Async scheduling (engine/overlap.py) with LoRA adapters and with n-gram speculation: greedy
+"""Async scheduling (engine/overlap.py) with LoRA adapters and with n-gram or draft-model speculation: greedy
 float32 tokens equal transformers (+ PEFT for an adapter) token for token, and equal the
 synchronous engine's (seeded sampling too), while overlapped steps really run: mixed
 base/adapter decode steps launched ahead, and plain decode steps overlapped in the same engine
@@ -135,6 +135,30 @@ def test_lora_and_ngram_together(base, adapters):
         assert overlapped[rid]["tokens"] == peft_greedy(base, adapter, prompt, params.max_tokens), rid
     assert engine.overlap.steps > 0 and engine.speculator.stats.num_draft_tokens > 0
     assert any(name is not None for step in launched for name in step)
+
+
+def test_a_draft_model_drafts_at_low_batch_and_steps_overlap_above_disable_by_batch_size(base):
+    """A draft model always proposes, so a step that may draft never overlaps; past
+    disable_by_batch_size nothing drafts and decode steps overlap. The draft model catches up
+    on the tokens of overlapped steps in one chunk. Greedy equals transformers, and seeded
+    sampling the synchronous engine."""
+    draft = {"method": "draft_model", "model": str(base), "num_speculative_tokens": 3, "disable_by_batch_size": 2}
+    requests = {
+        "a": (0, _copy_heavy(21), _greedy(40)),
+        "b": (0, _random(22, 15), _greedy(14)),
+        "c": (0, _random(23, 9), SamplingParams(temperature=0.8, top_k=40, seed=3, max_tokens=12, ignore_eos=True)),
+        "d": (1, _random(24, 12), _greedy(10)),
+    }
+    config = dict(num_kv_blocks=96, speculative_config=draft)
+    overlapped, engine, launched = _run(base, requests, True, **config)
+    for rid in "abd":
+        _, prompt, params = requests[rid]
+        assert overlapped[rid]["tokens"] == peft_greedy(base, None, prompt, params.max_tokens), rid
+    stats = engine.speculator.stats
+    assert stats.num_accepted_tokens > 0 and engine.overlap.steps == len(launched) >= 5
+    assert any(len(step) == 4 for step in launched)  # the four decode overlapped, drafting off
+    sync, _, _ = _run(base, requests, False, **config)
+    assert overlapped == sync
 
 
 def test_tensor_parallel_overlapped_steps_with_adapters_equal_peft(base, adapters):

@@ -130,6 +130,9 @@ def engine_kwargs(features: set[str], world: World, tmp_path) -> dict:
             draft = world.dequantised if "quantized" in features else world.float
             draft = world.merged_with_adapter(draft) if "lora" in features else draft
             kw["speculative_config"] = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+            if "async-scheduling" in features:  # a draft model always drafts, and a step that may draft is
+                # not overlapped: off above one running sequence, so round 4's two decodes overlap
+                kw["speculative_config"]["disable_by_batch_size"] = 1
         elif feature == "kv-offload-host":  # with a disk tier under it: too small to hold PREFIX, it spills
             kw["kv_offload_bytes"] = (8 if "kv-offload-disk" in features else 64) * nbytes
         elif feature == "kv-offload-disk":
@@ -273,6 +276,8 @@ def assert_engaged(features: set[str], llm: LLM, outs: list, world: World, want:
     if "tensor-parallel" in features:
         cfg = engine.model_config
         assert engine.runner.model.layers[0].self_attn.num_heads == cfg.num_heads // 2  # rank 0's half
+        if "draft-model" in features:  # rank 0 runs the draft model whole (engine/spec/draft_model.py)
+            assert engine.speculator.draft.runner.model.layers[0].self_attn.num_heads == cfg.num_heads
     if "lora" in features:
         assert want != reference(features - {"lora"}, world)  # the adapter changes the tokens: it was applied
         assert engine.loras.slots.num_loads >= 1

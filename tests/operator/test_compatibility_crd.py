@@ -11,8 +11,9 @@ import argparse
 import shlex
 
 import pytest
+import yaml
 
-from splitserve.core.compatibility import all_pairs, message, verdict
+from splitserve.core.compatibility import PAIRS, all_pairs, message, refused, verdict
 from splitserve.engine.args import add_engine_args, compatibility_problem, flag_features
 from splitserve.operator import spec_compatibility
 from splitserve.operator.render import Replicas, render_all
@@ -138,16 +139,30 @@ def test_a_pair_split_over_the_roles_is_accepted(schema, minimal_spec):
     assert parse_spec("x", "ns", spec, "img:1").prefill.tensor_parallel_size == 2
 
 
-def test_every_refused_pair_of_a_spec_is_listed_once(schema, minimal_spec):
+MARKED = [("tensor-parallel", "draft-model"), ("async-scheduling", "draft-model")]
+
+
+def marked_crd(monkeypatch) -> dict:
+    """Every pair a spec can ask for works today (n-gram x draft model is one field), so the
+    refusal paths run on a table with MARKED marked refused, and a CRD whose rules were
+    generated from it (what `spec_compatibility --write` would write)."""
+    for pair in MARKED:
+        monkeypatch.setitem(PAIRS, pair, refused("marked refused by this test"))
+    text = CRD_PATH.read_text()
+    return yaml.safe_load(text.replace(spec_compatibility.crd_block(text), spec_compatibility.crd_rules_yaml()))
+
+
+def test_every_refused_pair_of_a_spec_is_listed_once(schema, minimal_spec, monkeypatch):
     spec = merged(minimal_spec, spec_part("tensor-parallel", "prefill"), spec_part("mooncake", "prefill"),
                   spec_part("tensor-parallel", "decode"), spec_part("draft-model", "decode"),
                   spec_part("async-scheduling", "decode"))
-    want = [message("tensor-parallel", "draft-model"),
-            message("async-scheduling", "draft-model")]  # decode's (TP x Mooncake, on both roles, works)
+    assert parse_spec("x", "ns", spec, "img:1") and admitted_errors(schema, spec) == []  # the table as it is
+    crd = marked_crd(monkeypatch)
+    want = [message(*pair) for pair in MARKED]  # decode's (TP x Mooncake, on both roles, works)
     with pytest.raises(SpecError) as err:
         parse_spec("x", "ns", spec, "img:1")
     assert err.value.problems == want
-    errors = admitted_errors(schema, spec)
+    errors = admitted_errors(crd_schema(crd, "v1alpha1"), spec)
     assert len(errors) == 2 and all(any(e.endswith(line) for e in errors) for line in want), errors
 
 
@@ -162,31 +177,37 @@ def test_the_crds_rules_are_the_generated_ones():
     assert not any("cannot be combined" in r["message"] for r in rules if r not in generated)
 
 
-async def test_the_fake_api_server_refuses_the_issues_example(minimal_spec):
-    """issue 50's kind of example, a refused pair (a draft model with `tensorParallelSize: 2`)
-    that used to pass and crash-loop its workers: refused at create, in the table's words; and
-    `kvOffload` with `tensorParallelSize: 2`, refused until the tiers worked under TP, accepted."""
-    fake = FakeKube({})
-    await fake.start()
-    try:
-        await fake.create(*CRDS, None, load_crd())
-        await fake.create_namespace("ns")
-        ifd = ("splitserve.io/v1alpha1", "inferencedeployments")
-        spec = merged(minimal_spec, spec_part("draft-model", "decode"), spec_part("tensor-parallel", "decode"))
-        body = {"apiVersion": ifd[0], "kind": "InferenceDeployment", "metadata": {"name": "x"}, "spec": spec}
-        with pytest.raises(ApiError) as err:
-            await fake.create(*ifd, "ns", body)
-        assert err.value.code == 422
-        assert err.value.message == ('InferenceDeployment.splitserve.io "x" is invalid: spec: Invalid value: '
-                                     f'"object": {message("tensor-parallel", "draft-model")}')
-        spec = merged(minimal_spec, spec_part("kv-offload-disk", "decode"), spec_part("tensor-parallel", "decode"))
-        offload = {**body, "metadata": {"name": "offload"}, "spec": spec}
-        assert (await fake.create(*ifd, "ns", offload))["spec"]["decode"]["tensorParallelSize"] == 2
-        spec = merged(minimal_spec, spec_part("mooncake", "decode"), spec_part("tensor-parallel", "prefill"))
-        mooncake = {**body, "metadata": {"name": "mooncake"}, "spec": spec}  # a Mooncake segment per rank
-        assert (await fake.create(*ifd, "ns", mooncake))["spec"]["prefill"]["tensorParallelSize"] == 2
-        spec = merged(minimal_spec, spec_part("lora", "decode"), spec_part("tensor-parallel", "decode"),
-                      spec_part("ngram", "decode"))
-        assert (await fake.create(*ifd, "ns", {**body, "spec": spec}))["spec"]["decode"]["tensorParallelSize"] == 2
-    finally:
-        await fake.stop()
+async def test_the_fake_api_server_refuses_the_issues_example(minimal_spec, monkeypatch):
+    """issue 50's kind of example, a draft model with `tensorParallelSize: 2`, used to pass
+    the operator and crash-loop its workers; it works now and is accepted at create, as is
+    `kvOffload` with `tensorParallelSize: 2`. A refused pair is refused at create in the
+    table's words: the same example under a CRD generated from a table marking it refused."""
+    spec = merged(minimal_spec, spec_part("draft-model", "decode"), spec_part("tensor-parallel", "decode"))
+    ifd = ("splitserve.io/v1alpha1", "inferencedeployments")
+    body = {"apiVersion": ifd[0], "kind": "InferenceDeployment", "metadata": {"name": "x"}, "spec": spec}
+    for crd, refusing in ((load_crd(), False), (marked_crd(monkeypatch), True)):
+        fake = FakeKube({})
+        await fake.start()
+        try:
+            await fake.create(*CRDS, None, crd)
+            await fake.create_namespace("ns")
+            if refusing:
+                with pytest.raises(ApiError) as err:
+                    await fake.create(*ifd, "ns", body)
+                assert err.value.code == 422
+                assert err.value.message == ('InferenceDeployment.splitserve.io "x" is invalid: spec: Invalid '
+                                             f'value: "object": {message("tensor-parallel", "draft-model")}')
+                continue
+            assert (await fake.create(*ifd, "ns", body))["spec"]["engine"]["speculative"]["method"] == "draft_model"
+            spec = merged(minimal_spec, spec_part("kv-offload-disk", "decode"), spec_part("tensor-parallel", "decode"))
+            offload = {**body, "metadata": {"name": "offload"}, "spec": spec}
+            assert (await fake.create(*ifd, "ns", offload))["spec"]["decode"]["tensorParallelSize"] == 2
+            spec = merged(minimal_spec, spec_part("mooncake", "decode"), spec_part("tensor-parallel", "prefill"))
+            mooncake = {**body, "metadata": {"name": "mooncake"}, "spec": spec}  # a Mooncake segment per rank
+            assert (await fake.create(*ifd, "ns", mooncake))["spec"]["prefill"]["tensorParallelSize"] == 2
+            spec = merged(minimal_spec, spec_part("lora", "decode"), spec_part("tensor-parallel", "decode"),
+                          spec_part("ngram", "decode"))
+            lora = {**body, "metadata": {"name": "lora"}, "spec": spec}
+            assert (await fake.create(*ifd, "ns", lora))["spec"]["decode"]["tensorParallelSize"] == 2
+        finally:
+            await fake.stop()

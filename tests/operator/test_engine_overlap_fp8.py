@@ -1,13 +1,13 @@
 """spec.engine.asyncScheduling and spec.engine.fp8Activations: the decode workers get
 --async-scheduling (prefill workers make one token: nothing to overlap), every worker
---fp8-activations when it is not auto; the CRD's CEL rule and the operator refuse the same
-combinations the engine refuses; the rendered flags parse with the workers' own CLI."""
+--fp8-activations when it is not auto; the CRD's CEL rules and the operator accept the
+combinations the engine overlaps (refusals: test_compatibility_crd.py); the rendered flags
+parse with the workers' own CLI."""
 
 from __future__ import annotations
 
 import pytest
 
-from splitserve.core.compatibility import message
 from splitserve.engine.args import add_engine_args
 from splitserve.operator.spec import SpecError, parse_spec
 
@@ -54,29 +54,17 @@ def test_the_flags_reach_their_workers_and_parse(minimal_spec):
     {"engine": {"asyncScheduling": True, "speculative": SPECULATIVE}},
     {"engine": {"asyncScheduling": True}, "loras": [{"name": "a", "path": "adapters/a"}]},
     {"engine": {"asyncScheduling": True}, "decode": {"tensorParallelSize": 2}},
-], ids=["ngram", "lora", "tensor-parallel"])
+    {"engine": {"asyncScheduling": True, "speculative": {"method": "draft_model", "model": "/d",
+                                                         "num_speculative_tokens": 2}}},
+], ids=["ngram", "lora", "tensor-parallel", "draft-model"])
 def test_combinations_the_overlap_takes_are_accepted(minimal_spec, extra):
-    """n-gram speculation, LoRA and tensor parallelism overlap (engine/overlap.py): accepted,
-    the decode workers get the flag."""
+    """n-gram or draft-model speculation (a step that may draft is not overlapped), LoRA and
+    tensor parallelism overlap (engine/overlap.py): accepted, the decode workers get the flag.
+    How a refused pair is refused: tests/operator/test_compatibility_crd.py."""
     spec = {**minimal_spec, **extra}
     assert admitted(spec)[1] == []
     assert "--async-scheduling" in worker_commands(parse_spec("x", "ns", spec, "img:1"))["decode"]
 
-
-DRAFT_MODEL = {"method": "draft_model", "model": "/d", "num_speculative_tokens": 2}
-
-
-@pytest.mark.parametrize("extra, other", [
-    ({"engine": {"asyncScheduling": True, "speculative": DRAFT_MODEL}}, "draft-model"),
-])
-def test_combinations_the_engine_refuses_are_refused_at_apply_and_by_the_operator(minimal_spec, extra, other):
-    """In the table's words (core/compatibility.py); every pair: test_compatibility_crd.py."""
-    spec, line = {**minimal_spec, **extra}, message("async-scheduling", other)
-    _, errors = admitted(spec)
-    assert any(e.endswith(line) for e in errors), errors
-    with pytest.raises(SpecError) as err:
-        parse_spec("x", "ns", spec, "img:1")
-    assert err.value.problems == [line]
 
 
 def test_bad_values_are_refused(minimal_spec):

@@ -87,6 +87,18 @@ def _peers_alive():
         raise RankLost(f"tensor parallelism: a rank process is gone ({str(exc).splitlines()[0][:200]})") from exc
 
 
+@contextmanager
+def alone():
+    """This process as a group of one while the block runs: a model built in it loads whole
+    (unsharded) and runs no collective. Rank 0's draft model (engine/spec/draft_model.py)."""
+    global _state
+    saved, _state = _state, TPState()
+    try:
+        yield
+    finally:
+        _state = saved
+
+
 def broadcast_object(obj=None):
     """Rank 0's `obj` on every rank (the per-step description)."""
     box = [obj]

@@ -21,6 +21,12 @@ engine._skip_draw replays). The price against Leviathan et al.'s rule with q: a 
 kept when both races pick the same token (>= (1 - TV) / (1 + TV) of the time, not 1 - TV).
 An unseeded sampled request gets its own generator (seeded from the engine's) the first
 time it drafts, so the noise drawn ahead is the noise its verification draws.
+
+Under tensor parallelism the draft model is not sharded: rank 0 loads it whole and runs it
+alone (parallel/state.py `alone`), while the other ranks wait for the target's next step.
+A draft model is small (its forward passes are latency, not FLOPs: sharding them would add
+two all-reduces a layer to each), drafts only decide how many tokens a step may keep
+(verification makes the tokens), and rank 0 alone proposes, so nothing needs the other ranks.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.logits_processors import apply_logits_processors
 from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.parallel.state import alone
 from splitserve.engine.sampler import _filter_logits
 from splitserve.engine.sequence import Sequence, SequenceStatus
 from splitserve.engine.spec.verify import _with_tokens
@@ -52,9 +59,12 @@ class DraftModel:
         model_config = ModelConfig.from_dir(draft_dir)
         if model_config.rope.long_after is not None:
             raise ValueError(f"draft model {draft_dir}: longrope draft models are not supported")
+        # one process, eager, unquantized: none of the target's execution features apply to it
         cfg = replace(config, model=draft_dir, num_kv_blocks=num_blocks, quantization=None, cuda_graphs=False,
+                      async_scheduling=False, tensor_parallel_size=1, enable_lora=False, lora_modules={},
                       speculative_config=None, model_id=None)
-        self.runner = ModelRunner(model_config, cfg, max_model_len)
+        with alone():  # (rank 0 of a tensor-parallel engine: whole, not its slice)
+            self.runner = ModelRunner(model_config, cfg, max_model_len)
         self.blocks = BlockManager(self.runner.kv_pool.num_blocks, cfg.block_size, enable_prefix_caching=False)
         self.block_size = cfg.block_size
         self.eos_token_ids = eos_token_ids
@@ -115,7 +125,8 @@ class DraftModel:
                           slots=[table[p // bs] * bs + p % bs for p in positions], logits_rows=[n - 1],
                           prefill_lens=[n], prefill_seq_lens=[start + n], prefill_block_tables=[list(table)],
                           decode_seq_lens=[], decode_block_tables=[], long_rope=None)
-        return self.runner.execute(step).float()
+        with alone():
+            return self.runner.execute(step).float()
 
     def release_finished(self) -> None:
         for seq in [s for s in self.kv if s.status == SequenceStatus.FINISHED]:

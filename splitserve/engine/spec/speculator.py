@@ -87,12 +87,14 @@ class Speculator:
         host, and the step after depends on how many were kept. Judged from the tokens on the
         host; a token still in flight (a placeholder, last) is left out, so a tail that recurs
         before it says yes (the lookup the synchronous step then makes has the token).
-        Exact where no token is in flight: False means `propose` gives no drafts."""
-        if self.draft is not None:  # (a draft model always proposes)
-            return True
+        Exact where no token is in flight: False means `propose` gives no drafts. A draft
+        model proposes whenever the request may take drafts: its steps overlap only past
+        disable_by_batch_size, for a held prefill request, and in a request's last tokens."""
         cap = self.config.disable_by_batch_size
         if self._limit(seq) <= 0 or (cap is not None and batch_size > cap):
             return False
+        if self.draft is not None:
+            return True
         tokens = seq.token_ids[:-1] if seq.token_ids[-1] < 0 else seq.token_ids
         return bool(propose_ngram(tokens, 1, self.config.prompt_lookup_min, self.config.prompt_lookup_max))
 
@@ -117,11 +119,11 @@ class Speculator:
 
 def build_speculator(engine) -> Speculator:
     """The engine's speculator for its --speculative-config (draft_model: loads the draft model,
-    with a KV pool of as many blocks as the target's; EngineConfig refused it under tensor
-    parallelism: core/compatibility.py)."""
+    with a KV pool of as many blocks as the target's, on rank 0's device: unsharded under
+    tensor parallelism, spec/draft_model.py)."""
     config = engine.config.speculative_config
     draft = None
     if config.method == "draft_model":
-        draft = DraftModel(engine.config, config.model, engine.runner.kv_pool.num_blocks, int(engine.max_model_len),
-                           engine.eos_token_ids)
+        draft = DraftModel(engine.runner.cfg, config.model, engine.runner.kv_pool.num_blocks,
+                           int(engine.max_model_len), engine.eos_token_ids)
     return Speculator(config, engine.long_rope_after, draft, engine.generator)
