@@ -6,6 +6,7 @@ fallback to the reference, with one clear warning, where no compiler exists."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import pytest
@@ -122,14 +123,26 @@ def test_without_a_compiler_the_reference_runs_and_one_warning_says_why(monkeypa
 
 
 def test_the_build_is_cached_per_source_and_machine(monkeypatch, tmp_path):
-    monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path))
+    """The build and its cache key on a one-function source, so the test compiles in a fraction of
+    a second, not the kernels' ~15 s three times (they are built, once, by every other test here)."""
+    source = tmp_path / "probe.cpp"
+    source.write_text('extern "C" int splitserve_probe() { return 7; }\n')
+    monkeypatch.setattr(cpu_native, "SOURCES", [source])
+    monkeypatch.setattr(cpu_native, "HEADERS", [])
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path / "cache"))
     compiler = cpu_native._compiler()
     built = cpu_native._build(compiler)
-    assert built.parent == tmp_path / "kernels" and built.suffix == ".so"
+    assert built.parent == tmp_path / "cache" / "kernels" and built.suffix == ".so"
+    assert ctypes.CDLL(str(built)).splitserve_probe() == 7  # built with the kernels' flags, and loads
     stamp = built.stat().st_mtime_ns
     assert cpu_native._build(compiler) == built and built.stat().st_mtime_ns == stamp  # not rebuilt
-    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: "another cpu")
-    assert cpu_native._build(compiler) != built
+    with monkeypatch.context() as m:
+        m.setattr(cpu_native, "_cpu_flags", lambda: "another cpu")
+        other_cpu = cpu_native._build(compiler)
+    assert other_cpu != built and other_cpu.is_file()
+    source.write_text('extern "C" int splitserve_probe() { return 8; }\n')
+    changed = cpu_native._build(compiler)
+    assert changed not in (built, other_cpu) and ctypes.CDLL(str(changed)).splitserve_probe() == 8
 
 
 def test_threads_split_the_batch_by_context_not_by_count():

@@ -18,7 +18,7 @@ import yaml
 
 from splitserve.operator.spec import SpecError, parse_spec
 
-from .conftest import REPO, crd_schema, load_crd
+from .conftest import REPO, checked_validator, crd_schema, load_crd
 from .crd_values import apply_defaults, rule_errors
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -32,6 +32,12 @@ def cel_failures(schema: dict, obj: dict) -> list[str]:
 @pytest.fixture(scope="module")
 def schema() -> dict:
     return crd_schema(load_crd(), "v1alpha1")
+
+
+@pytest.fixture(scope="module")
+def validate(schema):
+    """jsonschema.validate(instance, schema), the CRD schema checked once for the module."""
+    return checked_validator(schema)
 
 
 def test_crd_names_status_and_printer_columns():
@@ -48,11 +54,11 @@ def test_crd_names_status_and_printer_columns():
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_examples_are_valid(schema, path: Path):
+def test_examples_are_valid(schema, validate, path: Path):
     obj = yaml.safe_load(path.read_text())
-    jsonschema.validate(obj, schema)
+    validate(obj)
     defaulted = apply_defaults(schema, copy.deepcopy(obj))
-    jsonschema.validate(defaulted, schema)
+    validate(defaulted)
     assert cel_failures(schema, defaulted) == []
     parse_spec(obj["metadata"]["name"], obj["metadata"]["namespace"], obj["spec"], "img:1")
 
@@ -143,11 +149,11 @@ def _merge(base: dict, patch: dict) -> dict:
 
 
 @pytest.mark.parametrize("what,patch,schema_error,operator_error", INVALID_BY_SCHEMA, ids=[c[0] for c in INVALID_BY_SCHEMA])
-def test_schema_rejects(schema, minimal_spec, what, patch, schema_error, operator_error):
+def test_schema_rejects(schema, validate, minimal_spec, what, patch, schema_error, operator_error):
     obj = {"apiVersion": "splitserve.io/v1alpha1", "kind": "InferenceDeployment",
            "metadata": {"name": "x", "namespace": "ns"}, "spec": _merge(minimal_spec, patch)}
     with pytest.raises(jsonschema.ValidationError) as err:
-        jsonschema.validate(apply_defaults(schema, obj), schema)
+        validate(apply_defaults(schema, obj))
     assert schema_error in err.value.message
     with pytest.raises(SpecError) as err:
         parse_spec("x", "ns", obj["spec"], "img:1")
@@ -155,11 +161,11 @@ def test_schema_rejects(schema, minimal_spec, what, patch, schema_error, operato
 
 
 @pytest.mark.parametrize("what,patch,cel_message,operator_error", INVALID_BY_CEL, ids=[c[0] for c in INVALID_BY_CEL])
-def test_cel_rules_reject(schema, minimal_spec, what, patch, cel_message, operator_error):
+def test_cel_rules_reject(schema, validate, minimal_spec, what, patch, cel_message, operator_error):
     obj = {"apiVersion": "splitserve.io/v1alpha1", "kind": "InferenceDeployment",
            "metadata": {"name": "x", "namespace": "ns"}, "spec": _merge(minimal_spec, patch)}
     defaulted = apply_defaults(schema, obj)
-    jsonschema.validate(defaulted, schema)  # passes: only CEL catches these
+    validate(defaulted)  # passes: only CEL catches these
     with pytest.raises(SpecError) as err:
         parse_spec("x", "ns", obj["spec"], "img:1")
     assert operator_error in str(err.value)

@@ -4,7 +4,6 @@ kubernetes-validate, RayCluster/ServiceMonitor/PodMonitor against the real CRDs 
 
 from __future__ import annotations
 
-import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -15,7 +14,7 @@ from splitserve.operator.render_common import adopt
 from splitserve.operator.spec import SpecError, parse_spec
 from splitserve.operator.status import conditions, observe_deployment, observe_raycluster
 
-from .conftest import REPO, third_party_schema
+from .conftest import REPO, third_party_validator
 
 K8S_VERSION = kubernetes_validate.latest_version()
 CUSTOM = {"RayCluster": "ray.io_rayclusters.yaml", "ServiceMonitor": "monitoring.coreos.com_servicemonitors.yaml",
@@ -47,7 +46,7 @@ def test_every_manifest_validates(name):
     for m in render(SPECS[name]):
         kinds.add(m["kind"])
         if m["kind"] in CUSTOM:
-            jsonschema.validate(m, third_party_schema(CUSTOM[m["kind"]]))
+            third_party_validator(CUSTOM[m["kind"]])(m)
         else:
             kubernetes_validate.validate(m, K8S_VERSION, strict=True)
     assert {"Deployment", "Service", "RayCluster", "PodDisruptionBudget", "NetworkPolicy"} <= kinds
