@@ -68,6 +68,9 @@ class Speculator:
         for seq in scheduler.running:
             if seq.draft_token_ids:
                 seq.draft_token_ids = []
+        cap = self.config.disable_by_batch_size
+        if cap is not None and batch_size > cap:  # (propose would give none: no walk at a large batch)
+            return
         for seq, room in scheduler.draft_rooms():
             seq.draft_token_ids = self.propose(seq, room, batch_size)
 
