@@ -3,7 +3,7 @@
 EngineConfig (engine/config.py), the `serve` and worker command lines (engine/args.py
 `compatibility_problem`), the operator's parse_spec (operator/spec_compatibility.py), the
 CRD's CEL rules (generated from this table by operator/spec_compatibility.py) and
-docs/compatibility.md (rendered by `python -m splitserve.core.compatibility`) all read PAIRS,
+docs/compatibility.md (its table rewritten by `python -m splitserve.core.compatibility --write`) all read PAIRS,
 so a combination is refused everywhere or nowhere, in the same one line.
 
 PAIRS names every unordered pair of FEATURES once and records what the code does today:
@@ -155,11 +155,29 @@ def markdown_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def with_table(doc: str) -> str:
+    """`doc` (docs/compatibility.md) with its table replaced by today's: the prose above the
+    table's header row is kept; the table runs to the end of the file."""
+    header = markdown_table().splitlines()[0]
+    prose, found, _ = doc.partition(header)
+    if not found:
+        raise ValueError(f"no table header {header!r} in the document: add it where the table goes")
+    return prose + markdown_table()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m splitserve.core.compatibility",
                                  description="print the feature compatibility table (docs/compatibility.md's)")
-    ap.parse_args(argv)
-    print(markdown_table(), end="")
+    ap.add_argument("--write", metavar="DOC", nargs="?", const="docs/compatibility.md",
+                    help="rewrite the table in DOC (default docs/compatibility.md), keeping its prose")
+    args = ap.parse_args(argv)
+    if args.write is None:
+        print(markdown_table(), end="")
+        return
+    with open(args.write, encoding="utf-8") as f:
+        doc = f.read()
+    with open(args.write, "w", encoding="utf-8") as f:
+        f.write(with_table(doc))
 
 
 if __name__ == "__main__":

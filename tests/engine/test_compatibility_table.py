@@ -28,6 +28,7 @@ from splitserve.core.compatibility import (
     refused,
     refused_pairs,
     verdict,
+    with_table,
 )
 from splitserve.engine.args import add_engine_args, compatibility_problem, flag_features
 from splitserve.engine.config import EngineConfig
@@ -69,8 +70,22 @@ def test_refusal_is_the_first_refused_pair_in_table_order(monkeypatch):
 
 
 def test_the_docs_show_the_table():
-    """docs/compatibility.md holds `python -m splitserve.core.compatibility`'s output."""
-    assert markdown_table() in DOCS.read_text()
+    """docs/compatibility.md holds `python -m splitserve.core.compatibility`'s output, and
+    `--write` (how it is regenerated) changes nothing in it today."""
+    doc = DOCS.read_text()
+    assert markdown_table() in doc
+    assert with_table(doc) == doc
+
+
+def test_write_keeps_the_prose_and_replaces_the_table(tmp_path, monkeypatch):
+    doc = tmp_path / "compat.md"
+    old = markdown_table().replace("| works |", "| refused |", 1)
+    doc.write_text("# Prose kept\n\nwords\n\n" + old)
+    subprocess.run([sys.executable, "-m", "splitserve.core.compatibility", "--write", str(doc)], check=True)
+    assert doc.read_text() == "# Prose kept\n\nwords\n\n" + markdown_table()
+    doc.write_text("no table here\n")
+    with pytest.raises(ValueError, match="no table header"):
+        with_table(doc.read_text())
 
 
 # ---- EngineConfig -------------------------------------------------------------------------
