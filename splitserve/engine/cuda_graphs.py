@@ -117,14 +117,8 @@ class DecodeGraphs:
         return (not batch.prefills and 0 < len(batch.decodes) <= self.buckets[-1]
                 and all(len(s.block_table) <= self.width for s in batch.decodes))
 
-    def run(self, batch: ScheduledBatch, share=None) -> tuple[torch.Tensor, list[Sequence]]:
-        """ModelRunner.run's result for a batch that `fits`; `share(bucket)`, called once the
-        step is staged, hands it to the other tensor-parallel ranks."""
-        seqs = batch.decodes
-        bucket = self.stage(seqs)
-        if share is not None:
-            share(bucket)
-        logits = self.execute(bucket)
+    def due(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        """ModelRunner.run's result from the executed bucket's `logits` of decodes `seqs`."""
         # a one-token entry is not sampled when it is not the sequence's last known token
         rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens + 1 == s.num_tokens]
         if len(rows) == len(seqs):  # a view of the graph's output: sampled before the next replay

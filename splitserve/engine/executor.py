@@ -1,15 +1,20 @@
 """Where the model runs: in the engine's own process, or over tensor-parallel ranks.
 
 LLMEngine schedules and samples; an executor owns everything below that which differs
-between one process and N ranks, so the engine has no tensor-parallel branch:
-- `runner`: rank 0's ModelRunner (under TP, ModelRunner.run broadcasts each step's inputs
-  to the other ranks before running its own slice);
+between one process and N ranks, so neither the engine nor the ModelRunner has a
+tensor-parallel branch:
+- `run(batch, lora_plan)`: the step. The runner prepares it (ModelRunner.prepare: the eager
+  step's StepInputs, or the padded decode step staged in its bucket); under TP it is then
+  broadcast to the other ranks (the StepInputs with the step's LoRA plan, or a
+  PaddedDecodeStep: parallel/padded_decode.py), and rank 0 runs its own slice last;
+- `run_padded(seqs, lora_plan)`: the overlapped decode's launch (engine/overlap.py), the
+  padded step staged, broadcast under TP, run;
+- `runner`: rank 0's ModelRunner (its model, pool and graphs, for the engine's setup);
 - `check_ranks()`: a rank process gone raises its RankLost before a step; `silence()`: the
   longest a rank has gone without a heartbeat, for the worker's health (frozen, starved);
 - the KV pool as readers other than the step see it (`kv_pool`, `share_kv_pool()`,
   `transfer_pool()`): the runner's own pool at tp=1, every rank's heads as one pool under TP
   (parallel/kv_shards.py);
-- `follow_padded_step(...)`: an overlapped decode step's inputs to the other ranks;
 - `close()`: the ranks ended (idempotent; nothing to do at tp=1).
 
 The rank processes themselves live in parallel/group.py (rank 0's side) and
@@ -19,6 +24,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from splitserve.core.model_config import ModelConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache import KVCachePool
@@ -27,18 +34,22 @@ from splitserve.engine.parallel.group import TensorParallelGroup
 from splitserve.engine.parallel.kv_shards import ShardedKVPool
 from splitserve.engine.parallel.padded_decode import send_padded_step
 from splitserve.engine.parallel.sharding import check_shardable
+from splitserve.engine.parallel.state import broadcast_object
+from splitserve.engine.scheduler import ScheduledBatch
+from splitserve.engine.sequence import Sequence
 
 
 class Executor(Protocol):
     runner: ModelRunner
 
+    def run(self, batch: ScheduledBatch, lora_plan) -> tuple[torch.Tensor, list[Sequence]]: ...
+    def run_padded(self, seqs: list[Sequence], lora_plan) -> torch.Tensor: ...
     def check_ranks(self) -> None: ...
     def silence(self) -> tuple[float, str] | None: ...
     @property
     def kv_pool(self) -> KVCachePool | ShardedKVPool: ...
     def share_kv_pool(self) -> KVCachePool | ShardedKVPool: ...
     def transfer_pool(self) -> KVCachePool | ShardedKVPool: ...
-    def follow_padded_step(self, graphs, bucket: int, lora_plan) -> None: ...
     def close(self) -> None: ...
 
 
@@ -56,6 +67,17 @@ class SingleProcessExecutor:
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
+
+    def run(self, batch: ScheduledBatch, lora_plan) -> tuple[torch.Tensor, list[Sequence]]:
+        """Logits where a token is due, and those sequences (ModelRunner.run); the LoRA plan
+        is for other ranks: here the slots are set already (LoRAManager.prepare)."""
+        return self.runner.run(batch)
+
+    @torch.inference_mode()
+    def run_padded(self, seqs: list[Sequence], lora_plan) -> torch.Tensor:
+        """Logits [bucket, vocab] of the padded decode step of `seqs` (cuda_graphs.py)."""
+        graphs = self.runner.decode_graphs
+        return graphs.execute(graphs.stage(seqs))
 
     def check_ranks(self) -> None:
         pass
@@ -77,9 +99,6 @@ class SingleProcessExecutor:
         """The pool for readers on other threads (offload tiers, a thread engine's worker): itself."""
         return self.runner.kv_pool
 
-    def follow_padded_step(self, graphs, bucket: int, lora_plan) -> None:
-        pass  # no other rank runs the step
-
     def close(self) -> None:
         pass
 
@@ -97,6 +116,27 @@ class TensorParallelExecutor:
         except BaseException:
             self.group.close()  # (idempotent: start and load end the ranks on their own errors)
             raise
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, lora_plan) -> tuple[torch.Tensor, list[Sequence]]:
+        """The step prepared here, sent to ranks 1..N-1 (which run it on their slices:
+        parallel/worker.py), then run on rank 0's slice."""
+        step = self.runner.prepare(batch)
+        if step.bucket is not None:  # the padded decode step (parallel/padded_decode.py)
+            send_padded_step(self.runner.decode_graphs, step.bucket, lora_plan)
+        else:
+            step.inputs.lora = lora_plan  # the ranks put the step's adapters in their slots (lora/ranks.py)
+            broadcast_object(step.inputs)
+        return self.runner.run_prepared(step)
+
+    @torch.inference_mode()
+    def run_padded(self, seqs: list[Sequence], lora_plan) -> torch.Tensor:
+        """The overlapped decode's step: staged, sent with the previous step's tokens (their
+        placeholders are read on every rank), run on rank 0's slice."""
+        graphs = self.runner.decode_graphs
+        bucket = graphs.stage(seqs)
+        send_padded_step(graphs, bucket, lora_plan)
+        return graphs.execute(bucket)
 
     def check_ranks(self) -> None:
         """A rank process gone before the step: said now. Gloo does not always fail a collective
@@ -128,10 +168,6 @@ class TensorParallelExecutor:
     def transfer_pool(self) -> ShardedKVPool:
         """Readers on other threads need every rank's heads (kv_offload/device_blocks.py)."""
         return self.share_kv_pool()
-
-    def follow_padded_step(self, graphs, bucket: int, lora_plan) -> None:
-        """The other ranks run the same padded decode step (parallel/padded_decode.py)."""
-        send_padded_step(graphs, bucket, lora_plan)
 
     def close(self) -> None:
         """Stop the other ranks and leave the group; idempotent (an engine's finalizer calls it

@@ -156,7 +156,7 @@ class LLMEngine(RequestIntake, Disaggregation, LoRAEngine, PeerPrefix):
         # slots for the step's adapters, tokens grouped by slot (and the plan the other TP ranks follow)
         lora_plan = self.loras.prepare(batch.entries) if self.loras is not None else None
         try:
-            logits, sampled = self.runner.run(batch, lora_plan)
+            logits, sampled = self.executor.run(batch, lora_plan)
         finally:
             mask = masks.result() if masks is not None else None
         assert sampled == due, "the runner sampled other sequences than the grammar masked"

@@ -2,9 +2,16 @@
 builds the paged-attention metadata, and returns logits where a token is due. Pure-decode
 batches go through the CUDA-graph path (engine/cuda_graphs.py) when it is on, under tensor
 parallelism too (each rank replays its own graphs). With LoRA on, the projections' LoRA
-hooks are installed here, before any graph is captured (lora/layers.py)."""
+hooks are installed here, before any graph is captured (lora/layers.py).
+
+A step is prepared (`prepare`: its StepInputs built, or the padded decode step staged),
+then run (`run_prepared`); `run` does both. The runner knows nothing of other ranks: under
+tensor parallelism the executor hands the prepared step to them in between
+(engine/executor.py), and ranks 1..N-1 run what they receive (parallel/worker.py)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -17,13 +24,21 @@ from splitserve.engine.models.layers import AttentionMetadata
 from splitserve.engine.models.loader import load_model
 from splitserve.engine.models.quant_moe import has_quantized_experts
 from splitserve.engine.models.rope import RopeTable, rope_table
-from splitserve.engine.parallel.padded_decode import send_padded_step
 from splitserve.engine.parallel.sharding import kv_heads
-from splitserve.engine.parallel.state import broadcast_object, tp
+from splitserve.engine.parallel.state import tp
 from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_inputs import StepInputs, step_inputs
 from splitserve.kernels import cpu_native, ops
+
+
+@dataclass
+class PreparedStep:
+    """One step ready to run: what the other tensor-parallel ranks are sent before it runs here."""
+
+    seqs: list[Sequence]  # eager: the sequences that get a token, in order; padded: the batch's decodes
+    inputs: StepInputs | None = None  # an eager step's inputs (the message the other ranks run)
+    bucket: int | None = None  # a padded decode step: the bucket its inputs are staged in
 
 
 class ModelRunner:
@@ -82,19 +97,27 @@ class ModelRunner:
         return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, lora=None) -> tuple[torch.Tensor, list[Sequence]]:
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Logits [k, vocab] (float32) for the k sequences that reach their last known
-        token this step (those get a new token), and those sequences in order. `lora`: the
-        step's LoRA plan for the other tensor-parallel ranks (LoRAManager.prepare)."""
-        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
-            # under TP the other ranks run the same padded step (parallel/padded_decode.py)
-            share = (lambda bucket: send_padded_step(self.decode_graphs, bucket, lora)) if tp().size > 1 else None
-            return self.decode_graphs.run(batch, share)
+        token this step (those get a new token), and those sequences in order."""
+        return self.run_prepared(self.prepare(batch))
+
+    @torch.inference_mode()
+    def prepare(self, batch: ScheduledBatch) -> PreparedStep:
+        """The step's inputs: staged in the padded decode step's static input when the batch
+        fits it, else built for the eager forward pass."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.fits(batch):
+            return PreparedStep(batch.decodes, bucket=graphs.stage(batch.decodes))
         step, sampled = step_inputs(batch, self.block_size)
-        if tp().size > 1:  # the other ranks run the same step on their slices (parallel/worker.py)
-            step.lora = lora
-            broadcast_object(step)
-        return self.execute(step), sampled
+        return PreparedStep(sampled, inputs=step)
+
+    @torch.inference_mode()
+    def run_prepared(self, step: PreparedStep) -> tuple[torch.Tensor, list[Sequence]]:
+        """`run`'s result of a prepared step."""
+        if step.bucket is None:
+            return self.execute(step.inputs), step.seqs
+        return self.decode_graphs.due(self.decode_graphs.execute(step.bucket), step.seqs)
 
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> torch.Tensor:

@@ -124,9 +124,7 @@ class OverlappedDecode:
     def _launch(self, seqs: list[Sequence], lora_plan=None) -> InFlight:
         graphs, n = self.graphs, len(seqs)
         with torch.inference_mode():
-            bucket = graphs.stage(seqs)
-            self.engine.executor.follow_padded_step(graphs, bucket, lora_plan)  # (under TP: the other ranks)
-            logits = graphs.execute(bucket)[:n]
+            logits = self.engine.executor.run_padded(seqs, lora_plan)[:n]  # (under TP: the other ranks too)
             # logit bias and min_tokens read no token (min_tokens counts them, the one in flight included)
             processed = apply_logits_processors(logits, seqs, self.engine.eos_token_ids)
             tokens = draw(processed, seqs, self.engine.generator)

@@ -2,7 +2,7 @@
 so each has its own torch and its own slice), joins the group with them, and ends them.
 
 The scheduler, block manager, prefix cache and sampler stay in rank 0 (the engine's own
-process); ModelRunner.run broadcasts each step's inputs before running it. The engine
+process); the executor broadcasts each step's inputs before rank 0 runs it. The engine
 reaches this group only through its executor (engine/executor.py, TensorParallelExecutor).
 Gloo on the CPU: the collectives go over loopback TCP; NCCL on CUDA."""
 

@@ -13,8 +13,9 @@ previous step sampled", read from `previous_tokens` on the device, so with async
 rank 0's `previous_tokens` follow (a device broadcast: on CUDA ordered on the stream behind
 the sampling, so nobody waits for it on the host).
 
-Other steps under TP (prefills, oversized batches) take the generic eager path
-(ModelRunner.run broadcasts their StepInputs).
+Rank 0's executor sends both kinds of step (engine/executor.py, TensorParallelExecutor):
+this message for a padded decode step, the StepInputs for the others (prefills, oversized
+batches), which take the generic eager path.
 """
 
 from __future__ import annotations
