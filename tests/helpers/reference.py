@@ -53,3 +53,18 @@ def hf_generate_logprobs(model_dir, prompt_ids: list[int], max_new_tokens: int,
     from splitserve.benchmark.gpu_fidelity import generate_with_logprobs
 
     return generate_with_logprobs(hf_model(str(model_dir), dtype), prompt_ids, max_new_tokens)
+
+
+def hf_generate_top_logprobs(model_dir, prompt_ids: list[int], max_new_tokens: int, k: int,
+                             dtype: str = "float32") -> tuple[list[int], list[tuple[list[int], list[float]]]]:
+    """hf_generate_logprobs reduced to what a top-k comparison reads: the greedy tokens and,
+    per step, the top-k token ids and their log-probabilities, cached between runs like
+    hf_greedy (the full [steps, vocab] rows are too large to keep)."""
+    def compute():
+        tokens, logprobs = hf_generate_logprobs(model_dir, prompt_ids, max_new_tokens, dtype)
+        top = logprobs.topk(k)
+        return tokens, [list(step) for step in zip(top.indices.tolist(), top.values.tolist(), strict=True)]
+
+    key = ("hf_generate_top_logprobs", model_digest(model_dir), list(prompt_ids), max_new_tokens, k, dtype)
+    tokens, steps = cached_json("references", key, compute)
+    return tokens, [tuple(step) for step in steps]
