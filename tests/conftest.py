@@ -44,6 +44,13 @@ def pytest_configure(config):
 
     image_build.build_dir()  # before xdist starts its workers: they inherit the directory
     budget.register(config)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:  # an xdist worker: torch gets this worker's share of the CPUs, not all of them
+        import torch
+
+        from tests.suite.plan import torch_threads_per_worker
+
+        torch.set_num_threads(torch_threads_per_worker(len(os.sched_getaffinity(0)), workers))
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks added here

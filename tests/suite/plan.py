@@ -57,6 +57,7 @@ SLOW = {
     # engines over tensor-parallel rank processes, and the walk of every feature pair (issue 50:
     # these took test-fast from 127 s to over 11 minutes here; `make test` runs them)
     "tests/engine/test_tensor_parallel.py",
+    "tests/engine/test_glm4_moe_tensor_parallel.py",
     "tests/engine/test_tensor_parallel_kv.py",
     "tests/engine/test_lora_tensor_parallel.py",
     "tests/engine/test_kv_offload_tensor_parallel.py",
@@ -66,6 +67,15 @@ SLOW = {
     "tests/workers/test_tensor_parallel_engine_process.py",
     "tests/workers/test_tensor_parallel_mooncake.py",  # TP 2 prefill and decode workers over Mooncake
 }
+
+
+def torch_threads_per_worker(cpus: int, workers: int) -> int:
+    """torch's intra-op threads for one xdist worker: its share of the CPUs. torch starts one
+    OpenMP thread per CPU in every process, so two workers on two cores ran four spinning
+    threads on two cores: an engine module took 2x the wall and 2.5x the CPU time of one
+    thread each (tests/engine/test_model_families.py: 48-61 s against 25-27 s here). Engine
+    processes a test starts inherit it (EngineProcess passes its parent's thread count)."""
+    return max(1, cpus // max(1, workers))
 
 
 def module_of(nodeid: str) -> str:

@@ -29,6 +29,12 @@ def test_units_go_longest_first_the_image_last_and_each_keeps_its_own_order():
     assert plan.unit_seconds(["tests/new.py::t"], {}) == {"tests/new.py": plan.DEFAULT_SECONDS}
 
 
+def test_each_xdist_worker_gets_its_share_of_the_cpus_for_torch():
+    assert plan.torch_threads_per_worker(2, 2) == 1  # make test here: not two spinning threads per worker
+    assert plan.torch_threads_per_worker(16, 2) == 8 and plan.torch_threads_per_worker(2, 3) == 1
+    assert plan.torch_threads_per_worker(4, 0) == 4
+
+
 def test_slow_modules_are_those_that_start_a_stack():
     assert plan.is_slow("tests/e2e/test_demo_serve.py::t") and plan.is_slow("tests/reliability/test_faults.py::t")
     assert not plan.is_slow("tests/engine/test_scheduler.py::t")
