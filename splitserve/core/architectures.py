@@ -27,6 +27,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MixtralForCausalLM": Architecture("mixtral", "moe", ("mixtral",), "Mixtral 8x7B, 8x22B (top-2 of 8 experts)"),
     "Qwen3MoeForCausalLM": Architecture("qwen3_moe", "moe", ("qwen3_moe",),
                                         "Qwen3-MoE 30B-A3B, 235B-A22B (top-8 of 128 experts, q/k RMSNorm)"),
+    "Glm4MoeForCausalLM": Architecture("glm4_moe", "glm4_moe", ("glm4_moe",),
+                                       "GLM-4.5, GLM-4.5-Air, GLM-4.6, GLM-4.7 (sigmoid top-8 of 128-160 "
+                                       "experts, score-correction bias, a shared expert; partial rotary)"),
 }
 
 CHECKED_AGAINST = ("transformers' generate on tiny random checkpoints (float32, CPU): greedy tokens identical, "

@@ -61,6 +61,13 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is the sparse MoE block
+    # DeepSeek-style routing (GLM-4.5; engine/models/moe_routing.py): sigmoid scores, a
+    # correction bias, grouped top-k, a scaled sum, shared experts beside the routed ones
+    moe_scoring: str = "softmax"
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
     raw: dict = field(default_factory=dict, repr=False, compare=False)  # config.json, for family extras
 
     @classmethod
@@ -132,7 +139,8 @@ class ModelConfig:
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
             bos_token_id=raw.get("bos_token_id"),
             hidden_act=act,
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3")
+            or (family == "glm4_moe" and bool(raw.get("use_qk_norm"))),
             gemma_norms=gemma,
             attn_softcap=float(raw.get("attn_logit_softcapping") or 0.0),
             final_softcap=float(raw.get("final_logit_softcapping") or 0.0),
@@ -177,7 +185,8 @@ def shardable_problem(cfg: ModelConfig, size: int) -> str | None:
 # to build it (num_hidden_layers 100,000 took 194 s and 8 GB before failing inside a worker).
 SIZE_LIMITS = {"num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024,
                "hidden_size": 2**20, "intermediate_size": 2**20, "moe_intermediate_size": 2**20, "head_dim": 2**16,
-               "vocab_size": 2**22, "num_local_experts": 4096, "num_experts": 4096, "num_experts_per_tok": 4096,
+               "vocab_size": 2**22, "num_local_experts": 4096, "num_experts": 4096, "n_routed_experts": 4096,
+               "num_experts_per_tok": 4096,
                # the rope table is built this long unless --max-model-len is given (Llama 4 Scout: 10,485,760)
                "max_position_embeddings": 2**24}
 
@@ -189,7 +198,7 @@ def _check_sizes(raw: dict, source: str) -> None:
         value = raw.get(name)
         if value is None:
             continue
-        least = 0 if name in ("num_local_experts", "num_experts", "num_experts_per_tok") else 1
+        least = 0 if name in ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok") else 1
         if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= limit:
             raise CheckpointError(f"{source}: field '{name}' is {value!r}; it must be an integer from {least} "
                                   f"to {limit}")
@@ -214,6 +223,8 @@ def _moe_fields(raw: dict, family: str, layers: int, act: str, source: str) -> d
         inter, renormalize = int(raw.get("moe_intermediate_size", 768)), bool(raw.get("norm_topk_prob", False))
         dense, step = set(raw.get("mlp_only_layers") or ()), int(raw.get("decoder_sparse_step", 1))
         sparse = [i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0]
+    elif family == "glm4_moe":
+        return _glm4_moe_fields(raw, layers, act, source)
     else:
         return {}
     if sparse and not 0 < top_k <= experts:
@@ -223,6 +234,30 @@ def _moe_fields(raw: dict, family: str, layers: int, act: str, source: str) -> d
         raise CheckpointError(f"{source}: activation {act!r} is not supported for experts (supported: 'silu')")
     return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter,
                 norm_topk_prob=renormalize, moe_layers=tuple(sparse))
+
+
+def _glm4_moe_fields(raw: dict, layers: int, act: str, source: str) -> dict:
+    """GLM-4.5's experts (transformers' defaults when a field is absent): the first
+    `first_k_dense_replace` layers dense, DeepSeek-style routing on the others. Its
+    `num_nextn_predict_layers` multi-token-prediction layers are not read (see glm4_moe.py)."""
+    experts = int(raw.get("n_routed_experts", raw.get("num_local_experts", 128)))
+    top_k = int(raw.get("num_experts_per_tok", 8))
+    groups, kept = int(raw.get("n_group", 1)), int(raw.get("topk_group", 1))
+    if act != "silu":
+        raise CheckpointError(f"{source}: activation {act!r} is not supported for experts (supported: 'silu')")
+    if groups < 1 or experts % groups or (groups > 1 and experts // groups < 2) or not 1 <= kept <= groups:
+        raise CheckpointError(f"{source}: n_group ({groups}) must divide n_routed_experts ({experts}) into groups "
+                              f"of at least 2, and topk_group ({kept}) be between 1 and n_group")
+    if not 0 < top_k <= kept * (experts // groups):
+        raise CheckpointError(f"{source}: num_experts_per_tok is {top_k}; it must be between 1 and the experts of "
+                              f"the topk_group kept groups ({kept * (experts // groups)})")
+    return dict(num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=int(raw.get("moe_intermediate_size", 1408)),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+                moe_layers=tuple(range(int(raw.get("first_k_dense_replace", 1)), layers)),
+                moe_scoring="sigmoid", moe_n_group=groups, moe_topk_group=kept,
+                routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+                n_shared_experts=int(raw.get("n_shared_experts", 1)))
 
 
 def _layer_types(raw: dict, family: str, layers: int, window: int | None, source: str) -> tuple[str, ...]:

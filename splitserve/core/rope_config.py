@@ -30,6 +30,8 @@ class RopeSpec:
 
 def read_rope(raw: dict, family: str, head_dim: int) -> tuple[RopeSpec, RopeSpec | None]:
     """(rope of full-attention layers, rope of sliding layers when it differs)."""
+    if family == "glm4_moe":  # transformers' default for GLM-4.5 configs that do not say
+        raw = {"partial_rotary_factor": 0.5, **raw}
     params = raw.get("rope_parameters")
     if family == "gemma3":
         if params and "full_attention" in params:

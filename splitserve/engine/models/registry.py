@@ -7,6 +7,7 @@ from torch import nn
 
 from splitserve.core.model_config import CheckpointError, ModelConfig
 from splitserve.engine.models.gemma import GemmaForCausalLM
+from splitserve.engine.models.glm4_moe import Glm4MoeForCausalLM
 from splitserve.engine.models.llama import LlamaForCausalLM
 from splitserve.engine.models.moe import MoeForCausalLM
 
@@ -20,6 +21,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gemma3": GemmaForCausalLM,
     "mixtral": MoeForCausalLM,
     "qwen3_moe": MoeForCausalLM,
+    "glm4_moe": Glm4MoeForCausalLM,
 }
 
 

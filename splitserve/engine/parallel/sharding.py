@@ -105,6 +105,10 @@ def checkpoint_shard(name: str, cfg: ModelConfig, t: TPState) -> Shard | None:
         return Shard(0, *even_split(cfg.intermediate_size, t))
     if module == "mlp.down_proj":
         return Shard(1, *even_split(cfg.intermediate_size, t)) if kind == "weight" else None
+    if module in ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"):  # GLM-4.5, DeepSeek-V3
+        return Shard(0, *even_split(cfg.moe_intermediate_size * cfg.n_shared_experts, t))
+    if module == "mlp.shared_experts.down_proj":
+        return Shard(1, *even_split(cfg.moe_intermediate_size * cfg.n_shared_experts, t)) if kind == "weight" else None
     if _EXPERT_ROWS.match(module):
         return Shard(0, *even_split(cfg.moe_intermediate_size, t))
     if _EXPERT_COLS.match(module):
