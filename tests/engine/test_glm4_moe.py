@@ -105,6 +105,19 @@ def test_config_reads_what_transformers_builds(ckpt):
     assert ModelConfig.from_dict(raw).rope.rotary_dim == 16
 
 
+def test_router_weight_and_correction_bias_stay_float32_in_a_bf16_model(ckpt):
+    from safetensors.torch import load_file
+
+    from splitserve.engine.models.loader import load_model
+
+    model = load_model(ckpt, ModelConfig.from_dir(ckpt), torch.bfloat16, "cpu")
+    saved = load_file(str(ckpt / "model.safetensors"))
+    gate = model.layers[2].mlp.gate
+    assert torch.equal(gate.weight, saved["model.layers.2.mlp.gate.weight"])  # float32, not rounded
+    assert torch.equal(gate.e_score_correction_bias, saved["model.layers.2.mlp.gate.e_score_correction_bias"])
+    assert model.layers[2].mlp.shared_experts.gate_up_proj.weight.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("fields,why", [
     ({"n_group": 3}, r"n_group \(3\) must divide n_routed_experts \(8\) into groups of at least 2, and topk_group "
                      r"\(2\) be between 1 and n_group$"),
@@ -138,7 +151,7 @@ def test_greedy_tokens_equal_transformers_with_chunks_and_a_prefix_hit(ckpt):
     assert model.weight_target("model.layers.3.eh_proj.weight") is None
     assert model.weight_target("model.layers.3.mlp.experts.0.up_proj.weight") is None
     assert model.weight_target("model.layers.2.mlp.gate.e_score_correction_bias") == (
-        "layers.2.mlp.e_score_correction_bias", None)
+        "layers.2.mlp.gate.e_score_correction_bias", None)
 
 
 def test_without_qk_norm_as_glm_4_5_ships_decode_takes_the_prepared_cpu_path_and_stays_exact(tmp_path):

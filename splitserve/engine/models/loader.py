@@ -139,7 +139,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
                 f"{model_dir}: tensor '{name}' has shape {tuple(tensor.shape)}, config.json implies "
                 f"{tuple(dst.shape)} (check hidden_size, intermediate_size, num_attention_heads, "
                 "num_key_value_heads, head_dim, vocab_size)")
-        dst.copy_(tensor.to(dtype))
+        dst.copy_(tensor.to(dst.dtype))  # the model's dtype, or float32 where a module keeps it (a router)
         filled[param_name] = filled.get(param_name, 0) + dst.numel()
 
     missing = sorted(p for p in expected if p in params and filled.get(p, 0) != params[p].numel())
