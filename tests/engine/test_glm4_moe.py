@@ -152,6 +152,11 @@ def test_greedy_tokens_equal_transformers_with_chunks_and_a_prefix_hit(ckpt):
     assert model.weight_target("model.layers.3.mlp.experts.0.up_proj.weight") is None
     assert model.weight_target("model.layers.2.mlp.gate.e_score_correction_bias") == (
         "layers.2.mlp.gate.e_score_correction_bias", None)
+    # the shared expert's gate and up rows of the fused gate_up_proj (what a LoRA on it reads too)
+    assert model.weight_target("model.layers.1.mlp.shared_experts.up_proj.weight") == (
+        "layers.1.mlp.shared_experts.gate_up_proj.weight", slice(32, 64))
+    assert model.part_rows("mlp.shared_experts.gate_up_proj") == [(0, 32), (32, 64)]
+    assert model.part_rows("mlp.gate_up_proj") == [(0, 96), (96, 192)]  # the dense first layer
 
 
 def test_without_qk_norm_as_glm_4_5_ships_decode_takes_the_prepared_cpu_path_and_stays_exact(tmp_path):

@@ -19,6 +19,7 @@ from splitserve.engine.models.deepseek_moe import DeepseekMoeBlock
 from splitserve.engine.models.layers import GatedMLP
 from splitserve.engine.models.llama import DecoderLayer
 from splitserve.engine.models.moe import MoeForCausalLM
+from splitserve.engine.parallel.state import tp
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -40,3 +41,10 @@ class Glm4MoeForCausalLM(MoeForCausalLM):
             if shared is not None:
                 return f"layers.{layer}.{shared[0]}", shared[1]
         return super().weight_target(name)
+
+    def part_rows(self, fused: str) -> list[tuple[int, int]]:
+        """The shared experts' gate_up_proj has n_shared * moe_intermediate rows (LoRA reads this)."""
+        if "shared_experts" in fused:
+            i = self.cfg.moe_intermediate_size * self.cfg.n_shared_experts // tp().size
+            return [(0, i), (i, 2 * i)]
+        return super().part_rows(fused)
