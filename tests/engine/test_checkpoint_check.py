@@ -91,7 +91,16 @@ def test_each_broken_checkpoint_is_named_in_one_line(checkpoint, case):
     assert "\n" not in problem and str(checkpoint) in problem
 
 
-@pytest.mark.parametrize("case", list(BROKEN))
+# `serve` takes ~5 s of interpreter start-up here to refuse one (torch and the router are imported
+# before the check), so the edit loop runs one case per kind of check: no file, a file's header, the
+# config against the weights, the tokenizer. The other weight-file cases take the same path through
+# `serve` (one checkpoint_problem call; their messages are checked above) and run in `make test`
+# (marker slow).
+SAME_PATH_AS_GARBLED_HEADER = ("truncated", "not safetensors", "missing shard")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SAME_PATH_AS_GARBLED_HEADER else c
+                                  for c in BROKEN])
 def test_serve_refuses_each_broken_checkpoint_before_ray_starts(checkpoint, case):
     breaks, expected = BROKEN[case]
     breaks(checkpoint)

@@ -152,7 +152,11 @@ def test_a_quantized_linear_missing_a_tensor_or_of_another_dtype_is_one_line(mak
         "(e5m2 FP8 weights are not supported)")
 
 
-@pytest.mark.parametrize("case", ["bitsandbytes", "invented", "gptq-3-bit", "no-tensors", "flag-mismatch"])
+# ~5 s of `serve` start-up a case here: the edit loop runs one refusal per check (the method in
+# config.json, the tensors against it, the flag); the other config refusals take bitsandbytes' path
+# (their messages are checked above) and run in `make test` (marker slow).
+@pytest.mark.parametrize("case", ["bitsandbytes", pytest.param("invented", marks=pytest.mark.slow),
+                                  pytest.param("gptq-3-bit", marks=pytest.mark.slow), "no-tensors", "flag-mismatch"])
 def test_serve_exits_2_with_one_line(make_ckpt, tmp_path, case):
     d = _copy(make_ckpt("llama"), tmp_path)
     args = []

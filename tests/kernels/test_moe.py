@@ -208,11 +208,15 @@ def test_reference_matches_transformers_experts(family):
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("forced", ["moe", pytest.param("every kernel", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_engine_greedy_tokens_unchanged_with_the_triton_moe_kernel(make_ckpt, monkeypatch, family, device):
-    """Every kernel forced through Triton (the MoE layers included) against the reference:
-    a 24-token step budget chunks the 40-token prompt and mixes prefill with decode. On a GPU
-    the engine runs there, eagerly (the reference kernels cannot be captured in a graph)."""
+def test_engine_greedy_tokens_unchanged_with_the_triton_moe_kernel(make_ckpt, monkeypatch, family, forced, device):
+    """The MoE layers through the Triton kernel against the reference: a 24-token step budget
+    chunks the 40-token prompt and mixes prefill with decode. `moe` forces only the MoE kernel
+    through Triton; `every kernel` forces the attention, norm and rotary kernels too, which
+    through the interpreter costs ~40 s a family here (`make test` runs it, `make test-fast`
+    the MoE-only case; the other kernels' engine test is test_engine_triton_interpreter.py).
+    On a GPU the engine runs there, eagerly (the reference kernels cannot be captured in a graph)."""
     calls = []
     original = triton_moe.fused_moe
     monkeypatch.setattr(triton_moe, "fused_moe", lambda *args: calls.append(args[0].shape[0]) or original(*args))
@@ -223,9 +227,16 @@ def test_engine_greedy_tokens_unchanged_with_the_triton_moe_kernel(make_ckpt, mo
     tokens = {}
     try:
         for backend in ("reference", "triton"):
-            ops.set_backend(backend)
-            llm = LLM(str(path), num_kv_blocks=32, max_num_batched_tokens=24, device=str(device), cuda_graphs=False)
-            tokens[backend] = [out.token_ids for out in llm.generate(prompts, [params] * 3)]
+            with monkeypatch.context() as m:
+                if forced == "moe":
+                    ops.set_backend("reference")
+                    if backend == "triton":
+                        m.setattr(ops, "fused_moe", lambda *args: triton_moe.fused_moe(*args))
+                else:
+                    ops.set_backend(backend)
+                llm = LLM(str(path), num_kv_blocks=32, max_num_batched_tokens=24, device=str(device),
+                          cuda_graphs=False)
+                tokens[backend] = [out.token_ids for out in llm.generate(prompts, [params] * 3)]
             assert bool(calls) == (backend == "triton")
     finally:
         ops.set_backend(None)
