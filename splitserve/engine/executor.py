@@ -34,7 +34,7 @@ from splitserve.engine.parallel.group import TensorParallelGroup
 from splitserve.engine.parallel.kv_shards import ShardedKVPool
 from splitserve.engine.parallel.padded_decode import send_padded_step
 from splitserve.engine.parallel.sharding import check_shardable
-from splitserve.engine.parallel.state import broadcast_object
+from splitserve.engine.parallel.state import broadcast_object, tp
 from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.engine.sequence import Sequence
 
@@ -59,6 +59,9 @@ def build_executor(config: EngineConfig, model_config: ModelConfig, max_model_le
     check_shardable(model_config, config.tensor_parallel_size, config.model)
     if config.tensor_parallel_size > 1:
         return TensorParallelExecutor(config, model_config, max_model_len)
+    if tp().size > 1:  # its layers would load rank 0's slices and wait in the ranks' collectives
+        raise RuntimeError("a single-process engine cannot start in a process that runs a tensor-parallel "
+                           "engine: close that one first, or start this one in another process")
     return SingleProcessExecutor(ModelRunner(model_config, config, max_model_len))
 
 

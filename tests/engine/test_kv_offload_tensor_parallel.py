@@ -46,7 +46,7 @@ def reference(ckpt):
 
 
 @pytest.fixture(scope="module")
-def llm(ckpt, tmp_path_factory):
+def llm(ckpt, reference, tmp_path_factory):  # (the one-rank reference first: not beside a TP engine)
     nb = block_nbytes(ckpt)  # every head of a block: the one-rank layout
     with LLM(str(ckpt), num_kv_blocks=POOL_BLOCKS, block_size=BS, tensor_parallel_size=2,
              kv_offload_bytes=HOST_BLOCKS * nb, kv_offload_dir=str(tmp_path_factory.mktemp("tier")),
@@ -181,6 +181,14 @@ def test_a_peer_pull_under_tp_moves_the_offloaded_prefix(fresh, reference):
     assert out.token_ids == reference and out.num_cached_tokens == 6 * BS
     assert delta(loaded(llm), before) == {"host": 0, "disk": 0}
     assert_idle(llm)
+
+
+def test_a_single_process_engine_beside_it_is_refused(fresh, ckpt, reference):
+    """It would load rank 0's slices and wait in the ranks' collectives (engine/executor.py)."""
+    with pytest.raises(RuntimeError, match="^a single-process engine cannot start in a process that runs a "
+                       "tensor-parallel engine: close that one first, or start this one in another process$"):
+        LLM(str(ckpt), num_kv_blocks=POOL_BLOCKS, block_size=BS)
+    assert generate(fresh, PREFIX).token_ids == reference  # the tp=2 engine is untouched
 
 
 def test_a_graceful_close_removes_the_disk_tier(llm):
