@@ -5,6 +5,12 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.splitserve-installed
 PROTOS := $(wildcard splitserve/proto/*.proto)
 
+# Bytecode is cached (__pycache__, git-ignored) even where the environment says not to:
+# with PYTHONDONTWRITEBYTECODE=1 every pytest process and every process a test starts
+# recompiled splitserve and re-rewrote the test modules' asserts (collection 27 s against
+# 12 s warm here, per xdist worker).
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: setup serve test test-fast test-full test-times lint chaos bench-engine bench-router bench-kvtransfer clean
 
 $(STAMP): pyproject.toml scripts/setup.sh $(PROTOS)
