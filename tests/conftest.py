@@ -37,6 +37,22 @@ def shared_serve(make_ckpt):
     assert not problems, problems
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_tensor_parallel_group_left(request):
+    """A module that leaves this process's tensor-parallel group up (an engine never closed)
+    fails here, by name; the group is then dropped, so the later modules of this xdist worker
+    do not all fail with "a single-process engine cannot start in a process that runs a
+    tensor-parallel engine". Module scope: a module's own TP engine fixture may span its tests."""
+    import sys
+
+    yield
+    state = sys.modules.get("splitserve.engine.parallel.state")
+    if state is not None and state.tp().size > 1:
+        state.destroy_tensor_parallel()
+        pytest.fail(f"{request.module.__name__} left a tensor-parallel engine running (close it: "
+                    "`with LLM(...)` or llm.close())")
+
+
 # --- the suite's shape (docs/testing.md): parallel units, their order, the budget -----------
 
 def pytest_configure(config):

@@ -50,6 +50,15 @@ class LLMEngine(RequestIntake, Disaggregation, LoRAEngine, PeerPrefix):
         # the model in this process or over tensor-parallel ranks (engine/executor.py)
         self.executor = build_executor(config, self.model_config, int(self.max_model_len))
         weakref.finalize(self, self.executor.close)  # an engine dropped without close() ends its ranks
+        self.offloader = None
+        try:
+            self._assemble(config)
+        except BaseException:  # a failed start ends its ranks and offload writer now: a caller that
+            self.close()  # keeps the exception keeps this object, and its TP group would block the process
+            raise
+
+    def _assemble(self, config: EngineConfig) -> None:
+        """Everything around the loaded model: tiers, scheduler, grammars, speculation, LoRA."""
         self.runner = self.executor.runner
         self.model_id = config.model_id or Path(config.model).resolve().name
         # host / disk tiers, or None; under TP they copy every rank's heads of a block (kv_offload/device_blocks.py)

@@ -16,12 +16,8 @@ def attach_lora(engine) -> LoRAManager | None:
         return None
     manager = LoRAManager(engine.runner.model, cfg.max_loras, cfg.max_lora_rank, cfg.torch_dtype,
                           engine.runner.device)
-    try:
-        for name, path in cfg.lora_modules.items():
-            manager.add(name, path)
-    except Exception:
-        engine.executor.close()  # the start failed: its tensor-parallel rank processes end with it
-        raise
+    for name, path in cfg.lora_modules.items():  # (a failure ends the start: LLMEngine closes its ranks)
+        manager.add(name, path)
     # a reserved remote prefill joins the batch later without admission: it counts as live
     engine.scheduler.admits = lambda seq: manager.admits(
         seq.lora, [*engine.scheduler.running, *engine.remote.values()])

@@ -92,11 +92,13 @@ def alone():
     """This process as a group of one while the block runs: a model built in it loads whole
     (unsharded) and runs no collective. Rank 0's draft model (engine/spec/draft_model.py)."""
     global _state
-    saved, _state = _state, TPState()
+    mine = TPState()
+    saved, _state = _state, mine
     try:
         yield
     finally:
-        _state = saved
+        if _state is mine:  # not when the group was destroyed meanwhile (an engine closed on
+            _state = saved  # another thread): restoring it would leave a dead group "running"
 
 
 def broadcast_object(obj=None):
