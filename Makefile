@@ -31,7 +31,8 @@ test: $(STAMP)
 	$(BIN)/ruff check splitserve tests bench
 	SPLITSERVE_TEST_BUDGET=enforce $(PYTEST) $(PARALLEL) -m "not full" $(PYTEST_ARGS)
 
-# The edit loop: unit and in-process tests, no serving stack started (under 3 minutes).
+# The edit loop: unit and in-process tests, no serving stack started (about 2.5 minutes on the
+# machine the budgets were set on, 7.7 on 2026-12-07's 3.2x slower one: docs/testing.md).
 test-fast: $(STAMP)
 	$(PYTEST) $(PARALLEL) -m "not slow and not full" $(PYTEST_ARGS)
 
