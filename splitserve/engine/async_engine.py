@@ -114,9 +114,8 @@ class AsyncEngine(EngineHandle):
         self._stopped.set()
         self._commands.put(None)
         self._thread.join(timeout=timeout)
-        offloader = getattr(self.engine, "offloader", None)
-        if offloader is not None and not self._thread.is_alive():  # no step can touch the tiers now
-            offloader.close()  # a stop leaves no disk-tier files behind (an engine process does the same)
+        if not self._thread.is_alive():  # no step can run now: the offload writer (a stop leaves no
+            self.engine.close()  # disk-tier files behind) and any tensor-parallel ranks end here
 
     @property
     def alive(self) -> bool:
