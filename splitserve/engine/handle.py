@@ -30,8 +30,9 @@ class EngineCalls(Protocol):
 
     async def _invoke(self, method: str, *args, result: bool = True):
         """LLMEngine.<method>(*args) where the engine lives; its value, unless `result` is False
-        (then None: add_request's Sequence stays with the engine)."""
-        raise NotImplementedError
+        (then None: add_request's Sequence stays with the engine). Each handle defines it:
+        AsyncEngine on its thread, EngineProcess over the pipe."""
+        ...
 
     # ---- requests -------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
