@@ -44,6 +44,7 @@ from tests.engine.test_quant_formats import quantize_checkpoint
 from tests.engine.test_spec_decode_exact import NGRAM, copy_heavy
 from tests.engine.test_tensor_parallel_kv import prefill_side
 from tests.helpers.lora_adapters import ADAPTERS, make_adapter, peft_greedy
+from tests.helpers.processes import join_child
 from tests.helpers.reference import hf_greedy
 from tests.kvtransfer.conftest import config_for
 
@@ -249,9 +250,7 @@ def mooncake_rounds_tp(other: set[str], world: World, tmp_path) -> tuple[list, L
             assert received > 0  # the KV really went over Mooncake
         conn.send(None)
     finally:
-        proc.join(60)
-        if proc.is_alive():
-            proc.kill()
+        join_child(proc)
     assert proc.exitcode == 0
     return outs, decode
 

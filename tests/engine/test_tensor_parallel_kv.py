@@ -19,6 +19,7 @@ from splitserve.engine.kv_cache import KVCacheSpec
 from splitserve.engine.parallel.kv_shards import ShardedKVPool, readers
 from splitserve.kvtransfer import KVReceiver
 from splitserve.kvtransfer.sender import create_sender
+from tests.helpers.processes import join_child
 from tests.kvtransfer.conftest import config_for
 
 NEW = 10
@@ -108,9 +109,7 @@ def disaggregated(path, prefill_tp: int, decode_tp: int) -> tuple[list[list[int]
                 receiver.stop()
         conn.send(None)
     finally:
-        proc.join(60)
-        if proc.is_alive():
-            proc.kill()
+        join_child(proc)
     assert proc.exitcode == 0
     return tokens, skipped
 

@@ -110,3 +110,12 @@ class SplitserveProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+def join_child(proc, timeout: float = 60.0) -> None:
+    """Wait for a multiprocessing child told to end; kill it past `timeout` (a hung child must
+    not outlive the test). The caller asserts its exit code."""
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
