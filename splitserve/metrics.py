@@ -211,6 +211,11 @@ class Metrics:
             registry=r)
         self.router_index_blocks = Gauge(
             "splitserve_router_index_blocks", "Blocks held in the router's radix index.", registry=r)
+        self.router_index_worker_blocks = Gauge(
+            "splitserve_router_index_worker_blocks",
+            "Blocks of each worker's device prefix cache the router's index knows of: far below what the "
+            "worker caches means its KV events are not arriving (check the bus and index resyncs).",
+            ["worker"], registry=r)
         self.router_index_resyncs = Counter(
             "splitserve_router_index_resyncs_total",
             "Index resyncs of a worker after a KV event-id gap.", ["worker"], registry=r)

@@ -16,6 +16,7 @@ Every replica that reads the same streams ends with the same index.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -98,6 +99,9 @@ class IndexSync:
             del self.workers[worker_id]
             self.index.remove_worker(worker_id)
             self.index.remove_worker(tier_holder(worker_id))
+            if self.metrics is not None:
+                with contextlib.suppress(KeyError):  # no poll ran since it joined
+                    self.metrics.router_index_worker_blocks.remove(worker_id)
             if self.on_departure is not None:
                 self.on_departure(worker_id)
         for worker_id, info in live.items():
@@ -153,6 +157,8 @@ class IndexSync:
         self.index.flush_touches()  # the routing decisions' LRU touches, off their path
         if self.metrics is not None:
             self.metrics.router_index_blocks.set(self.index.num_blocks)
+            for worker_id in self.workers:
+                self.metrics.router_index_worker_blocks.labels(worker=worker_id).set(self.index.blocks_of(worker_id))
         return applied
 
     async def catch_up(self) -> int:

@@ -174,11 +174,15 @@ async def test_heartbeat_expiry_removes_the_worker_and_return_replays_it(bus_fac
     await sync.catch_up()
     assert sync.index.match(PROMPTS[0]) == {"d1": len(PROMPTS[0]), "d2": 2}
     assert metrics.workers_healthy.labels(role="decode")._value.get() == 2
+    known = {s.labels["worker"]: s.value for s in metrics.router_index_worker_blocks.collect()[0].samples}
+    assert known == {"d1": len(PROMPTS[0]), "d2": 2}
     await asyncio.sleep(0.6)  # d1 misses its heartbeat
     await sync.refresh()
     assert sync.live("decode") == ["d2"] and sync.index.blocks_of("d1") == 0
     assert sync.index.match(PROMPTS[0]) == {"d2": 2}
     assert metrics.workers_healthy.labels(role="decode")._value.get() == 1
+    # the departed worker's series goes with it (no stale count for a worker that is gone)
+    assert [s.labels["worker"] for s in metrics.router_index_worker_blocks.collect()[0].samples] == ["d2"]
     await d1.register(ttl=30)  # back (same process, cache intact): its stream is replayed
     await sync.catch_up()
     assert sync.index.match(PROMPTS[0]) == {"d1": len(PROMPTS[0]), "d2": 2}

@@ -212,9 +212,22 @@ def test_redis_restart_routers_keep_serving_and_resync(cluster, reference):
     assert_identical(during, reference(prompts(5, 4, 20), MAX // 4), MAX // 4)
     assert_identical(after, reference(prompts(6, 8, 20), 16), 16)
     assert min(seen) == 2, seen
+    # The worker republished its cache into the new Redis after re-registering; wait until the
+    # router applied it (the count of home's blocks it knows stops moving) before asking.
+    since: dict[float, float] = {}  # count -> when it was first seen in a row
+
+    def settled() -> bool:
+        count, now = metric(base, "splitserve_router_index_worker_blocks", worker=home), time.monotonic()
+        if count not in since:
+            since.clear()
+            since[count] = now
+        return count >= 6 and now - since[count] >= 1.5  # warm's 6 blocks at least, unchanged for 1.5 s
+
+    wait_for(settled, 20, f"the router's index holding {home}'s republished blocks")
     # the index survived: the prompt cached before the restart still goes home, as a cache hit
     _, body, headers = asyncio.run(_one(base, warm))
-    assert served_by(headers)["decode"] == home and body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
+    assert served_by(headers)["decode"] == home and body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96, \
+        (home, headers["X-Splitserve-Workers"])
     cluster.wait_all_blocks_free()
 
 
