@@ -32,9 +32,9 @@ IGNORED = re.compile(r"rotary_emb\.inv_freq$|\.self_attn\.(?:k_scale|v_scale|kv_
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, mlp: nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, mlp: nn.Module, attention: nn.Module | None = None):
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer) if attention is None else attention  # MLA brings its own
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
