@@ -9,7 +9,8 @@ when a field is absent are applied here the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from splitserve.core import bounded_json
@@ -68,6 +69,15 @@ class ModelConfig:
     moe_topk_group: int = 1
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0
+    # multi-head latent attention (DeepSeek-V3; engine/models/mla.py), 0 when absent. For MLA,
+    # num_kv_heads (1) and head_dim (kv_lora_rank + qk_rope_head_dim) describe the KV cache's row:
+    # one compressed latent plus one rope key per token, shared by every query head
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: q_proj straight from the hidden state
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rope over (x0, x1), (x2, x3)... pairs (DeepSeek's layout)
     raw: dict = field(default_factory=dict, repr=False, compare=False)  # config.json, for family extras
 
     @classmethod
@@ -116,7 +126,7 @@ class ModelConfig:
         window = int(window) if window else None
         eos = raw.get("eos_token_id")
         attention_bias = bool(raw.get("attention_bias", False))
-        return cls(
+        cfg = cls(
             architecture=arch,
             family=family,
             vocab_size=int(need("vocab_size")),
@@ -150,6 +160,9 @@ class ModelConfig:
             raw=raw,
             **_moe_fields(raw, family, layers, act, source),
         )
+        if family == "deepseek_v3":
+            cfg = replace(cfg, **_mla_fields(raw, cfg, source))
+        return cfg
 
     def layer_window(self, layer: int) -> int:
         """The sliding window of `layer` (0: full attention)."""
@@ -158,6 +171,11 @@ class ModelConfig:
     @property
     def max_model_len(self) -> int:
         return self.max_position_embeddings
+
+    @property
+    def kv_parts(self) -> int:
+        """Tensors a layer caches per token: key and value (2), or MLA's one latent row (1)."""
+        return 1 if self.kv_lora_rank else 2
 
 
 def shardable_problem(cfg: ModelConfig, size: int) -> str | None:
@@ -225,6 +243,10 @@ def _moe_fields(raw: dict, family: str, layers: int, act: str, source: str) -> d
         sparse = [i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0]
     elif family == "glm4_moe":
         return _glm4_moe_fields(raw, layers, act, source)
+    elif family == "deepseek_v3":  # transformers' DeepseekV3Config defaults where a field is absent
+        return _glm4_moe_fields(raw, layers, act, source, dict(n_group=8, topk_group=4, n_routed_experts=256,
+                                                               moe_intermediate_size=2048, first_k_dense_replace=3,
+                                                               routed_scaling_factor=2.5))
     else:
         return {}
     if sparse and not 0 < top_k <= experts:
@@ -236,13 +258,20 @@ def _moe_fields(raw: dict, family: str, layers: int, act: str, source: str) -> d
                 norm_topk_prob=renormalize, moe_layers=tuple(sparse))
 
 
-def _glm4_moe_fields(raw: dict, layers: int, act: str, source: str) -> dict:
-    """GLM-4.5's experts (transformers' defaults when a field is absent): the first
-    `first_k_dense_replace` layers dense, DeepSeek-style routing on the others. Its
-    `num_nextn_predict_layers` multi-token-prediction layers are not read (see glm4_moe.py)."""
-    experts = int(raw.get("n_routed_experts", raw.get("num_local_experts", 128)))
+def _glm4_moe_fields(raw: dict, layers: int, act: str, source: str, defaults: dict | None = None) -> dict:
+    """GLM-4.5's (and DeepSeek-V3's, with its `defaults`) experts, transformers' defaults when a
+    field is absent: the first `first_k_dense_replace` layers dense, DeepSeek-style routing on
+    the others. Their `num_nextn_predict_layers` multi-token-prediction layers are not read."""
+    d = {"n_group": 1, "topk_group": 1, "n_routed_experts": 128, "moe_intermediate_size": 1408,
+         "first_k_dense_replace": 1, "routed_scaling_factor": 1.0, **(defaults or {})}
+
+    def get(name: str):
+        value = raw.get(name)
+        return d[name] if value is None else value
+
+    experts = int(raw.get("n_routed_experts") or raw.get("num_local_experts") or d["n_routed_experts"])
     top_k = int(raw.get("num_experts_per_tok", 8))
-    groups, kept = int(raw.get("n_group", 1)), int(raw.get("topk_group", 1))
+    groups, kept = int(get("n_group")), int(get("topk_group"))
     if act != "silu":
         raise CheckpointError(f"{source}: activation {act!r} is not supported for experts (supported: 'silu')")
     if groups < 1 or experts % groups or (groups > 1 and experts // groups < 2) or not 1 <= kept <= groups:
@@ -252,12 +281,48 @@ def _glm4_moe_fields(raw: dict, layers: int, act: str, source: str) -> dict:
         raise CheckpointError(f"{source}: num_experts_per_tok is {top_k}; it must be between 1 and the experts of "
                               f"the topk_group kept groups ({kept * (experts // groups)})")
     return dict(num_experts=experts, num_experts_per_tok=top_k,
-                moe_intermediate_size=int(raw.get("moe_intermediate_size", 1408)),
+                moe_intermediate_size=int(get("moe_intermediate_size")),
                 norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-                moe_layers=tuple(range(int(raw.get("first_k_dense_replace", 1)), layers)),
+                moe_layers=tuple(range(int(get("first_k_dense_replace")), layers)),
                 moe_scoring="sigmoid", moe_n_group=groups, moe_topk_group=kept,
-                routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+                routed_scaling_factor=float(get("routed_scaling_factor")),
                 n_shared_experts=int(raw.get("n_shared_experts", 1)))
+
+
+def _mla_fields(raw: dict, cfg: ModelConfig, source: str) -> dict:
+    """DeepSeek-V3's latent attention dims (transformers' defaults when absent), the cache row
+    they imply, the rope over the qk_rope_head_dim dims only, and the softmax scale: 1/sqrt of
+    the q.k width, times YaRN's mscale(mscale_all_dim) squared when the rope is scaled (as
+    transformers' yarn_apply_mscale and DeepSeek's reference do)."""
+    dims = {}
+    for name, default in (("kv_lora_rank", 512), ("qk_rope_head_dim", 64), ("v_head_dim", 128),
+                          ("qk_nope_head_dim", 128)):
+        value = raw.get(name)
+        value = default if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**16:
+            raise CheckpointError(f"{source}: field '{name}' is {value!r}; it must be an integer from 1 to 65536")
+        dims[name] = value
+    q_lora = raw.get("q_lora_rank", 1536)
+    if q_lora is not None and (isinstance(q_lora, bool) or not isinstance(q_lora, int) or not 1 <= q_lora <= 2**16):
+        raise CheckpointError(f"{source}: field 'q_lora_rank' is {q_lora!r}; it must be null or an integer from 1 "
+                              "to 65536")
+    if dims["qk_rope_head_dim"] % 2:
+        raise CheckpointError(f"{source}: qk_rope_head_dim ({dims['qk_rope_head_dim']}) must be even (rope pairs)")
+    rope_dim = dims["qk_rope_head_dim"]
+    try:
+        rope, _ = read_rope(raw, cfg.family, rope_dim)
+    except ValueError as exc:
+        raise CheckpointError(f"{source}: {exc}") from exc
+    scale = float(dims["qk_nope_head_dim"] + rope_dim) ** -0.5
+    params = rope.params
+    if rope.kind != "default" and params.get("mscale_all_dim"):
+        factor = float(params.get("factor") or 1.0)
+        mscale = 1.0 if factor <= 1 else 0.1 * float(params["mscale_all_dim"]) * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return dict(**dims, q_lora_rank=int(q_lora or 0), rope=replace(rope, rotary_dim=rope_dim), local_rope=None,
+                num_kv_heads=1, head_dim=dims["kv_lora_rank"] + rope_dim, attn_scale=scale,
+                rope_interleave=bool(raw.get("rope_interleave", True)),
+                qkv_bias=bool(raw.get("attention_bias", False)), o_bias=bool(raw.get("attention_bias", False)))
 
 
 def _layer_types(raw: dict, family: str, layers: int, window: int | None, source: str) -> tuple[str, ...]:

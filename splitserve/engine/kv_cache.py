@@ -1,7 +1,8 @@
 """The paged KV pool: one tensor holding every block of every layer.
 
-Layout: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-(2 = key, value). Block-major on purpose: all the bytes of one block, across
+Layout: [num_blocks, num_layers, parts, block_size, num_kv_heads, head_dim]
+(parts 2 = key, value; 1 for multi-head latent attention, whose one row per token, the
+compressed latent and the rope key, serves as both: engine/models/mla.py). Block-major on purpose: all the bytes of one block, across
 all layers, are contiguous. A KV transfer of block b is then one contiguous
 region (one RDMA write, one checksum), and the per-layer views the attention
 kernels take are plain strided views [num_blocks, block_size, kv_heads, head_dim].
@@ -39,11 +40,12 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    parts: int = 2  # key and value; 1: MLA's latent row
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        """Shape of one block across all layers: [layers, 2, block_size, kv_heads, head_dim]."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        """Shape of one block across all layers: [layers, parts, block_size, kv_heads, head_dim]."""
+        return (self.num_layers, self.parts, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def block_nbytes(self) -> int:
@@ -93,17 +95,18 @@ class KVCachePool:
         return self.num_blocks if self.num_scratch_blocks else None
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k_cache, v_cache) views of one layer, each [num_blocks, block_size, kv_heads, head_dim].
-        Made once (two indexing ops a layer of every step cost ~3 us at batch 1) and again if
+        """(k_cache, v_cache) views of one layer, each [num_blocks, block_size, kv_heads, head_dim]
+        (the same view twice for MLA's single part). Made once (two indexing ops a layer of every step cost ~3 us at batch 1) and again if
         `data` moved (share_memory_() gives it new storage)."""
         data = self.data
         if self._views_of != (data.data_ptr(), data.shape):
-            self._views = [(data[:, i, 0], data[:, i, 1]) for i in range(data.shape[1])]
+            last = data.shape[2] - 1
+            self._views = [(data[:, i, 0], data[:, i, last]) for i in range(data.shape[1])]
             self._views_of = (data.data_ptr(), data.shape)
         return self._views[layer]
 
     def block(self, block_id: int) -> torch.Tensor:
-        """All layers of one block: [layers, 2, block_size, kv_heads, head_dim] (a view)."""
+        """All layers of one block: [layers, parts, block_size, kv_heads, head_dim] (a view)."""
         return self.data[block_id]
 
     def data_ptr(self) -> int:

@@ -62,7 +62,7 @@ class ModelRunner:
         self.ropes: dict[str, RopeTable] = {FULL: full, SLIDING: local}
         # this rank's KV heads only (all of them at tp=1)
         spec = KVCacheSpec(model_cfg.num_layers, kv_heads(model_cfg, tp())[1], model_cfg.head_dim,
-                           cfg.block_size, cfg.kv_torch_dtype)
+                           cfg.block_size, cfg.kv_torch_dtype, model_cfg.kv_parts)
         num_blocks = cfg.num_kv_blocks or num_blocks_for_memory(spec, cfg.kv_cache_memory_bytes)
         # one scratch block: where the padding rows of a fixed-shape decode batch write
         self.kv_pool = KVCachePool(spec, num_blocks, self.device, scratch_blocks=1)

@@ -91,9 +91,9 @@ class OneSidedPlan:
 def gather_heads(regions: Sequence[memoryview], spec: KVCacheSpec, layout: RegionLayout,
                  first: int, n: int) -> torch.Tensor:
     """Heads [first, first + n) of each canonical (every head) region, packed into one host
-    buffer as a segment of n heads lays them out: [blocks, layers, 2, block_size, n, head_dim]."""
+    buffer as a segment of n heads lays them out: [blocks, layers, parts, block_size, n, head_dim]."""
     layers = layout.layer_end - layout.layer_start
-    shape = (layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    shape = (layers, spec.parts, spec.block_size, spec.num_kv_heads, spec.head_dim)
     out = torch.empty((len(regions), *shape[:3], n, spec.head_dim), dtype=spec.dtype)
     for i, region in enumerate(regions):
         out[i].copy_(_read_only_tensor(region).view(spec.dtype).view(shape)[..., first:first + n, :])

@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from splitserve.core.model_config import CheckpointError, ModelConfig
+from splitserve.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from splitserve.engine.models.gemma import GemmaForCausalLM
 from splitserve.engine.models.glm4_moe import Glm4MoeForCausalLM
 from splitserve.engine.models.llama import LlamaForCausalLM
@@ -22,6 +23,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "mixtral": MoeForCausalLM,
     "qwen3_moe": MoeForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
 }
 
 

@@ -90,10 +90,10 @@ class ShardedKVPool:
     def read(self, block_ids: Sequence[int], layer_start: int = 0, layer_end: int | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
         """Layers [layer_start, layer_end) of the blocks with every head, on the CPU:
-        [n, layers, 2, block_size, kv_heads, head_dim], contiguous (a copy, into `out` if given)."""
+        [n, layers, parts, block_size, kv_heads, head_dim], contiguous (a copy, into `out` if given)."""
         layer_end = self.spec.num_layers if layer_end is None else layer_end
         s = self.spec
-        shape = (len(block_ids), layer_end - layer_start, 2, s.block_size, s.num_kv_heads, s.head_dim)
+        shape = (len(block_ids), layer_end - layer_start, s.parts, s.block_size, s.num_kv_heads, s.head_dim)
         out = torch.empty(shape, dtype=s.dtype) if out is None else out.view(shape)
         # a copy per block and rank: gathering the blocks with an index tensor first ran ~15x
         # slower on the CPU (64 MiB of bf16: 64 ms against 4.5 ms, bench/experiments/tp_kv_transfer.py)

@@ -92,6 +92,8 @@ def checkpoint_shard(name: str, cfg: ModelConfig, t: TPState) -> Shard | None:
     if not m:
         return None
     module, kind = m.group(2), m.group(3)
+    if cfg.kv_lora_rank and module.startswith("self_attn."):
+        return _mla_shard(module, kind, cfg, t)
     d = cfg.head_dim
     if module == "self_attn.q_proj":
         first, n = q_heads(cfg, t)
@@ -114,6 +116,21 @@ def checkpoint_shard(name: str, cfg: ModelConfig, t: TPState) -> Shard | None:
     if _EXPERT_COLS.match(module):
         return Shard(1, *even_split(cfg.moe_intermediate_size, t))
     return None  # norms, the router: replicated
+
+
+def _mla_shard(module: str, kind: str, cfg: ModelConfig, t: TPState) -> Shard | None:
+    """Multi-head latent attention (engine/models/mla.py): the per-head up-projections split by
+    head (q: nope + rope rows a head, kv_b: nope + v rows a head), o_proj by its v columns; the
+    down-projections to the latents and their norms are replicated, and so is the latent cache."""
+    first, n = q_heads(cfg, t)
+    per_head = {"self_attn.q_proj": cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+                "self_attn.q_b_proj": cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+                "self_attn.kv_b_proj": cfg.qk_nope_head_dim + cfg.v_head_dim}.get(module)
+    if per_head:
+        return Shard(0, first * per_head, n * per_head)
+    if module == "self_attn.o_proj":
+        return Shard(1, first * cfg.v_head_dim, n * cfg.v_head_dim) if kind == "weight" else None
+    return None  # q_a_proj, kv_a_proj_with_mqa, q_a_layernorm, kv_a_layernorm
 
 
 ShardOf = Callable[[str], "Shard | None"]  # checkpoint name -> this rank's part

@@ -1,0 +1,31 @@
+"""DeepSeek-V3 over two tensor-parallel ranks: each rank holds half of the heads (q_b_proj and
+kv_b_proj rows, o_proj columns) and the whole latent path, so both ranks cache the same latent
+rows (engine/models/mla.py); greedy tokens equal transformers' (float32) with chunked prefill
+and a prefix-cache hit."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.engine import LLM, SamplingParams
+from tests.engine.test_deepseek_v3 import NEW_TOKENS, prompts, write_deepseek_v3
+from tests.helpers.reference import hf_greedy
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_deepseek_v3(tmp_path_factory.mktemp("deepseek_v3_tp") / "float")
+
+
+def test_tp2_greedy_tokens_equal_transformers_and_a_prefix_hit(ckpt):
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLM(str(ckpt), num_kv_blocks=64, max_num_batched_tokens=32, tensor_parallel_size=2) as llm:
+        ps = prompts(llm.engine.model_config.vocab_size)
+        outs = llm.generate(ps, params)
+        again = ps[1][:40] + [9, 10, 11]
+        hit = llm.generate([again], params)[0]
+        pool = llm.engine.runner.kv_pool
+        assert pool.spec.block_shape == (3, 1, 16, 1, 40)  # each rank: the whole latent row, not half of it
+    for prompt, out in zip(ps, outs, strict=True):
+        assert out.token_ids == hf_greedy(ckpt, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
+    assert hit.num_cached_tokens >= 32 and hit.token_ids == hf_greedy(ckpt, again, NEW_TOKENS)
