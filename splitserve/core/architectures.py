@@ -30,6 +30,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Glm4MoeForCausalLM": Architecture("glm4_moe", "glm4_moe", ("glm4_moe",),
                                        "GLM-4.5, GLM-4.5-Air, GLM-4.6, GLM-4.7 (sigmoid top-8 of 128-160 "
                                        "experts, score-correction bias, a shared expert; partial rotary)"),
+    "MiniMaxM2ForCausalLM": Architecture("minimax_m2", "minimax_m2", ("minimax_m2",),
+                                         "MiniMax-M2, M2.1, M2.5 (sigmoid top-8 of 256 experts, score-correction "
+                                         "bias; q/k RMSNorm over all heads at once; partial rotary)"),
     "DeepseekV3ForCausalLM": Architecture("deepseek_v3", "deepseek_v3", ("deepseek_v3",),
                                           "DeepSeek-V3, V3.1, R1, Kimi K2 (multi-head latent attention: one "
                                           "compressed latent cached per token; grouped sigmoid top-8 of 256 "

@@ -123,6 +123,8 @@ class ModelConfig:
         window = raw.get("sliding_window")
         if family in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window", False):
             window = None
+        if family == "minimax_m2":  # transformers' MiniMax-M2 attends to every position
+            window = None
         window = int(window) if window else None
         eos = raw.get("eos_token_id")
         attention_bias = bool(raw.get("attention_bias", False))
@@ -243,6 +245,8 @@ def _moe_fields(raw: dict, family: str, layers: int, act: str, source: str) -> d
         sparse = [i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0]
     elif family == "glm4_moe":
         return _glm4_moe_fields(raw, layers, act, source)
+    elif family == "minimax_m2":
+        return _minimax_m2_fields(raw, layers, act, source)
     elif family == "deepseek_v3":  # transformers' DeepseekV3Config defaults where a field is absent
         return _glm4_moe_fields(raw, layers, act, source, dict(n_group=8, topk_group=4, n_routed_experts=256,
                                                                moe_intermediate_size=2048, first_k_dense_replace=3,
@@ -323,6 +327,27 @@ def _mla_fields(raw: dict, cfg: ModelConfig, source: str) -> dict:
                 num_kv_heads=1, head_dim=dims["kv_lora_rank"] + rope_dim, attn_scale=scale,
                 rope_interleave=bool(raw.get("rope_interleave", True)),
                 qkv_bias=bool(raw.get("attention_bias", False)), o_bias=bool(raw.get("attention_bias", False)))
+
+
+def _minimax_m2_fields(raw: dict, layers: int, act: str, source: str) -> dict:
+    """MiniMax-M2's experts as transformers reads them: every layer sparse, `intermediate_size`
+    is each expert's, sigmoid scores with the correction bias deciding the choice, a plain
+    top-k (no groups), always renormalised, unscaled, no shared expert. Fields transformers
+    ignores but that would change the model are refused rather than served differently."""
+    experts, top_k = int(raw.get("num_local_experts", 256)), int(raw.get("num_experts_per_tok", 8))
+    if act != "silu":
+        raise CheckpointError(f"{source}: activation {act!r} is not supported for experts (supported: 'silu')")
+    if raw.get("scoring_func", "sigmoid") != "sigmoid":
+        raise CheckpointError(f"{source}: scoring_func {raw['scoring_func']!r} is not supported for MiniMax-M2 "
+                              "(supported: 'sigmoid', the only one transformers implements)")
+    if raw.get("shared_intermediate_size"):
+        raise CheckpointError(f"{source}: shared_intermediate_size is {raw['shared_intermediate_size']}; MiniMax-M2 "
+                              "with shared experts is not supported (transformers has none)")
+    if not 0 < top_k <= experts:
+        raise CheckpointError(f"{source}: num_experts_per_tok is {top_k}; it must be between 1 and the number of "
+                              f"experts ({experts})")
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(raw["intermediate_size"]),
+                norm_topk_prob=True, moe_layers=tuple(range(layers)), moe_scoring="sigmoid")
 
 
 def _layer_types(raw: dict, family: str, layers: int, window: int | None, source: str) -> tuple[str, ...]:

@@ -10,6 +10,7 @@ from splitserve.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from splitserve.engine.models.gemma import GemmaForCausalLM
 from splitserve.engine.models.glm4_moe import Glm4MoeForCausalLM
 from splitserve.engine.models.llama import LlamaForCausalLM
+from splitserve.engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from splitserve.engine.models.moe import MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -23,6 +24,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "mixtral": MoeForCausalLM,
     "qwen3_moe": MoeForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
+    "minimax_m2": MiniMaxM2ForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
 }
 
