@@ -18,6 +18,7 @@ import requests
 
 from splitserve.core.tokenizer import Tokenizer
 from tests.engine.test_glm4_moe import write_glm4_moe
+from tests.engine.test_minimax_m2 import write_minimax_m2
 from tests.helpers.checkpoints import WINDOW
 from tests.helpers.processes import SplitserveProcess
 from tests.helpers.reference import hf_greedy
@@ -25,7 +26,9 @@ from tests.helpers.reference import hf_greedy
 SERVED = "family-under-test"
 NEW = 32
 FAMILIES = {"phi3": {}, "gemma2": {}, "gemma3": {}, "mixtral": {"sliding_window": WINDOW}, "qwen3_moe": {},
-            "glm4_moe": {}}
+            "glm4_moe": {}, "minimax_m2": {}}
+# families whose engine test writes a tiny checkpoint whose routing decides choices
+WRITERS = {"glm4_moe": write_glm4_moe, "minimax_m2": write_minimax_m2}
 
 
 def complete(base: str, prompt: list[int]) -> tuple[dict, dict]:
@@ -38,8 +41,7 @@ def complete(base: str, prompt: list[int]) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_served_disaggregated_matches_transformers(make_ckpt, tmp_path, family):
-    # GLM-4.5's tiny checkpoint (grouped, biased routing that decides choices) is its engine test's
-    model = write_glm4_moe(tmp_path / "glm4_moe") if family == "glm4_moe" else make_ckpt(family, **FAMILIES[family])
+    model = WRITERS[family](tmp_path / family) if family in WRITERS else make_ckpt(family, **FAMILIES[family])
     token = tmp_path / "token"
     token.write_text(secrets.token_urlsafe(32))
     serve = SplitserveProcess("serve", ["--model", str(model), "--served-model-name", SERVED,
