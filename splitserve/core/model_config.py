@@ -115,7 +115,8 @@ class ModelConfig:
         act = raw.get("hidden_activation") or raw.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
         if act not in _ACTIVATIONS:
             raise CheckpointError(f"{source}: activation {act!r} is not supported (supported: {sorted(_ACTIVATIONS)})")
-        head_dim = int(raw.get("head_dim") or hidden // heads)
+        # MiniMax-M2: transformers' default head_dim is 128, not hidden // heads (64 for M2)
+        head_dim = int(raw.get("head_dim") or (128 if family == "minimax_m2" else hidden // heads))
         try:
             rope, local_rope = read_rope(raw, family, head_dim)
         except ValueError as exc:

@@ -127,6 +127,8 @@ def test_config_reads_what_transformers_builds(ckpt):
     del raw["rope_parameters"]
     assert (ModelConfig.from_dict(raw).rope.rotary_dim, ModelConfig.from_dict(raw).rope.theta) == (16, 5_000_000.0)
     assert ModelConfig.from_dict({**raw, "sliding_window": 8}).sliding_window is None  # transformers ignores it
+    del raw["head_dim"]
+    assert ModelConfig.from_dict(raw).head_dim == 128  # transformers' default, not hidden_size // heads
 
 
 @pytest.mark.parametrize("fields,why", [
@@ -168,6 +170,27 @@ def test_greedy_tokens_equal_transformers_with_chunks_and_a_prefix_hit(ckpt):
     assert model.weight_target("model.layers.1.mlp.experts.gate_up_proj") == ("layers.1.mlp.w13", None)
     assert model.weight_target("model.layers.1.block_sparse_moe.experts.5.w3.weight") == (
         "layers.1.mlp.w13", (5, slice(32, 64)))
+
+
+@pytest.mark.parametrize("module,rows,why", [
+    ("block_sparse_moe.experts.0.w1", 32, "block_sparse_moe.experts.0.w1: MoE experts are not supported$"),
+    ("block_sparse_moe.gate", 8, "block_sparse_moe.gate is not an attention or MLP projection of this model"),
+])
+def test_lora_on_experts_or_the_router_is_refused_as_for_every_moe_family(ckpt, tmp_path, module, rows, why):
+    from safetensors.torch import save_file
+
+    from splitserve.engine.lora import LoRAAdapterError
+
+    path = tmp_path / "adapter"
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                          "target_modules": [module.rpartition(".")[2]]}))
+    prefix = f"base_model.model.model.layers.0.{module}"
+    save_file({f"{prefix}.lora_A.weight": torch.zeros(4, 64), f"{prefix}.lora_B.weight": torch.zeros(rows, 4)},
+              str(path / "adapter_model.safetensors"))
+    llm = LLM(str(ckpt), num_kv_blocks=16, enable_lora=True)
+    with pytest.raises(LoRAAdapterError, match=why):
+        llm.engine.loras.add("a", str(path))
 
 
 def test_fp8_block_checkpoint_keeps_experts_quantized_and_equals_transformers_dequantised(ckpt, tmp_path):

@@ -12,7 +12,9 @@ two differences from GLM-4.5 (engine/models/glm4_moe.py):
   group), renormalised, unscaled, no shared experts. The bias sits on the block in the
   checkpoint (`block_sparse_moe.e_score_correction_bias`; `mlp.` in transformers 5's names),
   on the router here. Experts are `block_sparse_moe.experts.E.w1/w3/w2` (or the stacked
-  `mlp.experts.gate_up_proj` / `down_proj`), mapped by MoeForCausalLM.
+  `mlp.experts.gate_up_proj` / `down_proj`), mapped by MoeForCausalLM. The router's weight
+  and bias stay float32 (as vLLM runs MiniMax-M2); transformers 5.25 keeps MiniMax's router
+  in the model's dtype, so a bf16 model may pick differently on close calls than it does.
 
 The multi-token-prediction modules some checkpoints carry after the last layer
 (`num_mtp_modules`, `model.layers.N` with N >= num_hidden_layers) are skipped: transformers
