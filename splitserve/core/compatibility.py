@@ -25,6 +25,7 @@ from dataclasses import dataclass
 # key -> the words every refusal uses; the order is the order refusals are looked for in
 FEATURES: dict[str, str] = {
     "tensor-parallel": "tensor parallelism (size > 1)",
+    "expert-parallel": "expert parallelism",
     "lora": "LoRA adapters",
     "cuda-graphs": "CUDA graphs forced on (cuda_graphs=True)",
     "async-scheduling": "async scheduling",
@@ -51,6 +52,8 @@ def refused(reason: str) -> Verdict:
     return Verdict(False, reason)
 
 
+_EP_UNTESTED = "no test has run the two together yet"
+
 # Every unordered pair, once. Flip a pair by editing its line (then regenerate: module docstring).
 PAIRS: dict[tuple[str, str], Verdict] = {
     ("tensor-parallel", "lora"): WORKS,  # adapters sharded like the base weights (engine/lora/sharding.py)
@@ -63,6 +66,20 @@ PAIRS: dict[tuple[str, str], Verdict] = {
     ("tensor-parallel", "mooncake"): WORKS,  # a Mooncake segment per rank's pool shard (kvtransfer/segments.py)
     ("tensor-parallel", "fp8-kv-cache"): WORKS,
     ("tensor-parallel", "quantized"): WORKS,  # a GPTQ/AWQ checkpoint must split in whole groups (its own check)
+    # expert parallelism (engine/parallel/expert_parallel.py) needs tensor parallelism: its own check
+    # (core/expert_parallel.py) refuses it alone
+    ("tensor-parallel", "expert-parallel"): WORKS,
+    ("expert-parallel", "lora"): refused(_EP_UNTESTED),
+    ("expert-parallel", "cuda-graphs"): refused("its all-to-all reads the split sizes on the host in every MoE layer, "
+                                                "which a CUDA graph cannot capture"),
+    ("expert-parallel", "async-scheduling"): refused(_EP_UNTESTED),
+    ("expert-parallel", "ngram"): refused(_EP_UNTESTED),
+    ("expert-parallel", "draft-model"): refused(_EP_UNTESTED),
+    ("expert-parallel", "kv-offload-host"): refused(_EP_UNTESTED),
+    ("expert-parallel", "kv-offload-disk"): refused(_EP_UNTESTED),
+    ("expert-parallel", "mooncake"): refused(_EP_UNTESTED),
+    ("expert-parallel", "fp8-kv-cache"): refused(_EP_UNTESTED),
+    ("expert-parallel", "quantized"): refused(_EP_UNTESTED),
     ("lora", "cuda-graphs"): WORKS,  # adapter slots a static input, deltas gathered by slot (engine/lora/apply.py)
     ("lora", "async-scheduling"): WORKS,  # a decode step's grouping by adapter is known ahead (engine/overlap.py)
     ("lora", "ngram"): WORKS,

@@ -7,6 +7,7 @@ import dataclasses
 
 from splitserve.core.cli_types import positive_int
 from splitserve.core.compatibility import refusal
+from splitserve.core.expert_parallel import expert_parallel_problem
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.core.model_config import CheckpointError, shardable_problem
 from splitserve.core.model_dir import resolve_model as core_resolve_model
@@ -61,6 +62,11 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                    help="shard the model over this many rank processes (gloo on CPU, NCCL on CUDA; "
                         "docs/architecture.md, Tensor parallelism). KV moves between workers of any TP "
                         "sizes (re-sharded by KV heads on arrival) over --kv-backend grpc")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="spread a mixture-of-experts model's experts whole over the --tensor-parallel-size ranks "
+                        "(E/N each), tokens sent to their experts' ranks and back by all-to-all, instead of a "
+                        "slice of every expert on every rank (vLLM's flag; docs/architecture.md, Expert "
+                        "parallelism). Needs -tp > 1 and an MoE model whose expert count N divides")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=positive_int,
                    help=f"token budget of one engine step, prefill chunks and decodes together (default: "
@@ -109,6 +115,7 @@ def flag_features(args: argparse.Namespace) -> set[str]:
         spec = None
     method = spec.method if spec is not None else None
     on = {"tensor-parallel": getattr(args, "tensor_parallel_size", 1) > 1,
+          "expert-parallel": getattr(args, "enable_expert_parallel", False),
           "lora": getattr(args, "enable_lora", False), "async-scheduling": getattr(args, "async_scheduling", False),
           "ngram": method == "ngram", "draft-model": method == "draft_model",
           "kv-offload-host": getattr(args, "kv_offload_gib", 0.0) > 0,
@@ -136,7 +143,12 @@ def async_scheduling_problem(args: argparse.Namespace) -> str | None:
 
 def tensor_parallel_problem(args: argparse.Namespace) -> str | None:
     """Why this checkpoint cannot be split over --tensor-parallel-size ranks, or None (which
-    features combine with tensor parallelism is compatibility_problem's)."""
+    features combine with tensor parallelism is compatibility_problem's); with
+    --enable-expert-parallel, why its experts cannot be spread over them."""
+    if getattr(args, "enable_expert_parallel", False):
+        why = expert_parallel_problem(served_config(getattr(args, "model", None)), args.tensor_parallel_size)
+        if why:
+            return f"--enable-expert-parallel: {why}"
     cfg = served_config(getattr(args, "model", None)) if args.tensor_parallel_size > 1 else None
     why = shardable_problem(cfg, args.tensor_parallel_size) if cfg is not None else None
     if cfg is not None and not why:
@@ -169,6 +181,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str, served: str) -
                         quantization=getattr(args, "quantization", None),
                         fp8_activations={"on": True, "off": False}.get(getattr(args, "fp8_activations", "auto")),
                         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                        enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
                         cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else None,
                         async_scheduling=getattr(args, "async_scheduling", False),
                         warm_up=False if getattr(args, "no_warm_up", False) else None, **kv_offload_fields(args),

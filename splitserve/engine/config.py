@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.core.compatibility import refusal
+from splitserve.core.expert_parallel import expert_parallel_problem
 from splitserve.core.gguf_model import find_gguf, prepare_gguf
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
 from splitserve.core.model_dir import served_config
@@ -46,6 +47,9 @@ class EngineConfig:
     async_scheduling: bool = False
     warm_up: bool | None = None  # throwaway requests at start-up compile the kernels (engine/warmup.py); None: CUDA
     tensor_parallel_size: int = 1  # ranks (processes) the model is sharded over (engine/parallel/)
+    # MoE experts spread whole over those ranks, tokens sent to them by all-to-all (engine/parallel/
+    # expert_parallel.py; vLLM's --enable-expert-parallel); off: every rank holds a slice of every expert
+    enable_expert_parallel: bool = False
     kv_offload_bytes: int = 0  # host-memory KV tier under the device pool (engine/kv_offload/); 0: none
     kv_offload_dir: str | None = None  # disk KV tier: a directory for block files; None: none
     kv_offload_dir_bytes: int = 0  # ... and its size
@@ -78,6 +82,10 @@ class EngineConfig:
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.enable_expert_parallel:
+            problem = expert_parallel_problem(served_config(self.model), self.tensor_parallel_size)
+            if problem:
+                raise ValueError(f"enable_expert_parallel: {problem}")
         check_offload(self)
         self.speculative_config = parse_speculative_config(self.speculative_config, self.model)
         problem = refusal(self.features)  # which features combine: core/compatibility.py
@@ -94,7 +102,8 @@ class EngineConfig:
         """The core/compatibility.py features this configuration turns on (Mooncake is a
         worker's --kv-backend, not the engine's: engine/args.py adds it)."""
         method = self.speculative_config.method if isinstance(self.speculative_config, SpeculativeConfig) else None
-        on = {"tensor-parallel": self.tensor_parallel_size > 1, "lora": self.enable_lora,
+        on = {"tensor-parallel": self.tensor_parallel_size > 1, "expert-parallel": self.enable_expert_parallel,
+              "lora": self.enable_lora,
               "cuda-graphs": self.cuda_graphs is True, "async-scheduling": self.async_scheduling,
               "ngram": method == "ngram", "draft-model": method == "draft_model",
               "kv-offload-host": self.kv_offload_bytes > 0, "kv-offload-disk": self.kv_offload_dir is not None,

@@ -163,6 +163,8 @@ def engine_args(spec: InferenceSpec, role: RoleSpec) -> list[str]:
         args += ["--kv-cache-memory", f"{role.kv_cache_memory_gib:g}"]
     if role.tensor_parallel_size > 1:  # the worker's engine starts its rank processes in the same pod
         args += ["--tensor-parallel-size", str(role.tensor_parallel_size)]
+        if spec.expert_parallel:  # experts spread over those ranks (a role of one rank has all of them)
+            args += ["--enable-expert-parallel"]
     args += kv_offload_args(role.kv_offload)  # its disk tier's volume: the role's pods mount it (kv_offload_mounts)
     if spec.kv_cache_dtype != "auto":  # prefill and decode workers must agree: one field for both
         args += ["--kv-cache-dtype", spec.kv_cache_dtype]

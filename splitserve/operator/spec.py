@@ -107,6 +107,8 @@ class InferenceSpec:
     kv_cache_dtype: str = "auto"  # spec.engine.kvCacheDtype: every worker's --kv-cache-dtype
     speculative: str = ""  # spec.engine.speculative as the decode workers' --speculative-config JSON; "": off
     async_scheduling: bool = False  # spec.engine.asyncScheduling: the decode workers' --async-scheduling
+    # spec.engine.expertParallel: --enable-expert-parallel on the roles with tensorParallelSize > 1
+    expert_parallel: bool = False
     fp8_activations: str = "auto"  # spec.engine.fp8Activations: every worker's --fp8-activations
     loras: LoRASpec = field(default_factory=LoRASpec)  # spec.loras: adapters both worker roles load (spec_lora.py)
     kv_backend: str = "grpc"
@@ -261,9 +263,13 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
     speculative = speculative_flag(engine.get("speculative"), problems)
     loras = parse_loras(spec, model, problems)
     async_scheduling = bool_field(engine, "asyncScheduling", False, "spec.engine", problems)
+    expert_parallel = bool_field(engine, "expertParallel", False, "spec.engine", problems)
+    if expert_parallel and prefill.tensor_parallel_size == decode.tensor_parallel_size == 1:
+        problems.append("spec.engine.expertParallel spreads a MoE model's experts over a role's tensor-parallel "
+                        "ranks: set tensorParallelSize > 1 on prefill or decode")
     # the feature pairs the engine refuses, in its words (core/compatibility.py; the CRD's rules are generated)
     problems += compatibility_problems({"prefill": prefill, "decode": decode}, bool(loras.modules), speculative,
-                                       async_scheduling, kv_backend, kv_cache_dtype)
+                                       async_scheduling, kv_backend, kv_cache_dtype, expert_parallel)
     fp8_activations = str(engine.get("fp8Activations", "auto"))
     if fp8_activations not in ("auto", "on", "off"):
         problems.append(f"spec.engine.fp8Activations must be auto, on or off, got {fp8_activations!r}")
@@ -274,6 +280,7 @@ def parse_spec(name: str, namespace: str, spec: dict[str, Any], default_image: s
         image_pull_policy=str(image_d.get("pullPolicy", "IfNotPresent")), model=model, router=router,
         prefill=prefill, decode=decode, autoscaling=autoscaling, block_size=block_size,
         kv_cache_dtype=kv_cache_dtype, speculative=speculative, loras=loras, async_scheduling=async_scheduling,
+        expert_parallel=expert_parallel,
         fp8_activations=fp8_activations,
         kv_backend=kv_backend, rdma_device=rdma_device, redis_url=redis_url, redis_url_secret=redis_url_secret,
         tls_issuer=tls_issuer, redis_image=str(redis.get("image", "redis:7.4-alpine")),

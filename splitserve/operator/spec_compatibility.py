@@ -4,7 +4,8 @@ pairs, and the CRD's CEL rules for them, generated here so they cannot drift fro
 
 Per role, as render_common.engine_args passes the flags: tensorParallelSize and kvOffload are
 the role's own; loras, kvTransfer.backend and engine.kvCacheDtype reach both roles;
-engine.speculative and engine.asyncScheduling only the decode workers. CUDA graphs cannot be
+engine.speculative and engine.asyncScheduling only the decode workers; engine.expertParallel
+the roles whose tensorParallelSize is above 1. CUDA graphs cannot be
 forced on from a spec, and a quantized checkpoint is only known inside the pods (no pair with
 it is refused today): neither has a field here.
 
@@ -29,10 +30,11 @@ INDENT = " " * 16  # spec's x-kubernetes-validations items in the CRD
 
 def role_features(role: str, tensor_parallel_size: int, host_gib: float, disk_gib: float, loras: bool,
                   speculative_method: str | None, async_scheduling: bool, kv_backend: str,
-                  kv_cache_dtype: str) -> set[str]:
+                  kv_cache_dtype: str, expert_parallel: bool = False) -> set[str]:
     """The features one role's workers run with (role: prefill or decode)."""
     decode = role == "decode"
-    on = {"tensor-parallel": tensor_parallel_size > 1, "lora": loras,
+    on = {"tensor-parallel": tensor_parallel_size > 1, "expert-parallel": expert_parallel and tensor_parallel_size > 1,
+          "lora": loras,
           "async-scheduling": decode and async_scheduling,
           "ngram": decode and speculative_method == "ngram", "draft-model": decode and speculative_method == "draft_model",
           "kv-offload-host": host_gib > 0, "kv-offload-disk": disk_gib > 0, "mooncake": kv_backend == "mooncake",
@@ -41,7 +43,7 @@ def role_features(role: str, tensor_parallel_size: int, host_gib: float, disk_gi
 
 
 def compatibility_problems(roles: dict, loras: bool, speculative: str, async_scheduling: bool, kv_backend: str,
-                           kv_cache_dtype: str) -> list[str]:
+                           kv_cache_dtype: str, expert_parallel: bool = False) -> list[str]:
     """The table's line for every refused pair some role would run with (once each); `roles`
     maps prefill / decode to its RoleSpec, `speculative` is the decode workers' JSON ("": off)."""
     method = json.loads(speculative).get("method") if speculative else None
@@ -49,7 +51,7 @@ def compatibility_problems(roles: dict, loras: bool, speculative: str, async_sch
     for name in ROLES:
         role = roles[name]
         features = role_features(name, role.tensor_parallel_size, role.kv_offload.host_gib, role.kv_offload.disk_gib,
-                                 loras, method, async_scheduling, kv_backend, kv_cache_dtype)
+                                 loras, method, async_scheduling, kv_backend, kv_cache_dtype, expert_parallel)
         found += [line for line in refusals(features) if line not in found]
     return found
 
@@ -58,8 +60,10 @@ def _condition(feature: str, role: str) -> str | None:
     """CEL over spec (`self`), true when `role`'s workers run with `feature`; None: no field says it."""
     r = f"self.{role}"
     engine = "has(self.engine) && has(self.engine.{0})"
+    tensor_parallel = f"has({r}) && has({r}.tensorParallelSize) && {r}.tensorParallelSize > 1"
     return {
-        "tensor-parallel": f"has({r}) && has({r}.tensorParallelSize) && {r}.tensorParallelSize > 1",
+        "tensor-parallel": tensor_parallel,
+        "expert-parallel": engine.format("expertParallel") + f" && self.engine.expertParallel && {tensor_parallel}",
         "lora": "has(self.loras) && size(self.loras) > 0",
         "async-scheduling": (engine.format("asyncScheduling") + " && self.engine.asyncScheduling")
         if role == "decode" else None,

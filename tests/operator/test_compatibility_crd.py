@@ -35,6 +35,8 @@ def spec_part(feature: str, role: str) -> dict | None:
               "fp8-kv-cache": {"kvCacheDtype": "fp8"}}
     if feature in engine:
         return {"engine": engine[feature]}
+    if feature == "expert-parallel":  # on the roles with tensor parallelism
+        return {"engine": {"expertParallel": True}, role: {"tensorParallelSize": 2}}
     return {"tensor-parallel": {role: {"tensorParallelSize": 2}},
             "lora": {"loras": LORAS},
             "kv-offload-host": {role: {"kvOffload": {"hostGiB": 1}}},
@@ -86,7 +88,7 @@ def parse_flags(argv: list[str]) -> argparse.Namespace:
     return ap.parse_known_args(argv)[0]
 
 
-PER_ROLE = {"tensor-parallel", "kv-offload-host", "kv-offload-disk"}  # each role's own fields
+PER_ROLE = {"tensor-parallel", "expert-parallel", "kv-offload-host", "kv-offload-disk"}  # each role's own fields
 
 
 def cases() -> list[tuple[str, str, str]]:
@@ -121,6 +123,8 @@ def test_the_crd_and_the_operator_refuse_exactly_the_refused_pairs(schema, minim
             args = parse_flags(argv)
             assert compatibility_problem(args) is None, (name, argv)
             features = {a, b} - (decode_only if name == "prefill" else set())
+            if "expert-parallel" in features:  # it runs over tensor-parallel ranks
+                features.add("tensor-parallel")
             if name != role:
                 features -= PER_ROLE
             assert flag_features(args) == features, (name, argv)

@@ -22,8 +22,6 @@ from splitserve.core.model_config import ModelConfig
 from splitserve.engine.models.layers import GatedMLP
 from splitserve.engine.models.moe import SparseMoeBlock
 from splitserve.engine.models.moe_routing import GroupedRouting, grouped_topk
-from splitserve.engine.parallel.state import all_reduce
-from splitserve.kernels import ops
 
 _SHARED = re.compile(r"^mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -57,11 +55,7 @@ class DeepseekMoeBlock(SparseMoeBlock):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        if self.experts is not None:
-            routed = self.experts(x, weights, ids)
-        else:
-            routed = ops.fused_moe(x, self.w13, self.w2, weights, ids)
-        routed = all_reduce(routed)  # partial sums at tp > 1 (the shared experts reduce their own)
+        routed = self.routed(x, weights, ids)  # whole on every rank (the shared experts reduce their own)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
     def shared_expert_target(self, rest: str) -> tuple[str, slice | None] | None:

@@ -16,6 +16,9 @@ loader's shape check, which names both shapes.
 A quantized checkpoint's experts stay quantized: the loader swaps the stacks for
 QuantizedExperts (engine/models/quant_moe.py, one QuantizedLinear per expert projection)
 when the block's first quantized expert tensor arrives.
+
+Under expert parallelism (engine/parallel/expert_parallel.py) the stacks hold this rank's
+E/N experts whole, and the checkpoint's expert ids are mapped to local ones (local_target).
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ from splitserve.core.model_config import ModelConfig
 from splitserve.engine.models.layers import GatedMLP
 from splitserve.engine.models.llama import DecoderLayer, LlamaForCausalLM
 from splitserve.engine.models.quant_moe import QuantizedExperts
+from splitserve.engine.parallel.expert_parallel import (
+    expert_intermediate,
+    expert_parallel_moe,
+    local_experts,
+)
 from splitserve.engine.parallel.state import all_reduce, tp
 from splitserve.kernels import ops
 from splitserve.kernels.moe_reference import select_experts
@@ -47,16 +55,19 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        experts, inter = cfg.num_experts, cfg.moe_intermediate_size // tp().size  # this rank's slice
+        # tensor-parallel: a slice of every expert; expert-parallel: this rank's experts whole
+        experts, inter = local_experts(cfg, tp())[1], expert_intermediate(cfg, tp())
+        self.local_experts = experts
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
         # transformers' Qwen3-MoE rounds the routing weights to the activation dtype before
         # applying them; Mixtral applies them in float32 (identical in float32).
         self.round_weights = cfg.family == "qwen3_moe"
-        self.gate = nn.Linear(cfg.hidden_size, experts, bias=False)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # routes to all experts
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, cfg.hidden_size))
         self.w2 = nn.Parameter(torch.empty(experts, cfg.hidden_size, inter))
         self.experts: QuantizedExperts | None = None  # instead of w13 / w2: quantize_experts()
+        self.expert_tokens: torch.Tensor | None = None  # [num_experts] counts (engine/expert_tokens.py)
 
     def quantize_experts(self) -> QuantizedExperts:
         """Replace the float stacks w13 and w2 by (empty) QuantizedExperts of the same shapes."""
@@ -69,9 +80,21 @@ class SparseMoeBlock(nn.Module):
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
         if self.round_weights:
             weights = weights.to(x.dtype)
+        return self.routed(x, weights, ids)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output, whole on every rank."""
+        if self.expert_tokens is not None:  # on the device: read at the stats interval
+            chosen = ids.reshape(-1)
+            self.expert_tokens.index_add_(0, chosen, torch.ones_like(chosen, dtype=torch.int64))
+        if tp().expert_parallel:
+            return expert_parallel_moe(x, weights, ids, self.local_experts, self.run_experts)
+        return all_reduce(self.run_experts(x, weights, ids))  # partial sums at tp > 1
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.experts is not None:
-            return all_reduce(self.experts(x, weights, ids))
-        return all_reduce(ops.fused_moe(x, self.w13, self.w2, weights, ids))  # partial sums at tp > 1
+            return self.experts(x, weights, ids)
+        return ops.fused_moe(x, self.w13, self.w2, weights, ids)
 
 
 def expert_weight_target(rest: str, intermediate: int) -> tuple[str, tuple | None] | None:
@@ -102,7 +125,20 @@ class MoeForCausalLM(LlamaForCausalLM):
     def weight_target(self, name: str) -> tuple[str, slice | tuple | None] | None:
         m = _LAYER.match(name)
         if m and int(m.group(1)) in self.cfg.moe_layers:
-            target = expert_weight_target(m.group(2), self.cfg.moe_intermediate_size // tp().size)
+            target = expert_weight_target(m.group(2), expert_intermediate(self.cfg, tp()))
             if target is not None:
-                return f"layers.{m.group(1)}.{target[0]}", target[1]
+                target = local_target(target, *local_experts(self.cfg, tp()))
+                return None if target is None else (f"layers.{m.group(1)}.{target[0]}", target[1])
         return super().weight_target(name)
+
+
+def local_target(target: tuple[str, tuple | None], first: int, count: int) -> tuple[str, tuple | None] | None:
+    """An expert's part with its id made this rank's (expert - first); None: another rank's
+    expert (expert parallelism; the loader read nothing of it). A stacked tensor arrives as
+    this rank's rows already (parallel/sharding.py)."""
+    param, index = target
+    if not isinstance(index, tuple):
+        return target
+    if not first <= index[0] < first + count:
+        return None
+    return param, (index[0] - first, *index[1:])

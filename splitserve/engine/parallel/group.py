@@ -72,7 +72,7 @@ class TensorParallelGroup:
         if torch.device(self.cfg.device).type == "cpu":
             torch.set_num_threads(cpu_threads(self.size))
         self.wait_for_ranks()
-        init_tensor_parallel(0, self.size, self.store, self.cfg.device)
+        init_tensor_parallel(0, self.size, self.store, self.cfg.device, self.cfg.enable_expert_parallel)
         self.running = True
         log.info("tensor-parallel engine: %d ranks over %s (rank processes %s)", self.size,
                  "nccl" if torch.device(self.cfg.device).type == "cuda" else "gloo",

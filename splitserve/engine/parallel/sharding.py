@@ -10,7 +10,9 @@ ranges, local sizes and the slice of each checkpoint tensor this rank loads.
   parallel experts), not whole experts (expert-parallel): the router's choices then need no
   token exchange between ranks, the load is even whatever the routing, and the MLP's one
   all-reduce is the same as a dense layer's. Expert parallelism pays off at expert counts
-  and batch sizes far above what one worker sees.
+  and batch sizes far above what one worker sees; it is opt-in (--enable-expert-parallel,
+  parallel/expert_parallel.py): each rank then reads its E/size experts whole and nothing of
+  the others' (expert_checkpoint_shard).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.core.model_config import CheckpointError, ModelConfig, shardable_problem
+from splitserve.engine.parallel.expert_parallel import local_experts
 from splitserve.engine.parallel.state import TPState
 from splitserve.kernels.quant_weight import QuantizedWeight
 
@@ -74,6 +77,7 @@ def check_shardable(cfg: ModelConfig, size: int, source: str) -> None:
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _PREFIX = r"(?:mlp|block_sparse_moe)"
 _EXPERT_ROWS = re.compile(rf"^{_PREFIX}\.experts\.\d+\.(?:w1|w3|gate_proj|up_proj)$")
+_EXPERT = re.compile(rf"^{_PREFIX}\.experts\.(\d+)\.(?:w1|w3|w2|gate_proj|up_proj|down_proj)$")
 _EXPERT_COLS = re.compile(rf"^{_PREFIX}\.experts\.\d+\.(?:w2|down_proj)$")
 _STACKED = re.compile(rf"^model\.layers\.\d+\.{_PREFIX}\.experts\.(?:gate_up_proj|down_proj)$")
 
@@ -85,6 +89,8 @@ def checkpoint_shard(name: str, cfg: ModelConfig, t: TPState) -> Shard | None:
         return None
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return Shard(0, *vocab_rows(cfg.vocab_size, t))
+    if t.expert_parallel and is_routed_expert(name):
+        return expert_checkpoint_shard(name, cfg, t)
     if _STACKED.match(name):
         raise CheckpointError(f"tensor '{name}': stacked expert tensors cannot be split per rank yet "
                               "(save the checkpoint with one tensor per expert)")
@@ -131,6 +137,26 @@ def _mla_shard(module: str, kind: str, cfg: ModelConfig, t: TPState) -> Shard | 
     if module == "self_attn.o_proj":
         return Shard(1, first * cfg.v_head_dim, n * cfg.v_head_dim) if kind == "weight" else None
     return None  # q_a_proj, kv_a_proj_with_mqa, q_a_layernorm, kv_a_layernorm
+
+
+NOTHING = Shard(0, 0, 0)  # another rank's expert: not read (the model's weight_target skips it)
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether checkpoint tensor `name` is a routed expert's (one expert's or a stacked one)."""
+    m = _LAYER.match(name)
+    return bool(_STACKED.match(name) or (m and _EXPERT.match(m.group(2))))
+
+
+def expert_checkpoint_shard(name: str, cfg: ModelConfig, t: TPState) -> Shard | None:
+    """Under expert parallelism, the part of routed expert tensor `name` this rank reads:
+    its own experts' rows of a stacked tensor, all of its own experts' tensors (None), and
+    NOTHING of another rank's expert."""
+    first, count = local_experts(cfg, t)
+    if _STACKED.match(name):
+        return Shard(0, first, count)
+    expert = int(_EXPERT.match(_LAYER.match(name).group(2)).group(1))
+    return None if first <= expert < first + count else NOTHING
 
 
 ShardOf = Callable[[str], "Shard | None"]  # checkpoint name -> this rank's part

@@ -1,5 +1,6 @@
-"""This process's place in the tensor-parallel group: its rank, the group's size, and the
-two collectives the sharded layers need (all-reduce, all-gather).
+"""This process's place in the tensor-parallel group: its rank, the group's size, whether
+its MoE experts are spread whole over the ranks (expert parallelism), and the collectives
+the sharded layers need (all-reduce, all-gather; all-to-all for expert parallelism).
 
 One group per engine, so module state (as in nano-vllm and vLLM): the layers read it when
 they are built and when they run, and a single-process engine (tp=1) never touches
@@ -19,6 +20,7 @@ import torch.distributed as dist
 class TPState:
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False  # MoE experts whole, E/size per rank (parallel/expert_parallel.py)
 
 
 _state = TPState()
@@ -33,7 +35,7 @@ def tp() -> TPState:
     return _state
 
 
-def init_tensor_parallel(rank: int, size: int, store: dist.Store, device: str) -> None:
+def init_tensor_parallel(rank: int, size: int, store: dist.Store, device: str, expert_parallel: bool = False) -> None:
     """Join the group over `store` (every rank calls this). No collective times out: a worker
     rank waits for the next step as long as rank 0 is idle, and rank 0 waits for a frozen rank
     until it thaws (each rank's heartbeat tells the worker meanwhile: group.silence); a dead
@@ -42,7 +44,7 @@ def init_tensor_parallel(rank: int, size: int, store: dist.Store, device: str) -
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=NO_TIMEOUT)
     _host_group = dist.new_group(backend="gloo", timeout=NO_TIMEOUT) if backend == "nccl" else None
-    _state = TPState(rank, size)
+    _state = TPState(rank, size, expert_parallel)
 
 
 def destroy_tensor_parallel() -> None:
@@ -69,6 +71,15 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     with _peers_alive():
         dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=dim)
+
+
+def all_to_all(x: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
+    """Rows of `x` to the ranks (send_rows[r] consecutive rows to rank r, in rank order), and
+    the rows every rank sent this one (recv_rows[r] from rank r, in rank order)."""
+    out = x.new_empty((sum(recv_rows), *x.shape[1:]))
+    with _peers_alive():
+        dist.all_to_all_single(out, x.contiguous(), recv_rows, send_rows)
+    return out
 
 
 class RankLost(RuntimeError):

@@ -92,7 +92,7 @@ def run_rank(rank: int, size: int, port: int, cfg: EngineConfig, max_model_len: 
         torch.set_num_threads(cpu_threads(size))
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=NO_TIMEOUT)
     store.set(f"joined{rank}", "1")  # rank 0 waits for these, watching that this process lives
-    init_tensor_parallel(rank, size, store, cfg.device)
+    init_tensor_parallel(rank, size, store, cfg.device, cfg.enable_expert_parallel)
     try:
         runner, error = ModelRunner(ModelConfig.from_dir(cfg.model), cfg, max_model_len), None
         lora = rank_lora(runner, cfg)
