@@ -83,6 +83,12 @@ class Metrics:
             "reached the host (--async-scheduling); flat while the flag is on means every step drained (requests "
             "with penalties or grammars, or a prompt to prefill, in every step).",
             ["role", "worker"], registry=r)
+        # one series per (MoE layer, expert): the input of an expert-load balancer. Counted on the device,
+        # copied to the host once a second at most (engine/expert_tokens.py); dense models export none
+        self.moe_expert_tokens = Counter(
+            "splitserve_moe_expert_tokens", "Tokens the router sent to each expert of each mixture-of-experts "
+            "layer (a token counts once per expert it chose, top-k times in all).",
+            ["role", "worker", "layer", "expert"], registry=r)
         # KV offload tiers under a worker's device pool (engine/kv_offload/), and peer pulls.
         self.kv_offload_stored_blocks = Counter(
             "splitserve_kv_offload_stored_blocks_total", "Prefix-cache blocks written down to an offload tier "
@@ -300,6 +306,14 @@ def sync_lora(metrics: Metrics, role: str, worker: str, loras) -> None:
         metrics.lora_resident.remove(role, worker, gone)
     synced.clear()
     synced.update(names)
+
+
+def sync_expert_tokens(metrics: Metrics, role: str, worker: str, counts) -> None:
+    """An engine's tokens per expert (EngineStats.expert_tokens: (layer, counts) per MoE layer)."""
+    for layer, per_expert in counts:
+        for expert, total in enumerate(per_expert):
+            metrics.advance(metrics.moe_expert_tokens,
+                            {"role": role, "worker": worker, "layer": str(layer), "expert": str(expert)}, total)
 
 
 def sync_kv_offload(metrics: Metrics, role: str, worker: str, stats) -> None:

@@ -131,6 +131,7 @@ class LLMEngine(RequestIntake, Disaggregation, LoRAEngine, PeerPrefix):
                            kv_offload=self.offloader.stats() if self.offloader is not None else None,
                            spec_decode=self.speculator.stats.snapshot() if self.speculator is not None else None,
                            overlapped_steps=self.overlap.steps if self.overlap is not None else 0,
+                           expert_tokens=self.runner.expert_tokens.snapshot(),
                            taken_at=time.time())
 
     # ---- the loop ---------------------------------------------------------------------

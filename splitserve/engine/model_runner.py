@@ -18,6 +18,7 @@ import torch
 from splitserve.core.model_config import FULL, SLIDING, ModelConfig
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import DecodeGraphs
+from splitserve.engine.expert_tokens import ExpertTokenCounts
 from splitserve.engine.kv_cache import FP8, KVCachePool, KVCacheSpec, num_blocks_for_memory
 from splitserve.engine.kv_scales import read_kv_scales
 from splitserve.engine.models.layers import AttentionMetadata
@@ -72,6 +73,8 @@ class ModelRunner:
             from splitserve.engine.lora.layers import lora_layers
 
             self.lora = lora_layers(self.model, cfg.max_loras, cfg.max_lora_rank, cfg.torch_dtype, self.device)
+        # tokens per expert of each MoE layer, counted on the device by rank 0 (before any capture)
+        self.expert_tokens = ExpertTokenCounts(self.model, self.device) if tp().rank == 0 else None
         self.decode_graphs: DecodeGraphs | None = None
         # quantized experts read their token counts on the host: no capture (models/quant_moe.py)
         if cfg.use_cuda_graphs and not has_quantized_experts(self.model):

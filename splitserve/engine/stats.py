@@ -31,6 +31,9 @@ class EngineStats:
     kv_offload: object = None  # OffloadStats of the host/disk tiers (engine/kv_offload/stats.py); None: no tiers
     spec_decode: object = None  # SpecDecodeStats (engine/spec/speculator.py); None: no speculation
     overlapped_steps: int = 0  # decode steps launched ahead (--async-scheduling, engine/overlap.py)
+    # per MoE layer: (layer, tokens routed to each expert so far), copied from the device at most once a
+    # second (engine/expert_tokens.py); (): a dense model
+    expert_tokens: tuple[tuple[int, tuple[int, ...]], ...] = ()
     # time.time() of the snapshot: it counts every request handed to the engine before then
     # (a worker adds what it handed over since: worker_base/worker.py). Not compared: a
     # snapshot that differs only in its time is not sent again.

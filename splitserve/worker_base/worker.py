@@ -34,7 +34,7 @@ from splitserve.engine.handle import EngineHandle
 from splitserve.engine.heap import freeze_startup_heap
 from splitserve.engine.llm_engine import LLMEngine, RequestOutput
 from splitserve.engine.stats import EngineStats
-from splitserve.metrics import Metrics, sync_kv_offload, sync_lora
+from splitserve.metrics import Metrics, sync_expert_tokens, sync_kv_offload, sync_lora
 from splitserve.proto.convert import pb
 from splitserve.worker_base.config import WorkerConfig, advertised_host
 
@@ -180,6 +180,8 @@ class WorkerBase(abc.ABC):
             m.sync_spec_decode(self.role, self.worker_id, s.spec_decode)
         if s.kv_offload is not None:  # host / disk tiers (engine/kv_offload/)
             sync_kv_offload(m, self.role, self.worker_id, s.kv_offload)
+        if s.expert_tokens:  # tokens per expert of a MoE model (engine/expert_tokens.py)
+            sync_expert_tokens(m, self.role, self.worker_id, s.expert_tokens)
         m.num_requests_waiting.labels(**labels).set(waiting)
         m.num_requests_running.labels(**labels).set(s.running)
         m.kv_cache_usage.labels(**labels).set(s.kv_usage)

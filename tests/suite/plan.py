@@ -58,6 +58,7 @@ SLOW = {
     # these took test-fast from 127 s to over 11 minutes here; `make test` runs them)
     "tests/engine/test_tensor_parallel.py",
     "tests/engine/test_glm4_moe_tensor_parallel.py",
+    "tests/engine/test_expert_parallel_tensor_parallel.py",
     "tests/engine/test_deepseek_v3_tensor_parallel.py",
     "tests/e2e/test_mla_disaggregated.py",
     "tests/engine/test_minimax_m2_tensor_parallel.py",
