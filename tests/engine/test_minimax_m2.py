@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -83,34 +84,43 @@ def test_routing_equals_transformers_router_and_the_bias_decides():
     assert not torch.equal(grouped_topk(logits, None, r)[1].sort(dim=-1).values, order_got.values)
 
 
-@pytest.mark.parametrize("heads", [4, 1])  # 1: one KV head, replicated on both ranks
-def test_whole_projection_norm_equals_transformers_also_split_over_two_ranks(monkeypatch, heads):
-    """Each rank normalises its half of the heads with the sum of squares of all of them (a
-    fake 2-rank all-reduce: each rank's partial sums recorded, then added)."""
+@pytest.mark.parametrize("kv_heads", [2, 1])  # 1: the one KV head replicated on both ranks
+def test_whole_projection_norms_equal_transformers_also_split_over_two_ranks(monkeypatch, kv_heads):
+    """Each rank normalises its half of the q heads (and its KV heads) with the sums of squares
+    of all of them: a fake 2-rank all-reduce records each rank's partial sums, then adds them."""
     from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2RMSNorm
 
     torch.manual_seed(2)
-    d, x = 8, torch.randn(5, heads, 8)
-    hf = MiniMaxM2RMSNorm(heads * d, 1e-6)
-    with torch.no_grad():
-        hf.weight.copy_(1 + 0.1 * torch.randn(heads * d))
-    want = hf(x.reshape(5, -1)).view_as(x)
-    whole = minimax_m2.WholeProjectionRMSNorm(heads, d, 0, heads, 1e-6)
-    whole.load_state_dict(hf.state_dict())
-    torch.testing.assert_close(whole(x), want, rtol=0, atol=1e-6)
+    d, shapes = 8, {"q": 4, "k": kv_heads}
+    x = {n: torch.randn(5, h, d) for n, h in shapes.items()}
+    hf = {n: MiniMaxM2RMSNorm(h * d, 1e-6) for n, h in shapes.items()}
+    for norm in hf.values():
+        norm.weight.data.copy_(1 + 0.1 * torch.randn(norm.weight.shape))
+    want = {n: hf[n](x[n].reshape(5, -1)).view_as(x[n]) for n in shapes}
+
+    def norms(heads_of):  # (first, n) of q's and k's heads -> the attention's two norms
+        made = {n: minimax_m2.WholeProjectionRMSNorm(h, d, *heads_of[n], 1e-6) for n, h in shapes.items()}
+        for n, norm in made.items():
+            norm.load_state_dict(hf[n].state_dict())
+        return SimpleNamespace(q_norm=made["q"], k_norm=made["k"])
+
+    whole = minimax_m2.MiniMaxM2Attention.norm_qk(norms({"q": (0, 4), "k": (0, kv_heads)}), x["q"], x["k"])
+    for got, n in zip(whole, "qk", strict=True):
+        torch.testing.assert_close(got, want[n], rtol=0, atol=1e-6)
 
     partials: dict[int, torch.Tensor] = {}
-    ranks = [(r, *((r * heads // 2, heads // 2) if heads > 1 else (0, 1))) for r in (0, 1)]  # (rank, first, n)
     for phase in ("record", "reduce"):
-        for rank, first, n in ranks:
+        for rank in (0, 1):
+            heads = {"q": (2 * rank, 2), "k": (rank, 1) if kv_heads == 2 else (0, 1)}
             monkeypatch.setattr(minimax_m2, "tp", lambda rank=rank: TPState(rank, 2))
             monkeypatch.setattr(minimax_m2, "all_reduce", (lambda s, rank=rank: partials.setdefault(rank, s))
                                 if phase == "record" else (lambda s: partials[0] + partials[1]))
-            norm = minimax_m2.WholeProjectionRMSNorm(heads, d, first, n, 1e-6)
-            norm.load_state_dict(hf.state_dict())
-            got = norm(x[:, first:first + n].contiguous())
+            mine = {n: x[n][:, f:f + c] for n, (f, c) in heads.items()}
+            got = minimax_m2.MiniMaxM2Attention.norm_qk(norms(heads), mine["q"], mine["k"])
             if phase == "reduce":
-                torch.testing.assert_close(got, want[:, first:first + n], rtol=0, atol=1e-6)
+                for g, n in zip(got, "qk", strict=True):
+                    f, c = heads[n]
+                    torch.testing.assert_close(g, want[n][:, f:f + c], rtol=0, atol=1e-6)
 
 
 def test_config_reads_what_transformers_builds(ckpt):

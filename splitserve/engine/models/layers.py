@@ -91,7 +91,7 @@ class Attention(nn.Module):
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.norm_qk(q, k)
         q = ops.rotary_and_store_kv(q, k, v, *ropes[self.rope_kind], k_cache, v_cache, meta.slot_mapping,
                                     self.k_scale, self.v_scale)
         p = meta.num_prefill_tokens
@@ -105,6 +105,10 @@ class Attention(nn.Module):
                                                 meta.decode_seq_lens, self.scale, **opts)
         out = prefill if p == n else decode if p == 0 else torch.cat([prefill, decode])
         return self.o_proj(out.reshape(n, self.q_size))
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [tokens, heads, head_dim] and k normalised per head (MiniMax-M2: over all heads)."""
+        return self.q_norm(q), self.k_norm(k)
 
 
 class GatedMLP(nn.Module):

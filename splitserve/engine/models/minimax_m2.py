@@ -5,8 +5,8 @@ two differences from GLM-4.5 (engine/models/glm4_moe.py):
 - the q and k RMSNorms span the whole projection (`q_norm` has num_heads * head_dim
   weights, `k_norm` num_kv_heads * head_dim), not each head: the mean square of a token's
   q is over all its heads. Under tensor parallelism a rank holds some heads only, so the
-  ranks add up their per-token partial sums of squares (one all-reduce each for q and k)
-  before normalising; the norm weights are loaded whole and each rank reads its heads' part.
+  ranks add up their per-token partial sums of squares (one all-reduce for q's and k's
+  together) before normalising; the norm weights load whole, each rank reads its heads' part.
 - routing is the DeepSeek-style block (engine/models/deepseek_moe.py) with what MiniMax
   sets: sigmoid scores, `e_score_correction_bias` for the choice only, a plain top-k (one
   group), renormalised, unscaled, no shared experts. The bias sits on the block in the
@@ -42,8 +42,9 @@ _BIAS = re.compile(r"^(?:mlp|block_sparse_moe)\.e_score_correction_bias$")
 
 
 class WholeProjectionRMSNorm(nn.Module):
-    """RMSNorm over all `heads` heads of a projection at once. The weight is the whole
-    projection's on every rank; this rank's heads are `local` heads from head `first`."""
+    """RMSNorm over all `heads` heads of a projection at once (transformers' MiniMaxM2RMSNorm
+    of heads * head_dim). The weight is the whole projection's on every rank; this rank's
+    heads are `local` heads from head `first`."""
 
     def __init__(self, heads: int, head_dim: int, first: int, local: int, eps: float):
         super().__init__()
@@ -52,26 +53,37 @@ class WholeProjectionRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, local heads, head_dim] (what Attention.forward normalises)."""
-        flat = x.reshape(x.shape[0], -1)
-        if tp().size == 1:
-            return ops.rms_norm(flat, self.weight, self.eps).view_as(x)
-        # Every rank holds `width` values per token, a KV head replicated over r ranks counted
-        # r times: the summed squares over size * width values are the mean over all heads.
-        xf = flat.float()
-        mean_square = all_reduce(xf.pow(2).sum(-1, keepdim=True)) / (tp().size * self.width)
-        normed = (xf * torch.rsqrt(mean_square + self.eps)).to(x.dtype)  # transformers' rounding order
-        return (self.weight[self.start:self.start + self.width] * normed).view_as(x)
+        """x [tokens, heads, head_dim] holding every head (tp = 1)."""
+        return ops.rms_norm(x.reshape(x.shape[0], -1), self.weight, self.eps).view_as(x)
+
+    def scale(self, x: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
+        """This rank's heads x normalised with `squares` [tokens, 1], the sum over ranks of
+        squares(x). Every rank holds `width` values, a KV head replicated over r ranks is
+        counted r times: that sum over size * width values is the whole projection's mean."""
+        xf = x.reshape(x.shape[0], -1).float()
+        normed = (xf * torch.rsqrt(squares / (tp().size * self.width) + self.eps)).to(x.dtype)
+        return (self.weight[self.start:self.start + self.width] * normed).view_as(x)  # transformers' order
+
+
+def squares(x: torch.Tensor) -> torch.Tensor:
+    """Each token's sum of squares over its heads, float32 [tokens, 1]."""
+    return x.reshape(x.shape[0], -1).float().pow(2).sum(-1, keepdim=True)
 
 
 class MiniMaxM2Attention(Attention):
-    """Attention (layers.py) whose q_norm / k_norm span all heads; the base class calls them
-    on [tokens, heads, head_dim] before rope, and skips its CPU decode fast path for them."""
+    """Attention (layers.py) whose q_norm / k_norm span all heads; the base class calls
+    norm_qk before rope, and skips its CPU decode fast path (which knows no such norm)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)  # cfg.qk_norm is False: no per-head norms made there
         self.q_norm = WholeProjectionRMSNorm(cfg.num_heads, cfg.head_dim, *q_heads(cfg, tp()), cfg.rms_norm_eps)
         self.k_norm = WholeProjectionRMSNorm(cfg.num_kv_heads, cfg.head_dim, *kv_heads(cfg, tp()), cfg.rms_norm_eps)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if tp().size == 1:
+            return self.q_norm(q), self.k_norm(k)
+        summed = all_reduce(torch.cat([squares(q), squares(k)], dim=-1))  # q's and k's in one all-reduce
+        return self.q_norm.scale(q, summed[:, :1]), self.k_norm.scale(k, summed[:, 1:])
 
 
 class MiniMaxM2ForCausalLM(MoeForCausalLM):
