@@ -164,3 +164,21 @@ def test_fp8_block_checkpoint_equals_transformers_dequantised(ckpt, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     for prompt, out in zip(ps, llm.generate(ps, params), strict=True):
         assert out.token_ids == hf_greedy(rdir, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
+
+
+def test_a_lora_on_mla_o_proj_equals_peft_and_latent_projections_are_refused(ckpt, tmp_path):
+    from splitserve.engine.lora.adapter import LoRAAdapterError
+    from splitserve.engine.lora.request import LoRARequest
+    from tests.helpers.lora_adapters import make_adapter, peft_greedy
+
+    adapter = make_adapter(ckpt, tmp_path / "o", seed=3, r=8, alpha=8, targets=("o_proj",))
+    llm = LLM(str(ckpt), num_kv_blocks=64, max_num_batched_tokens=32, enable_lora=True, max_lora_rank=8)
+    prompt = prompts(llm.engine.model_config.vocab_size)[1]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    out = llm.generate([prompt], params, lora_request=LoRARequest("o", 1, str(adapter)))[0]
+    want = peft_greedy(ckpt, adapter, prompt, NEW_TOKENS)
+    assert out.token_ids == want and want != hf_greedy(ckpt, prompt, NEW_TOKENS)  # the adapter changes them
+    latent = make_adapter(ckpt, tmp_path / "latent", seed=4, r=8, alpha=8, targets=("q_a_proj", "kv_b_proj"))
+    with pytest.raises(LoRAAdapterError, match=r"the latent projections of multi-head latent attention are not "
+                                               r"supported \(o_proj and the MLP projections are\)$"):
+        llm.generate([prompt], params, lora_request=LoRARequest("latent", 2, str(latent)))

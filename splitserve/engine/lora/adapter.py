@@ -200,10 +200,22 @@ def _read_adapter(name: str, path: Path, model: nn.Module, max_rank: int) -> LoR
     return adapter
 
 
+# MLA's projections into and out of its latents (engine/models/mla.py): absorbed into other
+# matmuls at decode, so a LoRA delta on them would need the absorption redone per adapter
+MLA_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+
+
+def mla_refusal(name: str, module: str) -> str:
+    return (f"LoRA adapter {name!r}: {module}: the latent projections of multi-head latent attention are not "
+            "supported (o_proj and the MLP projections are)")
+
+
 def _our_part(name: str, module: str, model: nn.Module, targets: dict) -> tuple[str, tuple[int, tuple[int, int]]]:
     """(our module, (position, rows)) that the PEFT module `module` adapts."""
     if ".experts." in module:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {module}: MoE experts are not supported")
+    if model.cfg.kv_lora_rank and module.rpartition(".")[2] in MLA_PROJECTIONS:
+        raise LoRAAdapterError(mla_refusal(name, module))
     target = model.weight_target(module + ".weight")
     ours = target[0].removesuffix(".weight") if target else None
     if ours not in targets:

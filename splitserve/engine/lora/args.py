@@ -12,7 +12,13 @@ from pathlib import Path
 
 from splitserve.core.lora_names import lora_name_problem
 from splitserve.core.model_config import ModelConfig
-from splitserve.engine.lora.adapter import WEIGHTS, LoRAAdapterError, read_config
+from splitserve.engine.lora.adapter import (
+    MLA_PROJECTIONS,
+    WEIGHTS,
+    LoRAAdapterError,
+    mla_refusal,
+    read_config,
+)
 
 
 def add_lora_args(g) -> None:
@@ -45,6 +51,9 @@ def parse_lora_modules(specs: list[str]) -> dict[str, str]:
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) of every projection name PEFT may target in this model's checkpoints."""
     h, i = cfg.hidden_size, cfg.intermediate_size
+    if cfg.kv_lora_rank:  # multi-head latent attention: its o_proj and the MLPs (MLA_PROJECTIONS are refused)
+        return {"o_proj": (cfg.num_heads * cfg.v_head_dim, h), "gate_proj": (h, i), "up_proj": (h, i),
+                "down_proj": (i, h), "gate_up_proj": (h, 2 * i)}
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "qkv_proj": (h, q + 2 * kv),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h), "gate_up_proj": (h, 2 * i)}
@@ -67,6 +76,8 @@ def shape_problem(name: str, path: Path, model_dir: Path) -> str | None:
                 projection = module.rsplit(".", 1)[-1]
                 if ".experts." in module:
                     return f"LoRA adapter {name!r}: {module}: MoE experts are not supported"
+                if cfg.kv_lora_rank and projection in MLA_PROJECTIONS:
+                    return mla_refusal(name, module)
                 if layer is None or int(layer.group(1)) >= cfg.num_layers or projection not in shapes:
                     return (f"LoRA adapter {name!r}: {module} is not an attention or MLP projection of this "
                             "model (wrong base model?)")
