@@ -29,3 +29,16 @@ def test_tp2_greedy_tokens_equal_transformers_and_a_prefix_hit(ckpt):
     for prompt, out in zip(ps, outs, strict=True):
         assert out.token_ids == hf_greedy(ckpt, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
     assert hit.num_cached_tokens >= 32 and hit.token_ids == hf_greedy(ckpt, again, NEW_TOKENS)
+
+
+def test_tp2_with_expert_parallelism_greedy_tokens_equal_transformers(ckpt):
+    """--enable-expert-parallel: rank 0 holds 4 of the 8 routed experts whole (the shared expert
+    and MLA stay tensor-parallel as above)."""
+    with LLM(str(ckpt), num_kv_blocks=64, max_num_batched_tokens=32, tensor_parallel_size=2,
+             enable_expert_parallel=True) as llm:
+        cfg = llm.engine.model_config
+        assert llm.engine.runner.model.layers[1].mlp.w13.shape == (4, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
+        ps = prompts(cfg.vocab_size)
+        outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    for prompt, out in zip(ps, outs, strict=True):
+        assert out.token_ids == hf_greedy(ckpt, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
