@@ -37,6 +37,9 @@ ARCHITECTURES: dict[str, Architecture] = {
                                           "DeepSeek-V3, V3.1, R1, Kimi K2 (multi-head latent attention: one "
                                           "compressed latent cached per token; grouped sigmoid top-8 of 256 "
                                           "experts, a shared expert)"),
+    "DeepseekV32ForCausalLM": Architecture("deepseek_v32", "deepseek_v3", ("deepseek_v32",),
+                                           "DeepSeek-V3.2 (V3's model with DeepSeek sparse attention: a lightning "
+                                           "indexer picks each query's top-2048 tokens)"),
 }
 
 CHECKED_AGAINST = ("transformers' generate on tiny random checkpoints (float32, CPU): greedy tokens identical, "

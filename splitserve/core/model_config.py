@@ -78,6 +78,11 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # rope over (x0, x1), (x2, x3)... pairs (DeepSeek's layout)
+    # DeepSeek sparse attention (DSA: DeepSeek-V3.2; engine/models/dsa.py), index_topk 0 when absent:
+    # a lightning indexer picks each query's index_topk tokens; its key joins the cache row
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
     raw: dict = field(default_factory=dict, repr=False, compare=False)  # config.json, for family extras
 
     @classmethod
@@ -163,7 +168,7 @@ class ModelConfig:
             raw=raw,
             **_moe_fields(raw, family, layers, act, source),
         )
-        if family == "deepseek_v3":
+        if family in ("deepseek_v3", "deepseek_v32"):
             cfg = replace(cfg, **_mla_fields(raw, cfg, source))
         return cfg
 
@@ -248,10 +253,17 @@ def _moe_fields(raw: dict, family: str, layers: int, act: str, source: str) -> d
         return _glm4_moe_fields(raw, layers, act, source)
     elif family == "minimax_m2":
         return _minimax_m2_fields(raw, layers, act, source)
-    elif family == "deepseek_v3":  # transformers' DeepseekV3Config defaults where a field is absent
-        return _glm4_moe_fields(raw, layers, act, source, dict(n_group=8, topk_group=4, n_routed_experts=256,
-                                                               moe_intermediate_size=2048, first_k_dense_replace=3,
-                                                               routed_scaling_factor=2.5))
+    elif family in ("deepseek_v3", "deepseek_v32"):  # transformers' DeepseekV3Config defaults where absent
+        fields = _glm4_moe_fields(raw, layers, act, source, dict(n_group=8, topk_group=4, n_routed_experts=256,
+                                                                 moe_intermediate_size=2048, first_k_dense_replace=3,
+                                                                 routed_scaling_factor=2.5))
+        types = raw.get("mlp_layer_types")  # V3.2 may list them; else first_k_dense_replace decides
+        if types is not None:
+            if not isinstance(types, list) or len(types) != layers or set(types) - {"dense", "sparse"}:
+                raise CheckpointError(f"{source}: field 'mlp_layer_types' must list 'dense' or 'sparse' for each of "
+                                      f"the {layers} layers")
+            fields["moe_layers"] = tuple(i for i, t in enumerate(types) if t == "sparse")
+        return fields
     else:
         return {}
     if sparse and not 0 < top_k <= experts:
@@ -324,8 +336,10 @@ def _mla_fields(raw: dict, cfg: ModelConfig, source: str) -> dict:
         factor = float(params.get("factor") or 1.0)
         mscale = 1.0 if factor <= 1 else 0.1 * float(params["mscale_all_dim"]) * math.log(factor) + 1.0
         scale *= mscale * mscale
-    return dict(**dims, q_lora_rank=int(q_lora or 0), rope=replace(rope, rotary_dim=rope_dim), local_rope=None,
-                num_kv_heads=1, head_dim=dims["kv_lora_rank"] + rope_dim, attn_scale=scale,
+    index = _dsa_fields(raw, rope_dim, q_lora, source) if cfg.family == "deepseek_v32" else {}
+    return dict(**dims, **index, q_lora_rank=int(q_lora or 0), rope=replace(rope, rotary_dim=rope_dim),
+                local_rope=None, num_kv_heads=1, attn_scale=scale,
+                head_dim=dims["kv_lora_rank"] + rope_dim + index.get("index_head_dim", 0),
                 rope_interleave=bool(raw.get("rope_interleave", True)),
                 qkv_bias=bool(raw.get("attention_bias", False)), o_bias=bool(raw.get("attention_bias", False)))
 
@@ -351,9 +365,31 @@ def _minimax_m2_fields(raw: dict, layers: int, act: str, source: str) -> dict:
                 norm_topk_prob=True, moe_layers=tuple(range(layers)), moe_scoring="sigmoid")
 
 
+def _dsa_fields(raw: dict, rope_dim: int, q_lora, source: str) -> dict:
+    """DeepSeek-V3.2's indexer (transformers' defaults when absent): its heads read the query's
+    latent (so q_lora_rank is required), its key (index_head_dim) rotates its first
+    qk_rope_head_dim dims."""
+    out = {}
+    for name, default in (("index_topk", 2048), ("index_n_heads", 64), ("index_head_dim", 128)):
+        value = raw.get(name)
+        value = default if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**20:
+            raise CheckpointError(f"{source}: field '{name}' is {value!r}; it must be a positive integer")
+        out[name] = value
+    if not q_lora:
+        raise CheckpointError(f"{source}: DeepSeek sparse attention's indexer reads the query latent: q_lora_rank "
+                              "must be set")
+    if out["index_head_dim"] < rope_dim:
+        raise CheckpointError(f"{source}: index_head_dim ({out['index_head_dim']}) is smaller than qk_rope_head_dim "
+                              f"({rope_dim}), which its key rotates")
+    return out
+
+
 def _layer_types(raw: dict, family: str, layers: int, window: int | None, source: str) -> tuple[str, ...]:
     """Which layers attend through the sliding window, as transformers decides."""
     types = raw.get("layer_types")
+    if family == "deepseek_v32":  # "indexed_attention" on every layer: DSA is the attention, no window
+        return (FULL,) * layers
     if types is not None:
         if len(types) != layers or set(types) - {FULL, SLIDING}:
             raise CheckpointError(f"{source}: field 'layer_types' must list {FULL!r} or {SLIDING!r} for each of "

@@ -9,6 +9,7 @@ import pytest
 
 from splitserve.engine import LLM, SamplingParams
 from tests.engine.test_deepseek_v3 import NEW_TOKENS, prompts, write_deepseek_v3
+from tests.engine.test_deepseek_v32 import write_deepseek_v32
 from tests.helpers.reference import hf_greedy
 
 
@@ -42,3 +43,17 @@ def test_tp2_with_expert_parallelism_greedy_tokens_equal_transformers(ckpt):
         outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     for prompt, out in zip(ps, outs, strict=True):
         assert out.token_ids == hf_greedy(ckpt, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
+
+
+@pytest.fixture(scope="module")
+def dsa_ckpt(tmp_path_factory):
+    return write_deepseek_v32(tmp_path_factory.mktemp("deepseek_v32_tp") / "float")
+
+
+def test_deepseek_v32_tp2_greedy_tokens_equal_transformers_past_the_top_k(dsa_ckpt):
+    """DeepSeek-V3.2: the indexer replicated on both ranks picks the same 16 tokens for each query."""
+    with LLM(str(dsa_ckpt), num_kv_blocks=64, max_num_batched_tokens=32, tensor_parallel_size=2) as llm:
+        ps = prompts(llm.engine.model_config.vocab_size)
+        outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    for prompt, out in zip(ps, outs, strict=True):
+        assert out.token_ids == hf_greedy(dsa_ckpt, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"

@@ -27,6 +27,9 @@ _ATTENTION = re.compile(r"^model\.layers\.(\d+)\.(self_attn\..+)$")
 
 
 class DeepseekV3ForCausalLM(Glm4MoeForCausalLM):
+    """Also DeepSeek-V3.2 (`DeepseekV32ForCausalLM`): the same model with an indexer in each
+    attention (engine/models/dsa.py), named `self_attn.indexer.*` in its checkpoints."""
+
     def make_layer(self, cfg: ModelConfig, layer: int) -> nn.Module:
         mlp = DeepseekMoeBlock(cfg) if layer in cfg.moe_layers else GatedMLP(cfg)
         return DecoderLayer(cfg, layer, mlp, attention=MlaAttention(cfg, layer))

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from splitserve.core.model_config import ModelConfig
+from splitserve.engine.models.dsa import DsaIndexer, context_exceeds, sparse_mla_attention
 from splitserve.engine.models.layers import AttentionMetadata, RMSNorm
 from splitserve.engine.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from splitserve.engine.parallel.sharding import q_heads
@@ -65,6 +66,7 @@ class MlaAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.lora, cfg.rms_norm_eps)
         self.kv_b_proj = ColumnParallelLinear(self.lora, self.num_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.indexer = DsaIndexer(cfg) if cfg.index_topk else None  # DeepSeek-V3.2's sparse attention
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +87,11 @@ class MlaAttention(nn.Module):
 
     def forward(self, x, ropes, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_b_proj") else self.q_proj(x)
+        if hasattr(self, "q_b_proj"):
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_latent)
+        else:
+            q = self.q_proj(x)
         q = q.view(n, self.num_heads, self.qk_dim)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.lora, self.rope_dim], dim=-1)
@@ -93,11 +99,20 @@ class MlaAttention(nn.Module):
         cos, sin = ropes[self.rope_kind]
         q_pe, k_pe = ops.apply_rotary(self._deinterleave(q_pe).contiguous(),
                                       self._deinterleave(k_pe).reshape(n, 1, self.rope_dim).contiguous(), cos, sin)
-        row = torch.cat([latent.view(n, 1, self.lora), k_pe], dim=-1)  # what the cache keeps
+        parts = [latent.view(n, 1, self.lora), k_pe]
+        if self.indexer is not None:
+            index_q, index_w, index_k = self.indexer.queries_and_key(x, q_latent, cos, sin)
+            parts.append(index_k)
+        row = torch.cat(parts, dim=-1)  # what the cache keeps
         ops.store_kv(row, row, k_cache, k_cache, meta.slot_mapping, self.k_scale, self.k_scale)
         w_uk, w_uv_t = self.absorbed_weights()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [n, heads, lora]
-        query = torch.cat([q_latent, q_pe], dim=-1)
+        query = torch.cat([torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_pe], dim=-1)  # [n, heads, lora + rope]
+        if self.indexer is not None and context_exceeds(meta, self.indexer.topk):
+            out = sparse_mla_attention(query, index_q, index_w, k_cache, meta, self.scale, self.k_scale,
+                                       self.lora + self.rope_dim, self.indexer.dim, self.indexer.topk)
+            return self._output(out, w_uv_t, n)
+        if self.indexer is not None:  # every token selected: the paged kernels, the index key columns zeroed out
+            query = torch.cat([query, query.new_zeros(n, self.num_heads, self.indexer.dim)], dim=-1)
         p = meta.num_prefill_tokens
         opts = dict(k_scale=self.k_scale, v_scale=self.k_scale)
         if p:
@@ -107,6 +122,9 @@ class MlaAttention(nn.Module):
         if p < n:
             decode = ops.paged_decode_attention(query[p:], k_cache, k_cache, meta.decode_block_tables,
                                                 meta.decode_seq_lens, self.scale, **opts)
-        out = prefill if p == n else decode if p == 0 else torch.cat([prefill, decode])
+        return self._output(prefill if p == n else decode if p == 0 else torch.cat([prefill, decode]), w_uv_t, n)
+
+    def _output(self, out: torch.Tensor, w_uv_t: torch.Tensor, n: int) -> torch.Tensor:
+        """W_UV on the attention's latent columns, then o_proj."""
         values = torch.bmm(out[..., :self.lora].transpose(0, 1), w_uv_t)  # [heads, n, v]
         return self.o_proj(values.transpose(0, 1).reshape(n, self.num_heads * self.v_dim))

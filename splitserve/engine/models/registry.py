@@ -26,6 +26,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "glm4_moe": Glm4MoeForCausalLM,
     "minimax_m2": MiniMaxM2ForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
+    "deepseek_v32": DeepseekV3ForCausalLM,  # with DSA's indexer (models/dsa.py)
 }
 
 

@@ -1,0 +1,97 @@
+"""DeepSeek sparse attention (DSA, DeepSeek-V3.2): a lightning indexer scores every earlier
+token for each query and MLA attends to the `index_topk` best only.
+
+The indexer (as transformers' DeepseekV32Indexer, itself the bf16 form of DeepSeek's FP8
+reference): per query, heads q_i = wq_b(q latent) and one key per token k = LayerNorm(wk(x)),
+both rotated on their first qk_rope_head_dim dims (half-split rope: not MLA's interleaved one);
+score(t) = sum_i w_i * relu(q_i . k_t) / sqrt(index_head_dim), w = weights_proj(x) / sqrt(heads);
+the top index_topk tokens of the causal context are kept. The key is cached beside the MLA
+row (engine/models/mla.py: [latent | rope key | index key]), so it travels wherever the KV goes
+(transfers, prefix cache, tiers, migration) with no cache of its own.
+
+Attention over the selection runs here in torch, one sequence at a time: the gathered rows
+scored densely with the unselected ones masked, what transformers computes. Where no query of
+a step has more than index_topk tokens of context (every prompt shorter than 2,048 tokens on
+the released model) the selection is everything, and the paged kernels run instead. A
+sparse paged kernel (FlashMLA's sparse decode) is not built: long contexts on a GPU go
+through this torch path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from splitserve.core.model_config import ModelConfig
+from splitserve.engine.parallel.linear import ColumnParallelLinear
+from splitserve.kernels import ops
+
+
+class DsaIndexer(nn.Module):
+    """Replicated on every tensor-parallel rank: each picks the same tokens."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.heads, self.dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, self.heads * self.dim, bias=False)
+        self.wk = ColumnParallelLinear(cfg.hidden_size, self.dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.dim, eps=1e-6)
+        self.weights_proj = ColumnParallelLinear(cfg.hidden_size, self.heads, bias=False)
+
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.rope_dim
+        q_rot, k_rot = ops.apply_rotary(q[..., :r].contiguous(), k[..., :r].contiguous(), cos, sin)
+        return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
+
+    def queries_and_key(self, x: torch.Tensor, q_latent: torch.Tensor, cos, sin):
+        """(index queries [n, heads, dim] float32, head weights [n, heads] float32, the key [n, 1, dim]
+        that goes into the cache row)."""
+        n = x.shape[0]
+        q = self.wq_b(q_latent).view(n, self.heads, self.dim)
+        k = self.k_norm(self.wk(x)).view(n, 1, self.dim)
+        q, k = self._rotate(q, k, cos, sin)
+        weights = self.weights_proj(x).float() * self.heads**-0.5
+        return q.float(), weights, k
+
+
+def context_exceeds(meta, topk: int) -> bool:
+    """Whether some query of the step sees more than `topk` tokens (else DSA selects them all)."""
+    lens = [t for t in (meta.prefill_seq_lens, meta.decode_seq_lens) if t is not None and t.numel()]
+    return any(int(t.max()) > topk for t in lens)
+
+
+def sparse_mla_attention(query: torch.Tensor, index_q: torch.Tensor, index_w: torch.Tensor, k_cache: torch.Tensor,
+                         meta, scale: float, k_scale: float, qk_width: int, index_dim: int,
+                         topk: int) -> torch.Tensor:
+    """Absorbed MLA (query [n, heads, qk_width] against the rows' first qk_width columns) over
+    each query's `topk` indexer-selected earlier tokens; [n, heads, qk_width] (the caller keeps
+    the latent columns)."""
+    out = torch.empty_like(query)
+    p = meta.num_prefill_tokens
+    spans = []  # (first token, query tokens, context length, block table row)
+    if p:
+        cu, lens, tables = meta.prefill_cu_seqlens_q.tolist(), meta.prefill_seq_lens.tolist(), meta.prefill_block_tables
+        spans += [(cu[i], cu[i + 1] - cu[i], lens[i], tables[i]) for i in range(len(lens))]
+    if p < query.shape[0]:
+        lens, tables = meta.decode_seq_lens.tolist(), meta.decode_block_tables
+        spans += [(p + j, 1, lens[j], tables[j]) for j in range(len(lens))]
+    block_size = k_cache.shape[1]
+    for first, count, length, table in spans:
+        positions = torch.arange(length, device=query.device)
+        blocks = table.to(query.device)[positions // block_size].long()
+        rows = k_cache[blocks, positions % block_size, 0].float()  # [length, row] (the cache is one KV head)
+        if k_cache.dtype == torch.float8_e4m3fn:
+            rows = rows * k_scale
+        q_pos = torch.arange(length - count, length, device=query.device)
+        causal = positions[None, :] <= q_pos[:, None]  # [count, length]
+        keys = rows[:, qk_width:qk_width + index_dim]
+        scores = torch.relu(torch.matmul(index_q[first:first + count], keys.t()) * index_dim**-0.5)
+        index = torch.matmul(index_w[first:first + count].unsqueeze(1), scores).squeeze(1)  # [count, length]
+        index = index.masked_fill(~causal, float("-inf"))
+        chosen = torch.zeros_like(causal).scatter_(1, index.topk(min(topk, length), dim=-1).indices, True)
+        allowed = causal & chosen
+        logits = torch.matmul(query[first:first + count].float(), rows[:, :qk_width].t()) * scale
+        probs = logits.masked_fill(~allowed[:, None, :], float("-inf")).softmax(dim=-1)
+        out[first:first + count] = torch.matmul(probs, rows[:, :qk_width]).to(out.dtype)
+    return out
