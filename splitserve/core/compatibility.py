@@ -69,17 +69,17 @@ PAIRS: dict[tuple[str, str], Verdict] = {
     # expert parallelism (engine/parallel/expert_parallel.py) needs tensor parallelism: its own check
     # (core/expert_parallel.py) refuses it alone
     ("tensor-parallel", "expert-parallel"): WORKS,
-    ("expert-parallel", "lora"): refused(_EP_UNTESTED),
+    ("expert-parallel", "lora"): WORKS,  # adapters on attention (experts and router refuse them for every MoE)
     ("expert-parallel", "cuda-graphs"): refused("its all-to-all reads the split sizes on the host in every MoE layer, "
                                                 "which a CUDA graph cannot capture"),
-    ("expert-parallel", "async-scheduling"): refused(_EP_UNTESTED),
-    ("expert-parallel", "ngram"): refused(_EP_UNTESTED),
-    ("expert-parallel", "draft-model"): refused(_EP_UNTESTED),
-    ("expert-parallel", "kv-offload-host"): refused(_EP_UNTESTED),
-    ("expert-parallel", "kv-offload-disk"): refused(_EP_UNTESTED),
+    ("expert-parallel", "async-scheduling"): WORKS,  # tests/engine/test_expert_parallel_features.py
+    ("expert-parallel", "ngram"): WORKS,  # tests/engine/test_expert_parallel_features.py
+    ("expert-parallel", "draft-model"): WORKS,  # tests/engine/test_expert_parallel_features.py
+    ("expert-parallel", "kv-offload-host"): WORKS,  # tests/engine/test_expert_parallel_features.py
+    ("expert-parallel", "kv-offload-disk"): WORKS,  # tests/engine/test_expert_parallel_features.py
     ("expert-parallel", "mooncake"): refused(_EP_UNTESTED),
-    ("expert-parallel", "fp8-kv-cache"): refused(_EP_UNTESTED),
-    ("expert-parallel", "quantized"): refused(_EP_UNTESTED),
+    ("expert-parallel", "fp8-kv-cache"): WORKS,  # tests/engine/test_expert_parallel_features.py
+    ("expert-parallel", "quantized"): WORKS,  # tests/engine/test_expert_parallel_features.py
     ("lora", "cuda-graphs"): WORKS,  # adapter slots a static input, deltas gathered by slot (engine/lora/apply.py)
     ("lora", "async-scheduling"): WORKS,  # a decode step's grouping by adapter is known ahead (engine/overlap.py)
     ("lora", "ngram"): WORKS,

@@ -63,8 +63,9 @@ TIERS = {"kv-offload-host", "kv-offload-disk"}
 
 # feature -> why its pairs are not run here; any other feature must be switched on by engine_kwargs
 SKIPPED: dict[str, str] = {
-    "expert-parallel": "it needs a MoE checkpoint, this walk's are dense: its pairs that work are run by "
-                       "tests/engine/test_expert_parallel_tensor_parallel.py (against transformers and TP 1)",
+    "expert-parallel": "it needs a MoE checkpoint, this walk's are dense: its pairs that work are run on MoE "
+                       "checkpoints by tests/engine/test_expert_parallel_features.py (EP with the feature against "
+                       "one process with it) and test_expert_parallel_tensor_parallel.py (TP: against transformers)",
 }
 # what engine_kwargs below switches on; Mooncake (a worker's --kv-backend, not an engine's) by
 # handing every prompt off between two engines over Mooncake's tcp transport (mooncake_rounds);

@@ -61,7 +61,8 @@ class DraftModel:
             raise ValueError(f"draft model {draft_dir}: longrope draft models are not supported")
         # one process, eager, unquantized: none of the target's execution features apply to it
         cfg = replace(config, model=draft_dir, num_kv_blocks=num_blocks, quantization=None, cuda_graphs=False,
-                      async_scheduling=False, tensor_parallel_size=1, enable_lora=False, lora_modules={},
+                      async_scheduling=False, tensor_parallel_size=1, enable_expert_parallel=False,
+                      enable_lora=False, lora_modules={},
                       speculative_config=None, model_id=None)
         with alone():  # (rank 0 of a tensor-parallel engine: whole, not its slice)
             self.runner = ModelRunner(model_config, cfg, max_model_len)
