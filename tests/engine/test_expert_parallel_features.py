@@ -15,31 +15,35 @@ from splitserve.engine import LLM, LoRARequest
 from splitserve.engine.kv_offload.block_file import HEADER
 from splitserve.engine.models.quant_moe import QuantizedExperts
 from tests.engine.test_compatibility_pairs import BS, GREEDY, ROUNDS, TIERS, run_rounds
+from tests.engine.test_gguf_moe import write_qwen3moe_gguf
 from tests.engine.test_kv_offload_tiers import block_nbytes
 from tests.engine.test_quant_formats import quantize_checkpoint
 from tests.engine.test_spec_decode_exact import NGRAM
 from tests.helpers.lora_adapters import ADAPTERS, make_adapter
 
 FEATURES = ["lora", "fp8-kv-cache", "ngram", "draft-model", "async-scheduling", "kv-offload-host", "kv-offload-disk",
-            "quantized"]
+            "quantized", "quantized-gguf"]
 
 
 @pytest.fixture(scope="module")
 def checkpoints(make_ckpt, tmp_path_factory):
     """A float Mixtral with an adapter on q/v (LoRA on an expert or the router is refused for
-    every MoE family), and an FP8 block-wise Qwen3-MoE (every expert projection quantized)."""
+    every MoE family), an FP8 block-wise Qwen3-MoE (every expert projection quantized), and
+    a Qwen3-MoE GGUF (its experts stacked, Q4_0 / Q8_0: each expert read as its own tensor)."""
     root = tmp_path_factory.mktemp("ep-features")
     mixtral = make_ckpt("mixtral")
     adapter = make_adapter(mixtral, root / "adapter", **ADAPTERS["qv-r4-rslora"])
     wide = make_ckpt("qwen3_moe", hidden_size=256, head_dim=64, moe_intermediate_size=256, intermediate_size=512)
     quantized, _ = quantize_checkpoint(wide, root / "quant", "fp8-block")
-    return {"float": mixtral, "quantized": quantized, "adapter": adapter}
+    gguf = root / "tiny-qwen3moe.gguf"
+    write_qwen3moe_gguf(make_ckpt("qwen3_moe", mlp_only_layers=[], moe_intermediate_size=96), gguf)
+    return {"float": mixtral, "quantized": quantized, "quantized-gguf": gguf, "adapter": adapter}
 
 
 def engine_kwargs(feature: str, model, tmp_path) -> dict:
     kw = dict(model=str(model), block_size=BS, max_num_batched_tokens=64,
               num_kv_blocks=12 if feature in TIERS else 64)
-    nbytes = block_nbytes(model)
+    nbytes = block_nbytes(model) if feature in TIERS else 0
     extra = {"lora": dict(enable_lora=True, max_lora_rank=16),
              "fp8-kv-cache": dict(kv_cache_dtype="fp8"),
              "ngram": dict(speculative_config=NGRAM),
@@ -48,7 +52,7 @@ def engine_kwargs(feature: str, model, tmp_path) -> dict:
              "async-scheduling": dict(async_scheduling=True),
              "kv-offload-host": dict(kv_offload_bytes=64 * nbytes),
              "kv-offload-disk": dict(kv_offload_dir=str(tmp_path / "tier"), kv_offload_dir_bytes=64 * (nbytes + HEADER.size)),
-             "quantized": {}}[feature]
+             "quantized": {}, "quantized-gguf": {}}[feature]
     return {**kw, **extra}
 
 
@@ -68,7 +72,7 @@ def assert_engaged(feature: str, llm: LLM, outs: list) -> None:
         tier = feature.removeprefix("kv-offload-")
         assert engine.offloader.stats().counters.loaded_blocks[tier] > 0
         assert prefix_again.num_cached_tokens >= 6 * BS  # PREFIX's 6 blocks, back from the tier
-    if feature == "quantized":
+    if feature.startswith("quantized"):
         experts, cfg = engine.runner.model.layers[0].mlp.experts, engine.model_config
         assert isinstance(experts, QuantizedExperts)
         assert experts.w13[0].out_features == 2 * cfg.moe_intermediate_size  # each expert whole
@@ -77,7 +81,7 @@ def assert_engaged(feature: str, llm: LLM, outs: list) -> None:
 
 @pytest.mark.parametrize("feature", FEATURES)
 def test_ep2_with_a_feature_gives_one_process_tokens_with_it(checkpoints, tmp_path, feature):
-    model = checkpoints["quantized" if feature == "quantized" else "float"]
+    model = checkpoints[feature if feature.startswith("quantized") else "float"]
     lora = LoRARequest("qv", 1, str(checkpoints["adapter"])) if feature == "lora" else None
     with LLM(**engine_kwargs(feature, model, tmp_path / "one")) as llm:
         want = [o.token_ids for o in run_rounds(llm, lora)]
