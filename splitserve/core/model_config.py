@@ -186,6 +186,13 @@ class ModelConfig:
         return 1 if self.kv_lora_rank else 2
 
 
+def kv_bytes_per_token(cfg: ModelConfig, tp_size: int = 1, element_size: int = 2) -> int:
+    """KV bytes a token takes in one rank's pool: K and V of its KV heads (replicated when there
+    are fewer heads than ranks), or MLA's one latent row, in every layer."""
+    heads = cfg.num_kv_heads // tp_size if cfg.num_kv_heads >= tp_size else 1
+    return cfg.num_layers * cfg.kv_parts * heads * cfg.head_dim * element_size
+
+
 def shardable_problem(cfg: ModelConfig, size: int) -> str | None:
     """Why this model cannot be split over `size` tensor-parallel ranks (engine/parallel/sharding.py
     splits heads, KV heads and intermediate sizes evenly), or None; torch-free, so that serve

@@ -28,6 +28,8 @@ from splitserve.cluster.presence import WorkerPresence
 from splitserve.cluster.registration_auth import signed
 from splitserve.cluster.remote_bus import open_bus
 from splitserve.core import tracing
+from splitserve.core.model_config import kv_bytes_per_token
+from splitserve.core.model_dir import served_config
 from splitserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineStalledError
 from splitserve.engine.engine_process import EngineProcess, use_engine_process
 from splitserve.engine.handle import EngineHandle
@@ -134,9 +136,17 @@ class WorkerBase(abc.ABC):
         return str(self.config.engine.kv_torch_dtype).removeprefix("torch.")
 
     def kv_pool_description(self) -> str:
-        """What the start-up lines say of the KV pool: its size in blocks and tokens, and its dtype."""
-        blocks = self.num_kv_blocks
-        return f"{blocks} KV blocks = {blocks * self.config.engine.block_size} tokens of {self.kv_dtype_name()}"
+        """What the start-up lines say of the KV pool: its size in blocks and tokens, its dtype, and
+        what a token costs (MLA's latent row is several times smaller than a GQA model's K and V)."""
+        blocks, engine = self.num_kv_blocks, self.config.engine
+        text = f"{blocks} KV blocks = {blocks * engine.block_size} tokens of {self.kv_dtype_name()}"
+        model = served_config(engine.model)
+        if model is None:
+            return text
+        per_token = kv_bytes_per_token(model, engine.tensor_parallel_size, engine.kv_torch_dtype.itemsize)
+        what = f"one latent row of {model.head_dim}" if model.kv_lora_rank else f"K and V of {model.head_dim} a head"
+        rank = " a rank" if engine.tensor_parallel_size > 1 else ""
+        return f"{text} ({per_token} bytes a token{rank}: {what}, {model.num_layers} layers)"
 
     async def _stop_common(self) -> None:
         if self._watchdog is not None:

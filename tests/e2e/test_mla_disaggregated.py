@@ -52,6 +52,9 @@ def transformers_reference(model, batch: list[list[int]], max_tokens: int) -> li
 
 def test_mla_disaggregated_tp1_to_tp2_prefix_hit_and_migration(mla_cluster):
     c = mla_cluster
+    # the start-up line says what a token costs: one latent row of 32 + 8 in 3 layers, float32, on each rank
+    assert "KV blocks = 4096 tokens of float32 (480 bytes a token a rank: one latent row of 40, 3 layers)" \
+        in c.decode["decode-tp"].log(), c.decode["decode-tp"].log()[-2000:]
     long_prompt = prompts(71, 1, 40)[0]  # >= 24 uncached tokens: the router asks the prefill worker
     want = transformers_reference(c.model, [long_prompt], 24)[0][1]
 

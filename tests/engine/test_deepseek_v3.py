@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitserve.core.model_config import CheckpointError, ModelConfig
+from splitserve.core.model_config import CheckpointError, ModelConfig, kv_bytes_per_token
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.models.quant_moe import QuantizedExperts
 from tests.engine.test_quant_formats import LINEARS, quantize_checkpoint
@@ -125,6 +125,7 @@ def test_kv_bytes_per_token_are_one_latent_row_per_layer(ckpt):
     spec = llm.engine.runner.kv_pool.spec
     assert spec.block_shape == (3, 1, 16, 1, 40)
     assert spec.block_nbytes // spec.block_size == (32 + 8) * 3 * 4  # (kv_lora_rank + rope) x layers x float32
+    assert kv_bytes_per_token(ModelConfig.from_dir(ckpt), 2, 4) == (32 + 8) * 3 * 4  # what start-up says; TP: the same
     k, v = llm.engine.runner.kv_pool.layer(0)
     assert k.data_ptr() == v.data_ptr()  # one part: the same row serves as key and value
     fp8 = LLM(str(ckpt), num_kv_blocks=64, kv_cache_dtype="fp8").engine.runner.kv_pool.spec
