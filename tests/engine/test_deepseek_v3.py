@@ -183,3 +183,20 @@ def test_a_lora_on_mla_o_proj_equals_peft_and_latent_projections_are_refused(ckp
     with pytest.raises(LoRAAdapterError, match=r"the latent projections of multi-head latent attention are not "
                                                r"supported \(o_proj and the MLP projections are\)$"):
         llm.generate([prompt], params, lora_request=LoRARequest("latent", 2, str(latent)))
+
+
+@pytest.mark.parametrize("expanded", [True, False])
+def test_both_prefill_forms_equal_transformers_over_chunks_and_a_cached_prefix(ckpt, expanded):
+    """Prefill in the expanded form (cached latents decompressed per head) or absorbed like
+    decode: both exact, whichever mla.EXPANDED_PREFILL picks (chunks of 32 read the earlier
+    chunks' latents back from the cache)."""
+    from splitserve.engine.models.mla import MlaAttention
+
+    llm = LLM(str(ckpt), num_kv_blocks=64, max_num_batched_tokens=32)
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, MlaAttention)]
+    for m in layers:
+        m.expanded_prefill = expanded
+    assert_equal_to_transformers(llm, ckpt)
+    prompt = prompts(llm.engine.model_config.vocab_size)[1][:40] + [7, 8, 9]
+    hit = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))[0]
+    assert hit.num_cached_tokens >= 32 and hit.token_ids == hf_greedy(ckpt, prompt, NEW_TOKENS)

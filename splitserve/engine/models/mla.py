@@ -42,6 +42,10 @@ from splitserve.engine.parallel.sharding import q_heads
 from splitserve.engine.parallel.state import tp
 from splitserve.kernels import ops
 
+# Prefill chunks in the expanded form (True) or absorbed like decode (False): chosen by
+# bench/experiments/mla_vs_gqa.py (docs/benchmarks.md); both exact, tested both ways.
+EXPANDED_PREFILL = False
+
 
 class MlaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
@@ -68,6 +72,7 @@ class MlaAttention(nn.Module):
         self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, cfg.hidden_size, bias=cfg.o_bias)
         self.indexer = DsaIndexer(cfg) if cfg.index_topk else None  # DeepSeek-V3.2's sparse attention
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.expanded_prefill = EXPANDED_PREFILL
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [heads, nope, lora], W_UV^T [heads, lora, v]) of kv_b_proj, made once at the
@@ -115,16 +120,46 @@ class MlaAttention(nn.Module):
             query = torch.cat([query, query.new_zeros(n, self.num_heads, self.indexer.dim)], dim=-1)
         p = meta.num_prefill_tokens
         opts = dict(k_scale=self.k_scale, v_scale=self.k_scale)
-        if p:
-            prefill = ops.paged_prefill_attention(query[:p], k_cache, k_cache, meta.prefill_block_tables,
-                                                  meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, self.scale,
-                                                  **opts)
+        values = []
+        if p and self.expanded_prefill and self.indexer is None:
+            values.append(self._expanded_prefill(q_nope[:p], q_pe[:p], k_cache, meta))
+        elif p:
+            values.append(self._values(ops.paged_prefill_attention(
+                query[:p], k_cache, k_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+                meta.prefill_seq_lens, self.scale, **opts), w_uv_t))
         if p < n:
-            decode = ops.paged_decode_attention(query[p:], k_cache, k_cache, meta.decode_block_tables,
-                                                meta.decode_seq_lens, self.scale, **opts)
-        return self._output(prefill if p == n else decode if p == 0 else torch.cat([prefill, decode]), w_uv_t, n)
+            values.append(self._values(ops.paged_decode_attention(
+                query[p:], k_cache, k_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale, **opts), w_uv_t))
+        out = values[0] if len(values) == 1 else torch.cat(values)
+        return self.o_proj(out.reshape(n, self.num_heads * self.v_dim))
+
+    def _values(self, out: torch.Tensor, w_uv_t: torch.Tensor) -> torch.Tensor:
+        """W_UV on the attention's latent columns: [n, heads, v]."""
+        return torch.bmm(out[..., :self.lora].transpose(0, 1), w_uv_t).transpose(0, 1)
 
     def _output(self, out: torch.Tensor, w_uv_t: torch.Tensor, n: int) -> torch.Tensor:
-        """W_UV on the attention's latent columns, then o_proj."""
-        values = torch.bmm(out[..., :self.lora].transpose(0, 1), w_uv_t)  # [heads, n, v]
-        return self.o_proj(values.transpose(0, 1).reshape(n, self.num_heads * self.v_dim))
+        return self.o_proj(self._values(out, w_uv_t).reshape(n, self.num_heads * self.v_dim))
+
+    def _expanded_prefill(self, q_nope, q_pe, k_cache, meta) -> torch.Tensor:
+        """The prefill chunks in transformers' form: each sequence's cached latents (this chunk's
+        included) decompressed by kv_b_proj into per-head K and V, attended causally; [p, heads, v]."""
+        out = []
+        cu, lens = meta.prefill_cu_seqlens_q.tolist(), meta.prefill_seq_lens.tolist()
+        block_size = k_cache.shape[1]
+        for i, length in enumerate(lens):
+            first, count = cu[i], cu[i + 1] - cu[i]
+            positions = torch.arange(length, device=q_nope.device)
+            blocks = meta.prefill_block_tables[i].to(q_nope.device)[positions // block_size].long()
+            rows = k_cache[blocks, positions % block_size, 0]
+            if k_cache.dtype == torch.float8_e4m3fn:
+                rows = rows.to(q_nope.dtype) * self.k_scale
+            kv = self.kv_b_proj(rows[:, :self.lora].to(q_nope.dtype)).view(length, self.num_heads, -1)
+            k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+            k = torch.cat([k_nope, rows[:, None, self.lora:self.lora + self.rope_dim].to(k_nope.dtype)
+                           .expand(length, self.num_heads, self.rope_dim)], dim=-1)
+            q = torch.cat([q_nope[first:first + count], q_pe[first:first + count]], dim=-1)
+            causal = positions[None, :] <= positions[length - count:, None]  # [count, length]
+            attn = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=causal, scale=self.scale)
+            out.append(attn.transpose(0, 1))
+        return out[0] if len(out) == 1 else torch.cat(out)
