@@ -8,18 +8,31 @@ and a repetitive prompt the n-gram proposer drafts from."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+
 import pytest
 import torch
 
-from splitserve.engine import LLM, LoRARequest
+from splitserve.engine import LLM, LoRARequest, SamplingParams
 from splitserve.engine.kv_offload.block_file import HEADER
 from splitserve.engine.models.quant_moe import QuantizedExperts
-from tests.engine.test_compatibility_pairs import BS, GREEDY, ROUNDS, TIERS, run_rounds
+from splitserve.kvtransfer.sender import create_sender
+from tests.engine.test_compatibility_pairs import (
+    BS,
+    GREEDY,
+    ROUNDS,
+    TIERS,
+    mooncake_link,
+    run_rounds,
+)
+from tests.engine.test_disaggregation_handoff import drain
 from tests.engine.test_gguf_moe import write_qwen3moe_gguf
 from tests.engine.test_kv_offload_tiers import block_nbytes
 from tests.engine.test_quant_formats import quantize_checkpoint
 from tests.engine.test_spec_decode_exact import NGRAM
 from tests.helpers.lora_adapters import ADAPTERS, make_adapter
+from tests.helpers.processes import join_child
+from tests.kvtransfer.conftest import config_for
 
 FEATURES = ["lora", "fp8-kv-cache", "ngram", "draft-model", "async-scheduling", "kv-offload-host", "kv-offload-disk",
             "quantized", "quantized-gguf"]
@@ -52,7 +65,7 @@ def engine_kwargs(feature: str, model, tmp_path) -> dict:
              "async-scheduling": dict(async_scheduling=True),
              "kv-offload-host": dict(kv_offload_bytes=64 * nbytes),
              "kv-offload-disk": dict(kv_offload_dir=str(tmp_path / "tier"), kv_offload_dir_bytes=64 * (nbytes + HEADER.size)),
-             "quantized": {}, "quantized-gguf": {}}[feature]
+             "quantized": {}, "quantized-gguf": {}, "mooncake": {}}[feature]
     return {**kw, **extra}
 
 
@@ -96,3 +109,61 @@ def test_ep2_with_a_feature_gives_one_process_tokens_with_it(checkpoints, tmp_pa
         assert_engaged(feature, llm, outs)
     assert [o.token_ids for o in outs] == want
     assert GREEDY.max_tokens == 12 and all(len(t) == 12 for t in want)
+
+
+def expert_parallel_prefill_side(path: str, conn) -> None:
+    """A prefill engine at TP 2 with expert parallelism, in a process of its own (one TP group
+    per process; test_tensor_parallel_kv.prefill_side's loop): for each (request id, prompt,
+    receiver, skip_blocks, destination blocks) it prefills, pushes the KV over Mooncake and
+    answers the first token."""
+    first_only = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    with LLM(path, block_size=BS, num_kv_blocks=64, max_num_batched_tokens=64, tensor_parallel_size=2,
+             enable_expert_parallel=True) as p, create_sender("mooncake", config_for("mooncake")) as sender:
+        pool = p.engine.share_kv_pool()
+        conn.send(list(pool.spec.block_shape))
+        while (job := conn.recv()) is not None:
+            rid, prompt, address, skip, dest = job
+            p.engine.add_request(rid, prompt, first_only, hold_kv=True)
+            outs = []
+            while p.engine.has_unfinished_requests():
+                outs += p.engine.step()
+            src, hashes = p.engine.held_blocks(rid, skip)
+            sender.push(rid, address, pool, src, dest, hashes)
+            p.engine.release_held(rid)
+            conn.send(outs[-1].token_ids[0])
+
+
+def test_ep2_prefill_and_decode_engines_hand_kv_over_mooncake(checkpoints, tmp_path):
+    """Both engines at TP 2 with expert parallelism, as a prefill and a decode worker run them:
+    every prompt prefilled in its own process, its KV pushed over Mooncake's tcp transport into
+    each decode rank's pool shard, decoded there; the tokens are one process's."""
+    model = checkpoints["float"]
+    with LLM(**engine_kwargs("mooncake", model, tmp_path)) as llm:
+        want = [o.token_ids for o in run_rounds(llm, None)]
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=expert_parallel_prefill_side, args=(str(model), child))
+    proc.start()
+    try:
+        decode = LLM(**engine_kwargs("mooncake", model, tmp_path), tensor_parallel_size=2, enable_expert_parallel=True)
+        with decode:
+            assert decode.engine.runner.model.layers[0].mlp.local_experts == 4  # 8 experts over 2 ranks
+            assert conn.recv() == list(decode.engine.share_kv_pool().spec.block_shape)  # the prefill engine is up
+            with mooncake_link(decode) as (receiver, _, metrics):
+                outs = []
+                for i, prompt in enumerate(p for r in ROUNDS for p in r):
+                    rid = f"ep-handoff-{i}"
+                    slot = decode.engine.reserve_remote_prefill(rid, prompt, GREEDY)
+                    done = receiver.expect(rid, slot.block_ids, slot.block_hashes, lambda ids: None)
+                    conn.send((rid, prompt, receiver.address, slot.skip_blocks, slot.block_ids))
+                    first = conn.recv()
+                    assert done.result(timeout=30).ok
+                    decode.engine.complete_remote_prefill(rid, first, None)
+                    outs.append(drain(decode.engine)[rid].token_ids)
+                received = metrics.kv_transfer_bytes.labels(backend="mooncake", direction="received")._value.get()
+                assert received > 0  # the KV really went over Mooncake
+            conn.send(None)
+    finally:
+        join_child(proc)
+    assert proc.exitcode == 0
+    assert outs == want
