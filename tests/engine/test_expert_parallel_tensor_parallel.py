@@ -54,3 +54,15 @@ def test_glm4_moe_ep2_greedy_tokens_equal_transformers_and_tp1(tmp_path):
     ep = generate(path, 2, enable_expert_parallel=True)
     assert ep == [hf_greedy(path, p, NEW_TOKENS) for p in prompts(ModelConfig.from_dir(path).vocab_size)]
     assert ep == generate(path, 1)
+
+
+def test_ep2_one_sequence_leaves_rank_1_an_empty_share(make_ckpt):
+    """Decode steps of one token: rank 0's share is the token, rank 1's is empty (it still
+    takes part in every all-to-all and the all-gather, with zero rows); tokens equal TP 1's."""
+    path = make_ckpt("mixtral")
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = []
+    for engine in (dict(tensor_parallel_size=2, enable_expert_parallel=True), {}):
+        with LLM(str(path), num_kv_blocks=32, **engine) as llm:
+            outs.append(llm.generate([[5, 6, 7]], params)[0].token_ids)
+    assert outs[0] == outs[1] and len(outs[0]) == NEW_TOKENS
