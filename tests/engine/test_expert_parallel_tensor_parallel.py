@@ -1,7 +1,8 @@
 """Expert parallelism over two gloo ranks (--enable-expert-parallel): greedy tokens over 40
 new tokens equal transformers' (float32) and one process's for Mixtral, Qwen3-MoE and GLM-4.5
 tiny random checkpoints, rank 0 holding its E/2 experts whole (the shared expert of GLM-4.5
-stays tensor-parallel); prompts longer than a block and than a step's 32-token chunk."""
+stays tensor-parallel); prompts longer than a block and than a step's 32-token chunk. DeepSeek-V3
+and MiniMax-M2 (the same block): equal to one process's."""
 
 from __future__ import annotations
 
@@ -66,3 +67,16 @@ def test_ep2_one_sequence_leaves_rank_1_an_empty_share(make_ckpt):
         with LLM(str(path), num_kv_blocks=32, **engine) as llm:
             outs.append(llm.generate([[5, 6, 7]], params)[0].token_ids)
     assert outs[0] == outs[1] and len(outs[0]) == NEW_TOKENS
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "minimax_m2"])
+def test_ep2_of_the_other_deepseek_style_families_equals_tp1(tmp_path, family):
+    """DeepSeek-V3 (MLA attention, shared expert) and MiniMax-M2 reuse the DeepSeek-style block:
+    their routed experts spread the same way; tokens equal TP 1's (each family's own tests
+    hold TP 1 to transformers)."""
+    if family == "deepseek_v3":
+        from tests.engine.test_deepseek_v3 import write_deepseek_v3 as write
+    else:
+        from tests.engine.test_minimax_m2 import write_minimax_m2 as write
+    path = write(tmp_path / family)
+    assert generate(path, 2, enable_expert_parallel=True) == generate(path, 1)
