@@ -84,10 +84,12 @@ def weight_files_problem(root: Path) -> tuple[list[Path], str | None]:
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")  # the decoder layers' tensors, as the engine's loader names them
 
 
-def layers_problem(headers: dict[str, dict], num_layers: int, source: str) -> str | None:
+def layers_problem(headers: dict[str, dict], num_layers: int, source: str, mtp_layers: int = 0) -> str | None:
     """One line when the layers the tensors hold are not those config.json's num_hidden_layers
-    names (the engine would build every layer, then fail on the missing or extra tensors)."""
+    names (the engine would build every layer, then fail on the missing or extra tensors); the
+    `mtp_layers` after them (num_nextn_predict_layers: DeepSeek-V3's, GLM-4.5's) may be there too."""
     present = {int(m.group(1)) for m in map(_LAYER.match, headers) if m}
+    present -= set(range(num_layers, num_layers + mtp_layers))
     if not present or present == set(range(num_layers)):
         return None  # no layer tensors at all: the loader names what is missing
     missing = sorted(set(range(num_layers)) - present)
@@ -103,7 +105,7 @@ def _some(numbers: list[int]) -> str:
 
 
 def checkpoint_files_problem(model_dir: str, vocab_size: int, hidden_size: int, quantization=None,
-                             num_layers: int | None = None) -> str | None:
+                             num_layers: int | None = None, mtp_layers: int = 0) -> str | None:
     """The first problem with the checkpoint's weight and tokenizer files, or None.
     `quantization` (core/quantization.QuantSpec or None) is checked against the tensors:
     quantized tensors need a quantization_config, and a quantization_config its tensors
@@ -125,7 +127,7 @@ def checkpoint_files_problem(model_dir: str, vocab_size: int, hidden_size: int, 
             if name.endswith("embed_tokens.weight") and list(info["shape"]) != [vocab_size, hidden_size]:
                 return (f"{path}: {name} is {info['shape']}, but config.json says vocab_size {vocab_size} and "
                         f"hidden_size {hidden_size}: the weights and the config are of different models")
-    problem = (layers_problem(headers, num_layers, str(root)) if num_layers is not None else None) or \
+    problem = (layers_problem(headers, num_layers, str(root), mtp_layers) if num_layers is not None else None) or \
         tensors_problem(quantization, headers, str(root))
     if problem:
         return problem

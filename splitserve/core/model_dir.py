@@ -72,7 +72,9 @@ def checkpoint_problem(model_dir: str, quantization: str | None = None) -> str |
         spec = quantization_from_config(cfg.raw, f"{model_dir}/config.json", quantization)
     except CheckpointError as exc:
         return str(exc)
-    return checkpoint_files_problem(model_dir, cfg.vocab_size, cfg.hidden_size, spec, cfg.num_layers)
+    mtp = cfg.raw.get("num_nextn_predict_layers")  # MTP layers past the decoder's (engine/spec/mtp_model.py)
+    return checkpoint_files_problem(model_dir, cfg.vocab_size, cfg.hidden_size, spec, cfg.num_layers,
+                                    mtp if isinstance(mtp, int) and not isinstance(mtp, bool) and mtp > 0 else 0)
 
 
 def served_config(model: str | None):
