@@ -31,6 +31,7 @@ FEATURES: dict[str, str] = {
     "async-scheduling": "async scheduling",
     "ngram": "n-gram speculation",
     "draft-model": "draft-model speculation",
+    "mtp": "MTP speculation",
     "kv-offload-host": "the host KV offload tier",
     "kv-offload-disk": "the disk KV offload tier",
     "mooncake": "Mooncake KV transfer",
@@ -52,6 +53,7 @@ def refused(reason: str) -> Verdict:
     return Verdict(False, reason)
 
 
+_MTP_UNTESTED = "no test has run the two together yet"
 
 # Every unordered pair, once. Flip a pair by editing its line (then regenerate: module docstring).
 PAIRS: dict[tuple[str, str], Verdict] = {
@@ -114,6 +116,20 @@ PAIRS: dict[tuple[str, str], Verdict] = {
     ("draft-model", "mooncake"): WORKS,
     ("draft-model", "fp8-kv-cache"): WORKS,
     ("draft-model", "quantized"): WORKS,  # the draft model itself loads unquantized
+    # MTP speculation (engine/spec/mtp.py): tested alone, through serve disaggregated (gRPC) and with TP
+    ("tensor-parallel", "mtp"): WORKS,  # rank 0 runs the MTP layer whole, alone (test_spec_decode_mtp_tensor_parallel.py)
+    ("expert-parallel", "mtp"): refused(_MTP_UNTESTED),
+    ("lora", "mtp"): refused(_MTP_UNTESTED),
+    ("cuda-graphs", "mtp"): refused("its drafter reads the hidden states of every step, which a captured decode "
+                                    "step does not keep"),
+    ("async-scheduling", "mtp"): refused("an overlapped decode step keeps no hidden states for the MTP layer"),
+    ("ngram", "mtp"): refused("one speculative config names one method"),
+    ("draft-model", "mtp"): refused("one speculative config names one method"),
+    ("mtp", "kv-offload-host"): refused(_MTP_UNTESTED),
+    ("mtp", "kv-offload-disk"): refused(_MTP_UNTESTED),
+    ("mtp", "mooncake"): refused(_MTP_UNTESTED),
+    ("mtp", "fp8-kv-cache"): refused(_MTP_UNTESTED),
+    ("mtp", "quantized"): refused(_MTP_UNTESTED),
     ("kv-offload-host", "kv-offload-disk"): WORKS,
     ("kv-offload-host", "mooncake"): WORKS,
     ("kv-offload-host", "fp8-kv-cache"): WORKS,

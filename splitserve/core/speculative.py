@@ -7,6 +7,8 @@ the workers and the operator refuse a bad one before anything starts).
   of the sequence's last n tokens (prompt_lookup_max >= n >= prompt_lookup_min).
 - draft_model: a second checkpoint with the target's vocabulary ("model": its directory)
   proposes the drafts (engine/spec/draft_model.py).
+- mtp: the target checkpoint's own multi-token-prediction layer (DeepSeek-V3, GLM-4.5:
+  config.json's num_nextn_predict_layers >= 1) proposes them (engine/spec/mtp.py); no "model".
 - disable_by_batch_size: no drafts in a step whose running batch holds more sequences than
   this (speculation costs compute that a full batch no longer has to spare).
 - eagle is recognised and checked (its model must exist and share the target's vocabulary)
@@ -28,8 +30,10 @@ from pathlib import Path
 
 from splitserve.core import bounded_json
 
-METHODS = ("ngram", "draft_model", "eagle")
-BUILT = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp", "eagle")
+BUILT = ("ngram", "draft_model", "mtp")
+# the architectures whose MTP layers the engine builds (engine/spec/mtp_model.py)
+MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 MAX_SPECULATIVE_TOKENS = 32  # num_speculative_tokens and prompt_lookup_max (see above)
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
          "model"}
@@ -101,19 +105,36 @@ def parse_speculative_config(value: str | dict | SpeculativeConfig | None, targe
     if method == "ngram" and lo > hi:
         raise SpeculativeConfigError(f"prompt_lookup_min {lo} is above prompt_lookup_max {hi}")
     model = value.get("model")
-    if method != "ngram" and (not isinstance(model, str) or not model):
+    own_model = method in ("ngram", "mtp")  # no second checkpoint
+    if not own_model and (not isinstance(model, str) or not model):
         raise SpeculativeConfigError(f"method {method} needs \"model\": a checkpoint directory")
-    if method == "ngram" and model is not None:
-        raise SpeculativeConfigError("method ngram takes no model")
-    if method != "ngram" and check_files:
+    if own_model and model is not None:
+        raise SpeculativeConfigError(f"method {method} takes no model" + (
+            " (its drafter is the target checkpoint's own MTP layer)" if method == "mtp" else ""))
+    if not own_model and check_files:
         _check_draft_model(model, target_model)
+    if method == "mtp" and check_files and target_model is not None:
+        problem = mtp_problem(_config(target_model, "target model"))
+        if problem:
+            raise SpeculativeConfigError(f"method mtp: {problem}")
     if method not in BUILT:
         raise SpeculativeConfigError(f"method {method!r} is not built yet (built: {', '.join(BUILT)}); "
                                      "docs/architecture.md, Speculative decoding")
     return SpeculativeConfig(method, k, lo, hi, _positive(value, "disable_by_batch_size", None), model)
 
 
-def _vocab_size(model: str, what: str) -> int | None:
+def mtp_problem(raw: dict) -> str | None:
+    """Why a checkpoint's config.json cannot draft with its MTP layers (None: it can)."""
+    layers = raw.get("num_nextn_predict_layers")
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        return f"the model's config.json needs num_nextn_predict_layers >= 1 (its MTP layers), got {layers!r}"
+    arch = (raw.get("architectures") or [None])[0]
+    if arch not in MTP_ARCHITECTURES:
+        return f"MTP layers are built for {', '.join(MTP_ARCHITECTURES)}, not {arch}"
+    return None
+
+
+def _config(model: str, what: str) -> dict:
     config = Path(model) / "config.json"
     if not config.is_file():
         raise SpeculativeConfigError(f"{what} {model}: no config.json there")
@@ -123,6 +144,11 @@ def _vocab_size(model: str, what: str) -> int | None:
         raise SpeculativeConfigError(f"{what} {model}: cannot read config.json: {exc}") from None
     if not isinstance(raw, dict):
         raise SpeculativeConfigError(f"{what} {model}: config.json is not a JSON object")
+    return raw
+
+
+def _vocab_size(model: str, what: str) -> int | None:
+    raw = _config(model, what)
     text = raw.get("text_config")
     return raw.get("vocab_size", text.get("vocab_size") if isinstance(text, dict) else None)
 

@@ -117,7 +117,7 @@ def flag_features(args: argparse.Namespace) -> set[str]:
     on = {"tensor-parallel": getattr(args, "tensor_parallel_size", 1) > 1,
           "expert-parallel": getattr(args, "enable_expert_parallel", False),
           "lora": getattr(args, "enable_lora", False), "async-scheduling": getattr(args, "async_scheduling", False),
-          "ngram": method == "ngram", "draft-model": method == "draft_model",
+          "ngram": method == "ngram", "draft-model": method == "draft_model", "mtp": method == "mtp",
           "kv-offload-host": getattr(args, "kv_offload_gib", 0.0) > 0,
           "kv-offload-disk": getattr(args, "kv_offload_dir", None) is not None,
           "mooncake": getattr(args, "kv_backend", "grpc") == "mooncake",

@@ -105,7 +105,7 @@ class EngineConfig:
         on = {"tensor-parallel": self.tensor_parallel_size > 1, "expert-parallel": self.enable_expert_parallel,
               "lora": self.enable_lora,
               "cuda-graphs": self.cuda_graphs is True, "async-scheduling": self.async_scheduling,
-              "ngram": method == "ngram", "draft-model": method == "draft_model",
+              "ngram": method == "ngram", "draft-model": method == "draft_model", "mtp": method == "mtp",
               "kv-offload-host": self.kv_offload_bytes > 0, "kv-offload-disk": self.kv_offload_dir is not None,
               "fp8-kv-cache": self.kv_cache_dtype.startswith("fp8"),
               "quantized": checkpoint_is_quantized(self.model, self.quantization)}
@@ -115,8 +115,10 @@ class EngineConfig:
     def use_cuda_graphs(self) -> bool:
         # not by default under TP or LoRA yet: their graphs are checked on the CPU path only (the padded
         # step eagerly) until bench/gpu/graphs_tp_lora.py has run on a GPU; cuda_graphs=True turns them on
-        if self.cuda_graphs is None:
-            return torch.device(self.device).type == "cuda" and self.tensor_parallel_size == 1 and not self.enable_lora
+        if self.cuda_graphs is None:  # (mtp: its drafter reads every step's hidden states, which graphs do not keep)
+            mtp = isinstance(self.speculative_config, SpeculativeConfig) and self.speculative_config.method == "mtp"
+            return torch.device(self.device).type == "cuda" and self.tensor_parallel_size == 1 \
+                and not self.enable_lora and not mtp
         return self.cuda_graphs
 
     @property

@@ -165,6 +165,7 @@ class LLMEngine(RequestIntake, Disaggregation, LoRAEngine, PeerPrefix):
         masks = self.grammars.start_masks([seq.grammar for seq in plain])  # overlaps the forward pass
         # slots for the step's adapters, tokens grouped by slot (and the plan the other TP ranks follow)
         lora_plan = self.loras.prepare(batch.entries) if self.loras is not None else None
+        mtp_rows = self.speculator.step_rows(batch) if self.speculator is not None else None
         try:
             logits, sampled = self.executor.run(batch, lora_plan)
         finally:
@@ -172,10 +173,14 @@ class LLMEngine(RequestIntake, Disaggregation, LoRAEngine, PeerPrefix):
         assert sampled == due, "the runner sampled other sequences than the grammar masked"
         self.scheduler.computed(batch)
         if len(plain) < len(due):
-            return speculative_step(self, logits, sampled, mask)
-        tokens, logprobs = sample(logits, sampled, self.generator, self.eos_token_ids, mask)
-        append = self.token_output.append
-        return [append(seq, token, lp) for seq, token, lp in zip(sampled, tokens, logprobs, strict=True)]
+            outputs = speculative_step(self, logits, sampled, mask)
+        else:
+            tokens, logprobs = sample(logits, sampled, self.generator, self.eos_token_ids, mask)
+            append = self.token_output.append
+            outputs = [append(seq, token, lp) for seq, token, lp in zip(sampled, tokens, logprobs, strict=True)]
+        if mtp_rows is not None:  # the MTP layer reads the step's hidden states (engine/spec/mtp.py)
+            self.speculator.ran(mtp_rows)
+        return outputs
 
     # ---- introspection (tests, metrics, load reports) ---------------------------------
     @property

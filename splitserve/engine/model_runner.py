@@ -43,7 +43,7 @@ class PreparedStep:
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int):
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int, model_cls=None):
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         if self.device.type == "cpu" and ops.backend_for(torch.empty(0)) == "native":
@@ -52,7 +52,7 @@ class ModelRunner:
             cpu_native.library()
         self.block_size = cfg.block_size
         self.model = load_model(cfg.model, model_cfg, cfg.torch_dtype, self.device, cfg.quantization,
-                                fp8_min_rows=cfg.fp8_activations_min_rows)
+                                fp8_min_rows=cfg.fp8_activations_min_rows, model_cls=model_cls)
         if cfg.kv_torch_dtype == FP8:  # the checkpoint's per-layer scales of an fp8 KV cache, if it has them
             for layer, (k_scale, v_scale) in read_kv_scales(cfg.model, model_cfg.num_layers).items():
                 attention = self.model.layers[layer].self_attn

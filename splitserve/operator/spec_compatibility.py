@@ -37,6 +37,7 @@ def role_features(role: str, tensor_parallel_size: int, host_gib: float, disk_gi
           "lora": loras,
           "async-scheduling": decode and async_scheduling,
           "ngram": decode and speculative_method == "ngram", "draft-model": decode and speculative_method == "draft_model",
+          "mtp": decode and speculative_method == "mtp",
           "kv-offload-host": host_gib > 0, "kv-offload-disk": disk_gib > 0, "mooncake": kv_backend == "mooncake",
           "fp8-kv-cache": kv_cache_dtype != "auto"}
     return {feature for feature, yes in on.items() if yes}
@@ -71,6 +72,8 @@ def _condition(feature: str, role: str) -> str | None:
         if role == "decode" else None,
         "draft-model": (engine.format("speculative") + " && self.engine.speculative.method == 'draft_model'")
         if role == "decode" else None,
+        "mtp": (engine.format("speculative") + " && self.engine.speculative.method == 'mtp'")
+        if role == "decode" else None,
         "kv-offload-host": f"has({r}) && has({r}.kvOffload) && has({r}.kvOffload.hostGiB) && {r}.kvOffload.hostGiB > 0",
         "kv-offload-disk": f"has({r}) && has({r}.kvOffload) && has({r}.kvOffload.disk)",
         "mooncake": "has(self.kvTransfer) && has(self.kvTransfer.backend) && self.kvTransfer.backend == 'mooncake'",
@@ -79,7 +82,7 @@ def _condition(feature: str, role: str) -> str | None:
 
 
 # one field picks one of them: no spec can ask for both, so no rule is needed
-ONE_FIELD = {("ngram", "draft-model")}
+ONE_FIELD = {("ngram", "draft-model"), ("ngram", "mtp"), ("draft-model", "mtp")}
 
 
 def crd_rules() -> list[dict]:

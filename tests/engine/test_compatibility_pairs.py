@@ -66,6 +66,8 @@ SKIPPED: dict[str, str] = {
     "expert-parallel": "it needs a MoE checkpoint, this walk's are dense: its pairs that work are run on MoE "
                        "checkpoints by tests/engine/test_expert_parallel_features.py (EP with the feature against "
                        "one process with it) and test_expert_parallel_tensor_parallel.py (TP: against transformers)",
+    "mtp": "it needs a checkpoint with an MTP layer (DeepSeek-V3, GLM-4.5): alone it is run by "
+           "tests/engine/test_spec_decode_mtp.py, its one pair that works (TP) by test_spec_decode_mtp_tensor_parallel.py",
 }
 # what engine_kwargs below switches on; Mooncake (a worker's --kv-backend, not an engine's) by
 # handing every prompt off between two engines over Mooncake's tcp transport (mooncake_rounds);

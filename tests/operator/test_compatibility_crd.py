@@ -32,6 +32,7 @@ def spec_part(feature: str, role: str) -> dict | None:
     engine = {"async-scheduling": {"asyncScheduling": True},
               "ngram": {"speculative": {"method": "ngram", "num_speculative_tokens": 2}},
               "draft-model": {"speculative": {"method": "draft_model", "model": "/d", "num_speculative_tokens": 2}},
+              "mtp": {"speculative": {"method": "mtp", "num_speculative_tokens": 2}},
               "fp8-kv-cache": {"kvCacheDtype": "fp8"}}
     if feature in engine:
         return {"engine": engine[feature]}
@@ -112,7 +113,7 @@ def test_the_crd_and_the_operator_refuse_exactly_the_refused_pairs(schema, minim
     if spec is None:  # one field, one value (the speculative method)
         assert not verdict(a, b).works and (a, b) in spec_compatibility.ONE_FIELD
         return
-    decode_only = {"async-scheduling", "ngram", "draft-model"}
+    decode_only = {"async-scheduling", "ngram", "draft-model", "mtp"}
     # on the prefill role, a decode-only feature does not meet a per-role one there
     meets = role == "decode" or not ({a, b} & decode_only)
     errors = admitted_errors(schema, spec)

@@ -53,6 +53,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # the MTP drafter (engine/spec/mtp.py) turns this on: forward keeps every row's hidden state
+    # before the final norm in `hidden_states`
+    keep_hidden_states = False
+    hidden_states: torch.Tensor | None = None
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -73,6 +78,8 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_pool.layer(i)
             x, pending = layer(x, ropes, k_cache, v_cache, meta, pending)
+        if self.keep_hidden_states:
+            self.hidden_states = x + pending
         _, x = self.norm.add_and_norm(x[logits_indices], pending[logits_indices])
         return self.lm_head(x).float()
 

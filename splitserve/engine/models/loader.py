@@ -62,8 +62,9 @@ def checkpoint_weights(model_dir: str | Path, cfg: ModelConfig, quantization: st
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device,
                quantization: str | None = None, weights: Weights | None = None,
-               fp8_min_rows: int | None = None) -> nn.Module:
+               fp8_min_rows: int | None = None, model_cls: type[nn.Module] | None = None) -> nn.Module:
     """`weights`: another source of (name, tensor or QuantizedWeight) than the directory's.
+    `model_cls`: another class than the family's (an MTP layer's, engine/spec/mtp_model.py).
     `fp8_min_rows`: FP8 weights with a scale per row multiply FP8 activations
     (kernels/fp8_scaled_mm.py) in matmuls of at least that many rows, instead of being
     decoded to the model's dtype; None: never."""
@@ -74,7 +75,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
     elif shard_of is not None:
         weights = sharded(weights, shard_of, str(model_dir))
     with torch.device("meta"):
-        model = model_class(cfg)(cfg)
+        model = (model_cls or model_class(cfg))(cfg)
     deferred = {n: m.weight for n, m in linear_weights(model).items()} | expert_stacks(model)
     for name in deferred:
         set_param(model, name, None)  # kept out of to_empty(): allocated on first use

@@ -18,6 +18,7 @@ import torch
 from splitserve.core.speculative import SpeculativeConfig
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.spec.draft_model import DraftModel
+from splitserve.engine.spec.mtp import MtpDrafter
 from splitserve.engine.spec.ngram import propose_ngram
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class Speculator:
                  draft: DraftModel | None = None, generator: torch.Generator | None = None):
         self.config = config
         self.long_rope_after = long_rope_after
-        self.draft = draft  # method draft_model: the second model and its KV pool
+        self.draft = draft  # draft_model: the second model and its KV pool; mtp: the MTP layer (spec/mtp.py)
         self.generator = generator  # the engine's, for unseeded sampled drafts
         self.stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
 
@@ -101,6 +102,17 @@ class Speculator:
         tokens = seq.token_ids[:-1] if seq.token_ids[-1] < 0 else seq.token_ids
         return bool(propose_ngram(tokens, 1, self.config.prompt_lookup_min, self.config.prompt_lookup_max))
 
+    def step_rows(self, batch) -> list[tuple[Sequence, int, int]] | None:
+        """Before the target runs `batch`: each sequence, its first position and its rows, for
+        `ran` after it (the MTP layer's input); None unless the method is mtp."""
+        if not isinstance(self.draft, MtpDrafter):
+            return None
+        return [(seq, seq.num_computed_tokens, n) for seq, n in batch.entries]
+
+    def ran(self, rows: list[tuple[Sequence, int, int]]) -> None:
+        """The step of `step_rows` is verified: the MTP layer writes the rows it kept."""
+        self.draft.ran(rows)
+
     def release_finished(self) -> None:
         """The draft model's KV of sequences that ended goes back to its pool."""
         if self.draft is not None:
@@ -123,10 +135,13 @@ class Speculator:
 def build_speculator(engine) -> Speculator:
     """The engine's speculator for its --speculative-config (draft_model: loads the draft model,
     with a KV pool of as many blocks as the target's, on rank 0's device: unsharded under
-    tensor parallelism, spec/draft_model.py)."""
+    tensor parallelism, spec/draft_model.py; mtp: the checkpoint's MTP layer, spec/mtp.py)."""
     config = engine.config.speculative_config
     draft = None
     if config.method == "draft_model":
         draft = DraftModel(engine.runner.cfg, config.model, engine.runner.kv_pool.num_blocks,
                            int(engine.max_model_len), engine.eos_token_ids)
+    elif config.method == "mtp":
+        draft = MtpDrafter(engine.runner.cfg, engine.model_config, engine.runner.model,
+                           engine.runner.kv_pool.num_blocks, int(engine.max_model_len), engine.eos_token_ids)
     return Speculator(config, engine.long_rope_after, draft, engine.generator)
