@@ -1,5 +1,5 @@
 """A speculating request migrated mid-stream resumes token-exact: two real decode workers with
---speculative-config (ngram, or a draft model: the target as its own draft) on 127.0.0.1 behind the router's Dispatcher, the first failing a
+--speculative-config (ngram, a draft model: the target as its own draft, or an MTP layer) on 127.0.0.1 behind the router's Dispatcher, the first failing a
 step (fault injection) after drafts were accepted; the stream the client gets, greedy and
 seeded, equals an in-process engine's without speculation, and the second worker
 speculated on the resumed request."""
@@ -11,6 +11,7 @@ import pytest
 from splitserve.engine import LLM, EngineConfig, SamplingParams
 from splitserve.engine.faults import ENV
 from tests.engine.test_spec_decode_exact import NGRAM, copy_heavy
+from tests.engine.test_spec_decode_mtp import MTP, write_mtp_checkpoint
 from tests.helpers.migration_pair import migration_pair, to
 
 
@@ -18,11 +19,14 @@ from tests.helpers.migration_pair import migration_pair, to
     SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
     SamplingParams(temperature=1.0, top_k=4, seed=77, max_tokens=48, ignore_eos=True),
 ])
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-async def test_a_migrated_speculating_stream_resumes_token_exact(make_ckpt, monkeypatch, params, method):
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp"])
+async def test_a_migrated_speculating_stream_resumes_token_exact(make_ckpt, monkeypatch, tmp_path, params, method):
     monkeypatch.setenv(ENV, json.dumps([{"engine": "d-fail", "fault": "raise", "at_step": 4}]))
-    path = str(make_ckpt("llama"))
-    config = NGRAM if method == "ngram" else {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    # mtp: a tiny DeepSeek-V3 whose MTP layer reproduces it (its rows start anew on the second worker)
+    path = str(make_ckpt("llama") if method != "mtp" else
+               write_mtp_checkpoint(tmp_path / "mtp", "deepseek_v3", reproduces=True))
+    config = {"ngram": NGRAM, "mtp": MTP,
+              "draft_model": {"method": "draft_model", "model": path, "num_speculative_tokens": 3}}[method]
     prompt = copy_heavy(61, 20, 3)
     want = LLM(path, num_kv_blocks=64).generate(prompt, params)[0].token_ids
     async with migration_pair(EngineConfig(model=path, num_kv_blocks=64, speculative_config=config)) as (
