@@ -40,6 +40,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "DeepseekV32ForCausalLM": Architecture("deepseek_v32", "deepseek_v3", ("deepseek_v32",),
                                            "DeepSeek-V3.2 (V3's model with DeepSeek sparse attention: a lightning "
                                            "indexer picks each query's top-2048 tokens)"),
+    "GlmMoeDsaForCausalLM": Architecture("glm_moe_dsa", "deepseek_v3", ("glm_moe_dsa",),
+                                         "GLM-5 (MLA with DeepSeek sparse attention, interleaved indexer rope, "
+                                         "layers sharing an indexer's choice; sigmoid top-8 of 256 experts)"),
 }
 
 CHECKED_AGAINST = ("transformers' generate on tiny random checkpoints (float32, CPU): greedy tokens identical, "

@@ -83,6 +83,8 @@ class ModelConfig:
     index_topk: int = 0
     index_n_heads: int = 0
     index_head_dim: int = 0
+    index_rope_interleave: bool = False  # GLM-5's indexer rotates interleaved pairs, DeepSeek-V3.2's halves
+    index_shared_layers: tuple[int, ...] = ()  # GLM-5: layers reusing the previous indexer layer's choice
     raw: dict = field(default_factory=dict, repr=False, compare=False)  # config.json, for family extras
 
     @classmethod
@@ -168,7 +170,7 @@ class ModelConfig:
             raw=raw,
             **_moe_fields(raw, family, layers, act, source),
         )
-        if family in ("deepseek_v3", "deepseek_v32"):
+        if family in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
             cfg = replace(cfg, **_mla_fields(raw, cfg, source))
         return cfg
 
@@ -260,10 +262,11 @@ def _moe_fields(raw: dict, family: str, layers: int, act: str, source: str) -> d
         return _glm4_moe_fields(raw, layers, act, source)
     elif family == "minimax_m2":
         return _minimax_m2_fields(raw, layers, act, source)
-    elif family in ("deepseek_v3", "deepseek_v32"):  # transformers' DeepseekV3Config defaults where absent
-        fields = _glm4_moe_fields(raw, layers, act, source, dict(n_group=8, topk_group=4, n_routed_experts=256,
-                                                                 moe_intermediate_size=2048, first_k_dense_replace=3,
-                                                                 routed_scaling_factor=2.5))
+    elif family in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):  # transformers' defaults where absent
+        groups = (1, 1) if family == "glm_moe_dsa" else (8, 4)
+        fields = _glm4_moe_fields(raw, layers, act, source, dict(n_group=groups[0], topk_group=groups[1],
+                                                                 n_routed_experts=256, moe_intermediate_size=2048,
+                                                                 first_k_dense_replace=3, routed_scaling_factor=2.5))
         types = raw.get("mlp_layer_types")  # V3.2 may list them; else first_k_dense_replace decides
         if types is not None:
             if not isinstance(types, list) or len(types) != layers or set(types) - {"dense", "sparse"}:
@@ -343,7 +346,7 @@ def _mla_fields(raw: dict, cfg: ModelConfig, source: str) -> dict:
         factor = float(params.get("factor") or 1.0)
         mscale = 1.0 if factor <= 1 else 0.1 * float(params["mscale_all_dim"]) * math.log(factor) + 1.0
         scale *= mscale * mscale
-    index = _dsa_fields(raw, rope_dim, q_lora, source) if cfg.family == "deepseek_v32" else {}
+    index = _dsa_fields(raw, cfg, rope_dim, q_lora, source) if cfg.family in ("deepseek_v32", "glm_moe_dsa") else {}
     return dict(**dims, **index, q_lora_rank=int(q_lora or 0), rope=replace(rope, rotary_dim=rope_dim),
                 local_rope=None, num_kv_heads=1, attn_scale=scale,
                 head_dim=dims["kv_lora_rank"] + rope_dim + index.get("index_head_dim", 0),
@@ -372,12 +375,15 @@ def _minimax_m2_fields(raw: dict, layers: int, act: str, source: str) -> dict:
                 norm_topk_prob=True, moe_layers=tuple(range(layers)), moe_scoring="sigmoid")
 
 
-def _dsa_fields(raw: dict, rope_dim: int, q_lora, source: str) -> dict:
-    """DeepSeek-V3.2's indexer (transformers' defaults when absent): its heads read the query's
-    latent (so q_lora_rank is required), its key (index_head_dim) rotates its first
-    qk_rope_head_dim dims."""
-    out = {}
-    for name, default in (("index_topk", 2048), ("index_n_heads", 64), ("index_head_dim", 128)):
+def _dsa_fields(raw: dict, cfg: ModelConfig, rope_dim: int, q_lora, source: str) -> dict:
+    """DeepSeek-V3.2's and GLM-5's indexer (transformers' defaults when absent): its heads read
+    the query's latent (so q_lora_rank is required), its key (index_head_dim) rotates its first
+    qk_rope_head_dim dims; GLM-5's rope pairs are interleaved, and its `indexer_types` may let a
+    layer reuse the previous indexer layer's choice ("shared")."""
+    glm = cfg.family == "glm_moe_dsa"
+    out: dict = {"index_rope_interleave": glm, "index_shared_layers": _shared_indexer_layers(raw, cfg.num_layers,
+                                                                                              source) if glm else ()}
+    for name, default in (("index_topk", 2048), ("index_n_heads", 32 if glm else 64), ("index_head_dim", 128)):
         value = raw.get(name)
         value = default if value is None else value
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**20:
@@ -392,10 +398,27 @@ def _dsa_fields(raw: dict, rope_dim: int, q_lora, source: str) -> dict:
     return out
 
 
+def _shared_indexer_layers(raw: dict, layers: int, source: str) -> tuple[int, ...]:
+    """GLM-5's layers without an indexer of their own, as transformers derives `indexer_types`:
+    the list, else a pattern of F/S, else every `index_topk_freq`-th layer from
+    `index_skip_topk_offset` on has one."""
+    types = raw.get("indexer_types")
+    if types is None and raw.get("index_topk_pattern") is not None:
+        pattern = raw["index_topk_pattern"]
+        types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
+    if types is None:
+        freq, offset = max(int(raw.get("index_topk_freq", 1)), 1), int(raw.get("index_skip_topk_offset", 2))
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or set(types) - {"full", "shared"} or types[0] != "full":
+        raise CheckpointError(f"{source}: field 'indexer_types' must list 'full' or 'shared' for each of the {layers} "
+                              "layers, the first 'full' (a shared layer reuses an earlier layer's choice)")
+    return tuple(i for i, t in enumerate(types) if t == "shared")
+
+
 def _layer_types(raw: dict, family: str, layers: int, window: int | None, source: str) -> tuple[str, ...]:
     """Which layers attend through the sliding window, as transformers decides."""
     types = raw.get("layer_types")
-    if family == "deepseek_v32":  # "indexed_attention" on every layer: DSA is the attention, no window
+    if family in ("deepseek_v32", "glm_moe_dsa"):  # "indexed_attention" on every layer: DSA, no window
         return (FULL,) * layers
     if types is not None:
         if len(types) != layers or set(types) - {FULL, SLIDING}:

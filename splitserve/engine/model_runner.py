@@ -76,8 +76,12 @@ class ModelRunner:
         # tokens per expert of each MoE layer, counted on the device by rank 0 (before any capture)
         self.expert_tokens = ExpertTokenCounts(self.model, self.device) if tp().rank == 0 else None
         self.decode_graphs: DecodeGraphs | None = None
-        # quantized experts read their token counts on the host: no capture (models/quant_moe.py)
-        if cfg.use_cuda_graphs and not has_quantized_experts(self.model):
+        for module in self.model.modules():  # MLA's absorbed W_UK / W_UV: made now, never inside a capture
+            if hasattr(module, "absorbed_weights"):
+                module.absorbed_weights()
+        # quantized experts read their token counts on the host, and DeepSeek sparse attention its
+        # selection (models/dsa.py): no capture, the eager step
+        if cfg.use_cuda_graphs and not has_quantized_experts(self.model) and not model_cfg.index_topk:
             self.enable_decode_graphs(capture=True)
         elif cfg.async_scheduling:  # the overlapped decode runs the padded step (eagerly here)
             self.enable_decode_graphs(capture=False)

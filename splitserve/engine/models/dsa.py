@@ -34,6 +34,7 @@ class DsaIndexer(nn.Module):
         super().__init__()
         self.heads, self.dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.rope_dim = cfg.qk_rope_head_dim
+        self.interleaved = cfg.index_rope_interleave  # GLM-5's pairs; dot products are the same de-interleaved
         self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, self.heads * self.dim, bias=False)
         self.wk = ColumnParallelLinear(cfg.hidden_size, self.dim, bias=False)
         self.k_norm = nn.LayerNorm(self.dim, eps=1e-6)
@@ -41,7 +42,10 @@ class DsaIndexer(nn.Module):
 
     def _rotate(self, q: torch.Tensor, k: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.rope_dim
-        q_rot, k_rot = ops.apply_rotary(q[..., :r].contiguous(), k[..., :r].contiguous(), cos, sin)
+        q_r, k_r = q[..., :r], k[..., :r]
+        if self.interleaved:
+            q_r, k_r = (torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1) for t in (q_r, k_r))
+        q_rot, k_rot = ops.apply_rotary(q_r.contiguous(), k_r.contiguous(), cos, sin)
         return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
 
     def queries_and_key(self, x: torch.Tensor, q_latent: torch.Tensor, cos, sin):
@@ -61,37 +65,52 @@ def context_exceeds(meta, topk: int) -> bool:
     return any(int(t.max()) > topk for t in lens)
 
 
-def sparse_mla_attention(query: torch.Tensor, index_q: torch.Tensor, index_w: torch.Tensor, k_cache: torch.Tensor,
-                         meta, scale: float, k_scale: float, qk_width: int, index_dim: int,
-                         topk: int) -> torch.Tensor:
-    """Absorbed MLA (query [n, heads, qk_width] against the rows' first qk_width columns) over
-    each query's `topk` indexer-selected earlier tokens; [n, heads, qk_width] (the caller keeps
-    the latent columns)."""
-    out = torch.empty_like(query)
-    p = meta.num_prefill_tokens
-    spans = []  # (first token, query tokens, context length, block table row)
+def _spans(meta, n: int) -> list[tuple[int, int, int, torch.Tensor]]:
+    """(first token, query tokens, context length, block table row) of each sequence in the step."""
+    p, spans = meta.num_prefill_tokens, []
     if p:
         cu, lens, tables = meta.prefill_cu_seqlens_q.tolist(), meta.prefill_seq_lens.tolist(), meta.prefill_block_tables
         spans += [(cu[i], cu[i + 1] - cu[i], lens[i], tables[i]) for i in range(len(lens))]
-    if p < query.shape[0]:
+    if p < n:
         lens, tables = meta.decode_seq_lens.tolist(), meta.decode_block_tables
         spans += [(p + j, 1, lens[j], tables[j]) for j in range(len(lens))]
-    block_size = k_cache.shape[1]
-    for first, count, length, table in spans:
-        positions = torch.arange(length, device=query.device)
-        blocks = table.to(query.device)[positions // block_size].long()
-        rows = k_cache[blocks, positions % block_size, 0].float()  # [length, row] (the cache is one KV head)
-        if k_cache.dtype == torch.float8_e4m3fn:
-            rows = rows * k_scale
-        q_pos = torch.arange(length - count, length, device=query.device)
-        causal = positions[None, :] <= q_pos[:, None]  # [count, length]
-        keys = rows[:, qk_width:qk_width + index_dim]
-        scores = torch.relu(torch.matmul(index_q[first:first + count], keys.t()) * index_dim**-0.5)
-        index = torch.matmul(index_w[first:first + count].unsqueeze(1), scores).squeeze(1)  # [count, length]
-        index = index.masked_fill(~causal, float("-inf"))
+    return spans
+
+
+def _rows(k_cache: torch.Tensor, table: torch.Tensor, length: int, k_scale: float) -> torch.Tensor:
+    """The cache rows of a sequence's first `length` tokens, float32 [length, row]."""
+    positions = torch.arange(length, device=k_cache.device)
+    blocks = table.to(k_cache.device)[positions // k_cache.shape[1]].long()
+    rows = k_cache[blocks, positions % k_cache.shape[1], 0].float()  # the cache is one KV head
+    return rows * k_scale if k_cache.dtype == torch.float8_e4m3fn else rows
+
+
+def select(index_q: torch.Tensor, index_w: torch.Tensor, k_cache: torch.Tensor, meta, k_scale: float,
+           key_columns: slice, topk: int) -> list[torch.Tensor]:
+    """Per sequence of the step, which tokens each of its queries attends to: bool [queries,
+    context], the causal context's `topk` best by the indexer's score (all of it when shorter)."""
+    allowed = []
+    for first, count, length, table in _spans(meta, index_q.shape[0]):
+        keys = _rows(k_cache, table, length, k_scale)[:, key_columns]
+        positions = torch.arange(length, device=index_q.device)
+        causal = positions[None, :] <= positions[length - count:, None]  # [count, length]
+        scores = torch.relu(torch.matmul(index_q[first:first + count], keys.t()) * keys.shape[1] ** -0.5)
+        index = torch.matmul(index_w[first:first + count].unsqueeze(1), scores).squeeze(1).masked_fill(
+            ~causal, float("-inf"))
         chosen = torch.zeros_like(causal).scatter_(1, index.topk(min(topk, length), dim=-1).indices, True)
-        allowed = causal & chosen
-        logits = torch.matmul(query[first:first + count].float(), rows[:, :qk_width].t()) * scale
-        probs = logits.masked_fill(~allowed[:, None, :], float("-inf")).softmax(dim=-1)
-        out[first:first + count] = torch.matmul(probs, rows[:, :qk_width]).to(out.dtype)
+        allowed.append(causal & chosen)
+    return allowed
+
+
+def sparse_mla_attention(query: torch.Tensor, allowed: list[torch.Tensor], k_cache: torch.Tensor, meta,
+                         scale: float, k_scale: float, qk_width: int) -> torch.Tensor:
+    """Absorbed MLA (query [n, heads, qk_width] against the rows' first qk_width columns) over
+    each query's `allowed` tokens (select()); [n, heads, qk_width] (the caller keeps the latent
+    columns)."""
+    out = torch.empty_like(query)
+    for (first, count, length, table), mask in zip(_spans(meta, query.shape[0]), allowed, strict=True):
+        rows = _rows(k_cache, table, length, k_scale)[:, :qk_width]
+        logits = torch.matmul(query[first:first + count].float(), rows.t()) * scale
+        probs = logits.masked_fill(~mask[:, None, :], float("-inf")).softmax(dim=-1)
+        out[first:first + count] = torch.matmul(probs, rows).to(out.dtype)
     return out

@@ -32,6 +32,7 @@ class AttentionMetadata:
     prefill_seq_lens: torch.Tensor | None
     decode_block_tables: torch.Tensor | None
     decode_seq_lens: torch.Tensor | None
+    dsa_allowed: list | None = None  # DSA: this step's choice, left by an indexer layer for the layers sharing it
 
 
 class RMSNorm(nn.Module):

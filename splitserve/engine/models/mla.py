@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from splitserve.core.model_config import ModelConfig
-from splitserve.engine.models.dsa import DsaIndexer, context_exceeds, sparse_mla_attention
+from splitserve.engine.models.dsa import DsaIndexer, context_exceeds, select, sparse_mla_attention
 from splitserve.engine.models.layers import AttentionMetadata, RMSNorm
 from splitserve.engine.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from splitserve.engine.parallel.sharding import q_heads
@@ -70,7 +70,9 @@ class MlaAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.lora, cfg.rms_norm_eps)
         self.kv_b_proj = ColumnParallelLinear(self.lora, self.num_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, cfg.hidden_size, bias=cfg.o_bias)
-        self.indexer = DsaIndexer(cfg) if cfg.index_topk else None  # DeepSeek-V3.2's sparse attention
+        # DSA (DeepSeek-V3.2, GLM-5): an indexer, or (GLM-5's shared layers) the choice of the last one
+        self.dsa_topk, self.index_dim = cfg.index_topk, cfg.index_head_dim
+        self.indexer = DsaIndexer(cfg) if cfg.index_topk and layer not in cfg.index_shared_layers else None
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
         self.expanded_prefill = EXPANDED_PREFILL
 
@@ -108,20 +110,25 @@ class MlaAttention(nn.Module):
         if self.indexer is not None:
             index_q, index_w, index_k = self.indexer.queries_and_key(x, q_latent, cos, sin)
             parts.append(index_k)
+        elif self.dsa_topk:  # a layer sharing another's choice caches no key of its own: zeros keep the row's width
+            parts.append(latent.new_zeros(n, 1, self.index_dim))
         row = torch.cat(parts, dim=-1)  # what the cache keeps
         ops.store_kv(row, row, k_cache, k_cache, meta.slot_mapping, self.k_scale, self.k_scale)
         w_uk, w_uv_t = self.absorbed_weights()
         query = torch.cat([torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_pe], dim=-1)  # [n, heads, lora + rope]
-        if self.indexer is not None and context_exceeds(meta, self.indexer.topk):
-            out = sparse_mla_attention(query, index_q, index_w, k_cache, meta, self.scale, self.k_scale,
-                                       self.lora + self.rope_dim, self.indexer.dim, self.indexer.topk)
+        width = self.lora + self.rope_dim
+        if self.dsa_topk and context_exceeds(meta, self.dsa_topk):
+            if self.indexer is not None:
+                meta.dsa_allowed = select(index_q, index_w, k_cache, meta, self.k_scale,
+                                          slice(width, width + self.index_dim), self.dsa_topk)
+            out = sparse_mla_attention(query, meta.dsa_allowed, k_cache, meta, self.scale, self.k_scale, width)
             return self._output(out, w_uv_t, n)
-        if self.indexer is not None:  # every token selected: the paged kernels, the index key columns zeroed out
-            query = torch.cat([query, query.new_zeros(n, self.num_heads, self.indexer.dim)], dim=-1)
+        if self.dsa_topk:  # every token selected: the paged kernels, the index key columns zeroed out
+            query = torch.cat([query, query.new_zeros(n, self.num_heads, self.index_dim)], dim=-1)
         p = meta.num_prefill_tokens
         opts = dict(k_scale=self.k_scale, v_scale=self.k_scale)
         values = []
-        if p and self.expanded_prefill and self.indexer is None:
+        if p and self.expanded_prefill and not self.dsa_topk:
             values.append(self._expanded_prefill(q_nope[:p], q_pe[:p], k_cache, meta))
         elif p:
             values.append(self._values(ops.paged_prefill_attention(

@@ -27,6 +27,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "minimax_m2": MiniMaxM2ForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
     "deepseek_v32": DeepseekV3ForCausalLM,  # with DSA's indexer (models/dsa.py)
+    "glm_moe_dsa": DeepseekV3ForCausalLM,  # GLM-5: the same, its indexer's rope interleaved, some layers sharing
 }
 
 
