@@ -10,6 +10,7 @@ import pytest
 from splitserve.engine import LLM, SamplingParams
 from tests.engine.test_deepseek_v3 import NEW_TOKENS, prompts, write_deepseek_v3
 from tests.engine.test_deepseek_v32 import write_deepseek_v32
+from tests.engine.test_glm_moe_dsa import write_glm_moe_dsa
 from tests.helpers.reference import hf_greedy
 
 
@@ -50,10 +51,21 @@ def dsa_ckpt(tmp_path_factory):
     return write_deepseek_v32(tmp_path_factory.mktemp("deepseek_v32_tp") / "float")
 
 
-def test_deepseek_v32_tp2_greedy_tokens_equal_transformers_past_the_top_k(dsa_ckpt):
-    """DeepSeek-V3.2: the indexer replicated on both ranks picks the same 16 tokens for each query."""
-    with LLM(str(dsa_ckpt), num_kv_blocks=64, max_num_batched_tokens=32, tensor_parallel_size=2) as llm:
-        ps = prompts(llm.engine.model_config.vocab_size)
+@pytest.fixture(scope="module")
+def glm5_ckpt(tmp_path_factory):
+    return write_glm_moe_dsa(tmp_path_factory.mktemp("glm_moe_dsa_tp") / "float")
+
+
+@pytest.mark.parametrize("family,expert_parallel", [("deepseek_v32", False), ("deepseek_v32", True),
+                                                    ("glm_moe_dsa", False), ("glm_moe_dsa", True)])
+def test_dsa_tp2_and_expert_parallel_greedy_tokens_equal_transformers_past_the_top_k(request, family,
+                                                                                     expert_parallel):
+    """DeepSeek-V3.2 and GLM-5: the indexer replicated on both ranks picks the same 16 tokens for
+    each query (GLM-5's shared layer reusing it), alone and with the experts spread whole."""
+    ckpt = request.getfixturevalue("dsa_ckpt" if family == "deepseek_v32" else "glm5_ckpt")
+    with LLM(str(ckpt), num_kv_blocks=64, max_num_batched_tokens=32, tensor_parallel_size=2,
+             enable_expert_parallel=expert_parallel) as llm:
+        ps = prompts(llm.engine.model_config.vocab_size)[1:]  # 45 tokens: past the top-k and a chunk
         outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     for prompt, out in zip(ps, outs, strict=True):
-        assert out.token_ids == hf_greedy(dsa_ckpt, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
+        assert out.token_ids == hf_greedy(ckpt, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
