@@ -66,6 +66,10 @@ def test_mla_disaggregated_tp1_to_tp2_prefix_hit_and_migration(mla_cluster):
     assert status == 200, body
     assert headers["X-Splitserve-Workers"].startswith("decode=decode-tp; prefill=prefill-0;"), headers
     assert body["choices"][0]["text"] == want
+    # on the wire too a token costs one latent row a layer: 3 blocks of 16 tokens x 40 x 3 layers x 4 bytes
+    prefill_metrics = c.prefill["prefill-0"].match.group(2)
+    sent = metric(prefill_metrics, "splitserve_kv_transfer_bytes_total", direction="sent")
+    assert sent == 3 * 16 * (32 + 8) * 3 * 4, sent
     status, body, headers = asyncio.run(one())  # the same prompt again: its latent rows are cached there
     assert status == 200 and body["choices"][0]["text"] == want
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32, body["usage"]
