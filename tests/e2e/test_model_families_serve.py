@@ -20,6 +20,7 @@ from splitserve.core.tokenizer import Tokenizer
 from tests.engine.test_deepseek_v3 import write_deepseek_v3
 from tests.engine.test_deepseek_v32 import write_deepseek_v32
 from tests.engine.test_glm4_moe import write_glm4_moe
+from tests.engine.test_glm_moe_dsa import write_glm_moe_dsa
 from tests.engine.test_minimax_m2 import write_minimax_m2
 from tests.helpers.checkpoints import WINDOW
 from tests.helpers.processes import SplitserveProcess
@@ -29,10 +30,10 @@ SERVED = "family-under-test"
 NEW = 32
 FAMILIES = {"phi3": {}, "gemma2": {}, "gemma3": {}, "mixtral": {"sliding_window": WINDOW}, "qwen3_moe": {},
             "glm4_moe": {}, "minimax_m2": {}, "deepseek_v3": {},
-            "deepseek_v32": {}}
+            "deepseek_v32": {}, "glm_moe_dsa": {}}
 # families whose engine test writes a tiny checkpoint whose routing decides choices
 WRITERS = {"glm4_moe": write_glm4_moe, "minimax_m2": write_minimax_m2, "deepseek_v3": write_deepseek_v3,
-           "deepseek_v32": write_deepseek_v32}
+           "deepseek_v32": write_deepseek_v32, "glm_moe_dsa": write_glm_moe_dsa}
 
 
 def complete(base: str, prompt: list[int]) -> tuple[dict, dict]:
