@@ -200,3 +200,30 @@ def test_both_prefill_forms_equal_transformers_over_chunks_and_a_cached_prefix(c
     prompt = prompts(llm.engine.model_config.vocab_size)[1][:40] + [7, 8, 9]
     hit = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))[0]
     assert hit.num_cached_tokens >= 32 and hit.token_ids == hf_greedy(ckpt, prompt, NEW_TOKENS)
+
+
+def test_latent_blocks_go_down_to_the_host_and_disk_tiers_and_come_back(ckpt, tmp_path):
+    """The offload tiers move whole blocks: an MLA block (one latent row a token a layer, 7,680
+    bytes here) evicted from the 12-block device pool comes back from the host tier, and from
+    disk once the host is full, with the tokens transformers gives."""
+    from splitserve.engine.kv_offload.block_file import HEADER
+
+    nb = 16 * (32 + 8) * 3 * 4
+    prefix = [(i * 37 + 11) % 900 + 5 for i in range(100)]  # 6 full blocks are reusable
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = hf_greedy(ckpt, prefix, 6)
+    for host_blocks, disk in ((64, None), (4, tmp_path / "disk")):
+        with LLM(str(ckpt), num_kv_blocks=12, kv_offload_bytes=host_blocks * nb,
+                 kv_offload_dir=str(disk) if disk else None,
+                 kv_offload_dir_bytes=64 * (nb + HEADER.size) if disk else 0) as llm:
+            assert llm.engine.runner.kv_pool.spec.block_nbytes == nb
+            assert llm.generate(prefix, params)[0].token_ids == want
+            for seed in (1, 2):  # two prompts of 10 blocks each: nothing of the prefix stays on device
+                llm.generate([(i * 53 + seed * 101) % 900 + 5 for i in range(150)], params)
+                assert llm.engine.offloader.wait_idle()
+            again = llm.generate(prefix, params)[0]
+            loaded = llm.engine.offloader.stats().counters.loaded_blocks
+            assert again.token_ids == want and again.num_cached_tokens == 6 * 16
+            assert loaded == ({"host": 6, "disk": 0} if disk is None else {"host": loaded["host"],
+                                                                          "disk": 6 - loaded["host"]})
+            assert disk is None or loaded["disk"] > 0
