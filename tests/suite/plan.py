@@ -62,8 +62,6 @@ SLOW = {
     "tests/engine/test_expert_parallel_features.py",
     "tests/engine/test_deepseek_v3_tensor_parallel.py",
     "tests/engine/test_spec_decode_mtp_tensor_parallel.py",
-    "tests/e2e/test_mla_disaggregated.py",
-    "tests/e2e/test_families_migration.py",
     "tests/engine/test_minimax_m2_tensor_parallel.py",
     "tests/engine/test_tensor_parallel_kv.py",
     "tests/engine/test_lora_tensor_parallel.py",
