@@ -27,7 +27,7 @@ from tests.helpers.processes import SplitserveProcess
 from tests.helpers.reference import hf_greedy
 
 SERVED = "family-under-test"
-NEW = 32
+NEW = 40  # new tokens a request, as in the engine tests
 FAMILIES = {"phi3": {}, "gemma2": {}, "gemma3": {}, "mixtral": {"sliding_window": WINDOW}, "qwen3_moe": {},
             "glm4_moe": {}, "minimax_m2": {}, "deepseek_v3": {},
             "deepseek_v32": {}, "glm_moe_dsa": {}}
@@ -56,7 +56,7 @@ def test_family_served_disaggregated_matches_transformers(make_ckpt, tmp_path, f
     try:
         tok = Tokenizer(model)
         rng = random.Random(7)
-        for n in (40, 47, 90):  # past the 32-token window; 47 + 32 crosses Phi-3's 64
+        for n in (40, 47, 90):  # past the 32-token window; 47 + 40 crosses Phi-3's 64
             prompt = [rng.randrange(5, 1000) for _ in range(n)]
             out, workers = complete(serve.base_url, prompt)
             assert workers["prefill"] == "prefill-0" and workers["decode"] == "decode-0", workers
