@@ -65,8 +65,9 @@ def context_exceeds(meta, topk: int) -> bool:
     return any(int(t.max()) > topk for t in lens)
 
 
-def _spans(meta, n: int) -> list[tuple[int, int, int, torch.Tensor]]:
-    """(first token, query tokens, context length, block table row) of each sequence in the step."""
+def sequence_spans(meta, n: int) -> list[tuple[int, int, int, torch.Tensor]]:
+    """(first token, query tokens, context length, block table row) of each sequence in the step's
+    first `n` tokens (the prefill chunks only with n = num_prefill_tokens; mla.py's expanded prefill)."""
     p, spans = meta.num_prefill_tokens, []
     if p:
         cu, lens, tables = meta.prefill_cu_seqlens_q.tolist(), meta.prefill_seq_lens.tolist(), meta.prefill_block_tables
@@ -77,7 +78,7 @@ def _spans(meta, n: int) -> list[tuple[int, int, int, torch.Tensor]]:
     return spans
 
 
-def _rows(k_cache: torch.Tensor, table: torch.Tensor, length: int, k_scale: float) -> torch.Tensor:
+def sequence_rows(k_cache: torch.Tensor, table: torch.Tensor, length: int, k_scale: float) -> torch.Tensor:
     """The cache rows of a sequence's first `length` tokens, float32 [length, row]."""
     positions = torch.arange(length, device=k_cache.device)
     blocks = table.to(k_cache.device)[positions // k_cache.shape[1]].long()
@@ -90,8 +91,8 @@ def select(index_q: torch.Tensor, index_w: torch.Tensor, k_cache: torch.Tensor, 
     """Per sequence of the step, which tokens each of its queries attends to: bool [queries,
     context], the causal context's `topk` best by the indexer's score (all of it when shorter)."""
     allowed = []
-    for first, count, length, table in _spans(meta, index_q.shape[0]):
-        keys = _rows(k_cache, table, length, k_scale)[:, key_columns]
+    for first, count, length, table in sequence_spans(meta, index_q.shape[0]):
+        keys = sequence_rows(k_cache, table, length, k_scale)[:, key_columns]
         positions = torch.arange(length, device=index_q.device)
         causal = positions[None, :] <= positions[length - count:, None]  # [count, length]
         scores = torch.relu(torch.matmul(index_q[first:first + count], keys.t()) * keys.shape[1] ** -0.5)
@@ -108,8 +109,8 @@ def sparse_mla_attention(query: torch.Tensor, allowed: list[torch.Tensor], k_cac
     each query's `allowed` tokens (select()); [n, heads, qk_width] (the caller keeps the latent
     columns)."""
     out = torch.empty_like(query)
-    for (first, count, length, table), mask in zip(_spans(meta, query.shape[0]), allowed, strict=True):
-        rows = _rows(k_cache, table, length, k_scale)[:, :qk_width]
+    for (first, count, length, table), mask in zip(sequence_spans(meta, query.shape[0]), allowed, strict=True):
+        rows = sequence_rows(k_cache, table, length, k_scale)[:, :qk_width]
         logits = torch.matmul(query[first:first + count].float(), rows.t()) * scale
         probs = logits.masked_fill(~mask[:, None, :], float("-inf")).softmax(dim=-1)
         out[first:first + count] = torch.matmul(probs, rows).to(out.dtype)

@@ -35,7 +35,14 @@ import torch
 from torch import nn
 
 from splitserve.core.model_config import ModelConfig
-from splitserve.engine.models.dsa import DsaIndexer, context_exceeds, select, sparse_mla_attention
+from splitserve.engine.models.dsa import (
+    DsaIndexer,
+    context_exceeds,
+    select,
+    sequence_rows,
+    sequence_spans,
+    sparse_mla_attention,
+)
 from splitserve.engine.models.layers import AttentionMetadata, RMSNorm
 from splitserve.engine.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from splitserve.engine.parallel.sharding import q_heads
@@ -152,15 +159,9 @@ class MlaAttention(nn.Module):
         """The prefill chunks in transformers' form: each sequence's cached latents (this chunk's
         included) decompressed by kv_b_proj into per-head K and V, attended causally; [p, heads, v]."""
         out = []
-        cu, lens = meta.prefill_cu_seqlens_q.tolist(), meta.prefill_seq_lens.tolist()
-        block_size = k_cache.shape[1]
-        for i, length in enumerate(lens):
-            first, count = cu[i], cu[i + 1] - cu[i]
+        for first, count, length, table in sequence_spans(meta, meta.num_prefill_tokens):
             positions = torch.arange(length, device=q_nope.device)
-            blocks = meta.prefill_block_tables[i].to(q_nope.device)[positions // block_size].long()
-            rows = k_cache[blocks, positions % block_size, 0]
-            if k_cache.dtype == torch.float8_e4m3fn:
-                rows = rows.to(q_nope.dtype) * self.k_scale
+            rows = sequence_rows(k_cache, table, length, self.k_scale).to(q_nope.dtype)
             kv = self.kv_b_proj(rows[:, :self.lora].to(q_nope.dtype)).view(length, self.num_heads, -1)
             k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
             k = torch.cat([k_nope, rows[:, None, self.lora:self.lora + self.rope_dim].to(k_nope.dtype)
