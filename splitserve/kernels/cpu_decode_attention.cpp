@@ -11,6 +11,8 @@
 // type, and the softmax is exact (max, exp, sum over the whole context), as SDPA's. The cache
 // may hold float8_e4m3fn codes under a float32 or bfloat16 query (an fp8 KV pool): rows are
 // converted through a table as they are read, and the float path stays as it was.
+// Attention sinks (gpt-oss), when given: one float32 logit per query head, a softmax column
+// with no value; the max is taken over the scores and the sink, exp(sink - max) joins the sum.
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -45,6 +47,7 @@ struct Geometry {
     int heads, kv_heads, group, dim, block_size;
     int64_t block_stride, slot_stride, head_stride;
     float scale, softcap;
+    const float* sinks;  // [heads] or nullptr
 };
 
 constexpr int kMaxHeads = 256;
@@ -102,8 +105,9 @@ void attend_sequence(const T* q, const C* k, const C* v, T* out, const int32_t* 
     }
     for (int h = 0; h < heads; h++) {  // softmax numerators and their sum
         float* r = scores + int64_t(h) * n;
-        const float m = maxes[h];
-        sums[h] = exp_shifted(r, n, m);
+        const float sink = g.sinks ? g.sinks[h] : -FLT_MAX;
+        const float m = maxes[h] > sink ? maxes[h] : sink;
+        sums[h] = exp_shifted(r, n, m) + (g.sinks ? exp_approx(sink - m) : 0.f);
     }
     for (int i = 0; i < heads * dim; i++) acc[i] = 0.f;
     for (int t = start; t < len; t++) {  // weighted sum of V
@@ -128,14 +132,14 @@ template <typename T, typename C>
 int decode(const void* q_, const void* k_, const void* v_, void* out_, const int32_t* block_tables,
            const int32_t* seq_lens, int first_seq, int end_seq, int num_heads, int num_kv_heads, int head_dim,
            int block_size, int max_blocks, int num_blocks, int64_t block_stride, int64_t slot_stride,
-           int64_t head_stride, float scale, int window, float softcap) {
+           int64_t head_stride, float scale, int window, float softcap, const float* sinks) {
     const T* q = static_cast<const T*>(q_);
     const C *k = static_cast<const C*>(k_), *v = static_cast<const C*>(v_);
     T* out = static_cast<T*>(out_);
     const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
     if (group < 1 || num_heads > kMaxHeads || head_dim > kMaxDim || group * num_kv_heads != num_heads) return 1;
     const Geometry g{num_heads, num_kv_heads, group, head_dim, block_size, block_stride, slot_stride, head_stride,
-                     scale, softcap};
+                     scale, softcap, sinks};
     int longest = 1;
     for (int b = first_seq; b < end_seq; b++) {
         if (seq_lens[b] <= 0 || seq_lens[b] > max_blocks * block_size) return 3;
@@ -165,15 +169,17 @@ int decode(const void* q_, const void* k_, const void* v_, void* out_, const int
 // 0 on success; 1: unsupported head geometry; 3: a sequence length outside its block table;
 // 4: a block id outside the pool. Nothing is read before these checks pass. dtype_code: the
 // query's (0 float32, 1 bfloat16); cache_code: the cache's (the same, or 2: float8_e4m3fn).
+// sinks: float32 [num_heads] sink logits, or null for none.
 extern "C" int splitserve_decode_attention(int dtype_code, int cache_code, const void* q, const void* k_cache,
                                            const void* v_cache, void* out, const int32_t* block_tables,
                                            const int32_t* seq_lens, int first_seq, int end_seq, int num_heads,
                                            int num_kv_heads, int head_dim, int block_size, int max_blocks,
                                            int num_blocks, int64_t block_stride, int64_t slot_stride,
-                                           int64_t head_stride, float scale, int window, float softcap) {
+                                           int64_t head_stride, float scale, int window, float softcap,
+                                           const float* sinks) {
     auto run = dtype_code == 0 ? decode<float, float> : decode<Bf16, Bf16>;
     if (cache_code == 2) run = dtype_code == 0 ? decode<float, Fp8> : decode<Bf16, Fp8>;
     return run(q, k_cache, v_cache, out, block_tables, seq_lens, first_seq, end_seq, num_heads, num_kv_heads,
                head_dim, block_size, max_blocks, num_blocks, block_stride, slot_stride, head_stride, scale, window,
-               softcap);
+               softcap, sinks);
 }

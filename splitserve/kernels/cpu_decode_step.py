@@ -38,6 +38,9 @@ class PreparedDecodeAttention:
         self.k_scale, self.v_scale = (attention.k_scale, attention.v_scale) if fp8 else (1.0, 1.0)
         self.scale = attention.scale * self.k_scale  # as ops.paged_decode_attention folds it
         self.window, self.softcap = int(attention.window), float(attention.softcap)
+        # gpt-oss's sink logits: the layer's own tensor (a float32 [heads] parameter), read by
+        # address each step, so a reloaded value is seen; another dtype is converted each step
+        self.sinks = getattr(attention, "sinks", None)
         self.caches = (k_cache.data_ptr(), v_cache.data_ptr())
         self.pool = (k_cache.shape[0], k_cache.shape[1])  # blocks, block size
         self.strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
@@ -88,8 +91,9 @@ class PreparedDecodeAttention:
         out = torch.empty((n, self.q_size), dtype=self.dtype)
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         args = (*self.codes, q.data_ptr(), k_ptr, v_ptr, out.data_ptr(), tables.data_ptr(), lens.data_ptr())
+        sinks = None if self.sinks is None else ops.prepare_sinks(self.sinks, q)
         shape = (self.heads, self.kv_heads, self.dim, block_size, tables.shape[1], blocks, *self.strides, self.scale,
-                 self.window, self.softcap)
+                 self.window, self.softcap, cpu_native.sinks_pointer(sinks))
         fn = lib.splitserve_decode_attention
         if torch.get_num_threads() == 1:
             code = fn(*args, 0, n, *shape)

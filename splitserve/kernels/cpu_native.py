@@ -54,8 +54,8 @@ ERRORS = {1: "unsupported head geometry (heads not a multiple of kv heads, > 256
           5: "quantized weight layout unsupported (bits, or a group not a multiple of 16)"}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {  # C entry point -> argument types (all return int: 0 or an ERRORS code)
-    "splitserve_decode_attention": [_I, _I] + [_P] * 6 + [_I] * 8 + [_I64] * 3 + [_F, _I, _F],
-    "splitserve_prefill_attention": [_I, _I] + [_P] * 7 + [_I] * 9 + [_I64] * 3 + [_F, _I, _F],
+    "splitserve_decode_attention": [_I, _I] + [_P] * 6 + [_I] * 8 + [_I64] * 3 + [_F, _I, _F, _P],
+    "splitserve_prefill_attention": [_I, _I] + [_P] * 7 + [_I] * 9 + [_I64] * 3 + [_F, _I, _F, _P],
     "splitserve_rms_norm": [_I, _P, _I64, _P, _P, _I, _I, _F, _I],
     "splitserve_add_rms_norm": [_I, _P, _I64, _P, _I64, _P, _P, _P, _I, _I, _F, _I],
     "splitserve_rotary_store": [_I, _I, _P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I, _P, _P, _P, _P, _I, _I, _I,
@@ -147,8 +147,18 @@ def supports_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return q.dtype == torch.float32 and q.shape[-1] in PREFILL_HEAD_DIMS and supports(q, k_cache, v_cache)
 
 
+def sinks_pointer(sinks: torch.Tensor | None) -> int | None:
+    """The address of float32 contiguous [num_heads] sink logits (ops._sinks makes them so), or
+    None (a null pointer: no sinks)."""
+    if sinks is None:
+        return None
+    if sinks.dtype != torch.float32 or not sinks.is_contiguous() or sinks.device.type != "cpu":
+        raise ValueError(f"native attention: sinks must be contiguous float32 on the CPU, got {sinks.dtype}")
+    return sinks.data_ptr()
+
+
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None, window=0,
-                           softcap=0.0) -> torch.Tensor:
+                           softcap=0.0, sinks=None) -> torch.Tensor:
     """Same contract as reference.paged_decode_attention; call supports() first."""
     fn = library().splitserve_decode_attention
     q = q.contiguous()
@@ -159,14 +169,15 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, n
     args = (DTYPE_CODES[q.dtype], cache_code(q, k_cache), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             out.data_ptr(), tables.data_ptr(), lens.data_ptr())
     shape = (heads, k_cache.shape[2], dim, k_cache.shape[1], tables.shape[1], k_cache.shape[0],
-             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), float(scale), int(window), float(softcap))
+             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), float(scale), int(window), float(softcap),
+             sinks_pointer(sinks))
 
     _run_sliced(lambda first, end: fn(*args, first, end, *shape), lens, "decode attention")
     return out
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, window=0,
-                            softcap=0.0) -> torch.Tensor:
+                            softcap=0.0, sinks=None) -> torch.Tensor:
     """Same contract as reference.paged_prefill_attention; call supports() first."""
     fn = library().splitserve_prefill_attention
     q = q.contiguous()
@@ -178,7 +189,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     args = (DTYPE_CODES[q.dtype], cache_code(q, k_cache), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             out.data_ptr(), tables.data_ptr(), cu.data_ptr(), lens.data_ptr(), num_seqs)
     shape = (q.shape[1], kv_heads, q.shape[2], k_cache.shape[1], tables.shape[1], k_cache.shape[0],
-             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), float(scale), int(window), float(softcap))
+             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), float(scale), int(window), float(softcap),
+             sinks_pointer(sinks))
 
     # (sequence, kv head) pairs are the unit of work a thread takes, weighed by new tokens x length
     work = ((cu[1:] - cu[:-1]).to(torch.int64) * lens.to(torch.int64)).repeat_interleave(kv_heads)

@@ -10,6 +10,8 @@
 // lanes and the weighted sum of V runs along head_dim: both vectorise; the softmax is the
 // online (flash) one, exact up to float rounding, in float32 whatever the storage type. The
 // cache may hold float8_e4m3fn codes (an fp8 KV pool), converted as the tile is loaded.
+// Attention sinks (gpt-oss), when given, join each row's softmax once, at the end: with the
+// row's final max m and sum l, M = max(m, sink), out = acc e^(m-M) / (l e^(m-M) + e^(sink-M)).
 //
 // Layout as cpu_decode_attention.cpp: the K/V row of (block b, slot s, kv head h) starts at
 // b * block_stride + s * slot_stride + h * head_stride. q and out are contiguous
@@ -66,6 +68,7 @@ struct Geometry {
     int heads, kv_heads, group, dim, block_size, window;
     int64_t block_stride, slot_stride, head_stride;
     float scale, softcap;
+    const float* sinks;  // [heads] or nullptr
 };
 
 template <typename T>
@@ -302,7 +305,12 @@ void attend_tile(const float* q_rows, int tokens, int pos0, int len, int kh, con
     }
     for (int r = 0; r < rows; r++) {
         const int i = r / group, h = kh * group + r % group;
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        if (g.sinks) {  // the sink's column, with the max over the scores and it together
+            const float sink = g.sinks[h], top = m[r] > sink ? m[r] : sink;
+            const float c = exp_approx(m[r] - top);
+            inv = c / (l[r] * c + exp_approx(sink - top));
+        }
         T* o = out + (int64_t(i) * g.heads + h) * dim;
         for (int d = 0; d < dim; d++) store(o + d, acc[r * dim + d] * inv);
     }
@@ -340,7 +348,7 @@ template <typename T, typename C>
 int prefill(const void* q_, const void* k_, const void* v_, void* out_, const int32_t* block_tables,
             const int32_t* cu_q, const int32_t* seq_lens, int num_seqs, int first_item, int end_item, int num_heads,
             int num_kv_heads, int head_dim, int block_size, int max_blocks, int num_blocks, int64_t block_stride,
-            int64_t slot_stride, int64_t head_stride, float scale, int window, float softcap) {
+            int64_t slot_stride, int64_t head_stride, float scale, int window, float softcap, const float* sinks) {
     const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
     if (group < 1 || group > kMaxGroup || head_dim > kMaxDim || group * num_kv_heads != num_heads) return 1;
     for (int b = 0; b < num_seqs; b++) {  // every row read must lie in the pool
@@ -351,7 +359,7 @@ int prefill(const void* q_, const void* k_, const void* v_, void* out_, const in
             if (row[i] < 0 || row[i] >= num_blocks) return 4;
     }
     const Geometry g{num_heads, num_kv_heads, group, head_dim, block_size, window, block_stride, slot_stride,
-                     head_stride, scale, softcap};
+                     head_stride, scale, softcap, sinks};
     const T* q = static_cast<const T*>(q_);
     const C *k = static_cast<const C*>(k_), *v = static_cast<const C*>(v_);
     T* out = static_cast<T*>(out_);
@@ -369,17 +377,17 @@ int prefill(const void* q_, const void* k_, const void* v_, void* out_, const in
 // 0 on success; 1: unsupported head geometry; 3: a sequence's length outside its block table
 // (or fewer cached tokens than new ones); 4: a block id outside the pool. Items are
 // sequence * num_kv_heads + kv head; [first_item, end_item) is this call's share. dtype_code
-// and cache_code as in splitserve_decode_attention.
+// and cache_code as in splitserve_decode_attention; sinks: float32 [num_heads] or null.
 extern "C" int splitserve_prefill_attention(int dtype_code, int cache_code, const void* q, const void* k_cache,
                                             const void* v_cache, void* out, const int32_t* block_tables,
                                             const int32_t* cu_seqlens_q, const int32_t* seq_lens, int num_seqs,
                                             int first_item, int end_item, int num_heads, int num_kv_heads,
                                             int head_dim, int block_size, int max_blocks, int num_blocks,
                                             int64_t block_stride, int64_t slot_stride, int64_t head_stride,
-                                            float scale, int window, float softcap) {
+                                            float scale, int window, float softcap, const float* sinks) {
     auto run = dtype_code == 0 ? prefill<float, float> : prefill<Bf16, Bf16>;
     if (cache_code == 2) run = dtype_code == 0 ? prefill<float, Fp8> : prefill<Bf16, Fp8>;
     return run(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, num_seqs, first_item, end_item,
                num_heads, num_kv_heads, head_dim, block_size, max_blocks, num_blocks, block_stride, slot_stride,
-               head_stride, scale, window, softcap);
+               head_stride, scale, window, softcap, sinks);
 }

@@ -50,13 +50,25 @@ def _kv_scales(k_cache, k_scale, v_scale) -> tuple[float, float]:
     return (k_scale, v_scale) if k_cache.dtype == torch.float8_e4m3fn else (1.0, 1.0)
 
 
+def prepare_sinks(sinks, q) -> torch.Tensor | None:
+    """gpt-oss's per-head sink logits as every kernel reads them: float32, contiguous, [num_heads]
+    on q's device (a float32 parameter passes through as itself: CUDA graphs keep its address)."""
+    if sinks is None:
+        return None
+    if sinks.dim() != 1 or sinks.shape[0] != q.shape[1]:
+        raise ValueError(f"attention sinks must be [num_heads={q.shape[1]}], got shape {tuple(sinks.shape)}")
+    return sinks.to(device=q.device, dtype=torch.float32).contiguous()
+
+
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None, window=0,
-                           softcap=0.0, k_scale=1.0, v_scale=1.0):
+                           softcap=0.0, k_scale=1.0, v_scale=1.0, sinks=None):
     """k_scale / v_scale: what one stored unit of an fp8 cache is worth (engine/kv_cache.py).
     The kernels read fp8 codes as their plain values; the scales fold in here, exactly as
     q . (k * k_scale) = (q . k) * k_scale and sum p (v * v_scale) = v_scale * sum p v. A float
-    cache holds values, not codes: the scales do not apply to it."""
+    cache holds values, not codes: the scales do not apply to it. `sinks`: None or [num_heads]
+    logits (this rank's heads), in the scaled domain: not multiplied by k_scale (reference.py)."""
     k_scale, v_scale = _kv_scales(k_cache, k_scale, v_scale)
+    sinks = prepare_sinks(sinks, q)
     backend = backend_for(q)
     impl = _triton() if backend == "triton" else reference
     if backend == "native":
@@ -65,14 +77,15 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, n
         if cpu_native.supports(q, k_cache, v_cache):
             impl = cpu_native
     out = impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale * k_scale, num_splits,
-                                      window, softcap)
+                                      window, softcap, sinks)
     return out if v_scale == 1.0 else out.mul_(v_scale)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, window=0,
-                            softcap=0.0, k_scale=1.0, v_scale=1.0):
-    """k_scale / v_scale as in paged_decode_attention."""
+                            softcap=0.0, k_scale=1.0, v_scale=1.0, sinks=None):
+    """k_scale / v_scale and sinks as in paged_decode_attention."""
     k_scale, v_scale = _kv_scales(k_cache, k_scale, v_scale)
+    sinks = prepare_sinks(sinks, q)
     backend = backend_for(q)
     impl = _triton() if backend == "triton" else reference
     if backend == "native":
@@ -81,7 +94,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
         if cpu_native.supports_prefill(q, k_cache, v_cache):
             impl = cpu_native
     out = impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale * k_scale,
-                                       window, softcap)
+                                       window, softcap, sinks)
     return out if v_scale == 1.0 else out.mul_(v_scale)
 
 

@@ -7,7 +7,11 @@ Shapes (see splitserve/engine/kv_cache.py for the pool layout):
 
 Attention options (both attention kernels): `window` > 0 is sliding-window attention, a
 query at position p sees keys p - window + 1 .. p (transformers' `kv_idx > q_idx - window`);
-`softcap` > 0 caps the scaled scores at softcap * tanh(score / softcap) (Gemma 2).
+`softcap` > 0 caps the scaled scores at softcap * tanh(score / softcap) (Gemma 2);
+`sinks` (None or float32 [num_heads]) is gpt-oss's attention sink: one learned logit per
+query head, in the scaled (and capped) domain, appended as an extra column before the
+softmax and dropped after it (transformers' eager_attention_forward: the max is taken over
+the scores and the sink together). It adds exp(sink) to the denominator and no value.
 
 An fp8 (float8_e4m3fn) cache is read as its codes' plain values, converted exactly to the
 query's dtype; the per-layer scales are folded in by kernels/ops.py. store_kv divides by the
@@ -52,19 +56,26 @@ def _gather_kv(cache: torch.Tensor, block_row: torch.Tensor, length: int, purpos
     return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length]
 
 
-def _attend(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+def _attend(q, k, v, mask, scale: float, softcap: float, sinks=None) -> torch.Tensor:
     """softmax(scores) @ v with q [b, heads, n, d], k/v [b, kv_heads, T, d], mask [b|1, 1, n, T];
     mask None: plain causal over a square n == T (SDPA then skips the blocks above the
     diagonal: bit for bit the masked result, half the work for a long prompt)."""
-    if not softcap:
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=mask is None,
                                               enable_gqa=q.shape[1] != k.shape[1])
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+    sink = sinks.to(device=q.device, dtype=torch.float32).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # the sink's column dropped
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 def paged_decode_attention(
@@ -77,6 +88,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new query token per sequence attending to its whole paged context.
 
@@ -85,20 +97,21 @@ def paged_decode_attention(
     """
     batch = q.shape[0]
     if batch <= DECODE_GROUP:
-        return _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
+        return _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, sinks)
     # Sequences padded to the longest context waste reads; attend in groups of similar length.
     order = torch.argsort(seq_lens.to(torch.int64))
     out = torch.empty_like(q)
     for start in range(0, batch, DECODE_GROUP):
         idx = order[start : start + DECODE_GROUP].to(q.device)
-        out[idx] = _decode_group(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale, window, softcap)
+        out[idx] = _decode_group(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale, window, softcap,
+                                 sinks)
     return out
 
 
 DECODE_GROUP = 16
 
 
-def _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap) -> torch.Tensor:
+def _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, sinks) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     block_size = k_cache.shape[1]
@@ -112,7 +125,8 @@ def _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale, window, so
     mask = positions[None, :] < lens  # [batch, T]
     if window:
         mask &= positions[None, :] >= lens - window
-    out = _attend(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale, softcap)
+    out = _attend(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale, softcap,
+                  sinks)
     return out.squeeze(2)  # [batch, heads, 1, dim] -> [batch, heads, dim]
 
 
@@ -126,6 +140,7 @@ def paged_prefill_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """New tokens of several sequences attending to a paged cached prefix plus themselves.
 
@@ -144,8 +159,8 @@ def paged_prefill_attention(
             continue
         k = _gather_kv(k_cache, block_tables[b], length, "k").to(q.dtype)
         v = _gather_kv(v_cache, block_tables[b], length, "v").to(q.dtype)
-        mask = None  # a whole prompt at once, no window, no soft-cap: SDPA's own causal mask
-        if n != length or window or softcap:
+        mask = None  # a whole prompt at once, no window: SDPA's own causal mask (or _attend's)
+        if n != length or window:
             q_pos = torch.arange(length - n, length, device=q.device)
             keys = torch.arange(length, device=q.device)[None, :]
             mask = keys <= q_pos[:, None]  # [n, L]
@@ -153,7 +168,7 @@ def paged_prefill_attention(
                 mask &= keys > q_pos[:, None] - window
             mask = mask[None, None]
         o = _attend(q[s:e].transpose(0, 1).unsqueeze(0),  # [1, heads, n, dim]
-                    k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), mask, scale, softcap)
+                    k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), mask, scale, softcap, sinks)
         out[s:e] = o[0].transpose(0, 1)
     return out
 

@@ -153,3 +153,11 @@ def check_paged_kv(what: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{what}: {name} must be int32 (or int64), got {t.dtype}")
 
+
+
+def check_sinks(what: str, sinks: torch.Tensor | None, num_heads: int) -> None:
+    """Attention sinks, where given, as the kernels read them: float32 contiguous [num_heads]."""
+    if sinks is not None and (sinks.shape != (num_heads,) or sinks.dtype != torch.float32
+                              or not sinks.is_contiguous()):
+        raise ValueError(f"{what}: sinks must be float32 contiguous [num_heads={num_heads}], "
+                         f"got {sinks.dtype} {tuple(sinks.shape)}")

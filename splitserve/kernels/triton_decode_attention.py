@@ -7,6 +7,11 @@ separate programs, which keeps the GPU busy at batch 1; each writes a partial ou
 normalised by its own softmax sum plus its log-sum-exp, and a second kernel merges the
 partials exactly. With one split the first kernel writes the final output directly.
 
+Attention sinks (gpt-oss: one logit per query head, a softmax column with no value) enter
+once, where the softmax is completed: in the merge, as one more partial whose log-sum-exp
+is the sink and whose output is zero; with one split, in the first kernel's epilogue. The
+max is over the scores and the sink together, as transformers takes it.
+
 Offsets into the cache are int64: block_id * block_stride passes 2**31 elements
 quickly in the block-major pool (block ids above 32767 with a 64 Ki-element stride).
 Nothing here reads tensor values on the host, so a launch is CUDA-graph capturable.
@@ -20,6 +25,7 @@ import triton.language as tl
 
 from splitserve.kernels.triton_common import (
     check_paged_kv,
+    check_sinks,
     cuda_sm_count,
     dot_precision,
     kernel,
@@ -47,9 +53,9 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_tokens: int, num_sms: i
 
 
 @kernel(do_not_specialize=["tokens_per_split", "num_splits", "window", "stride_btb"],
-        do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
+        do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "sinks_ptr"])
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr,
     scale_log2e, tokens_per_split, num_splits, window, softcap_log2e,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
@@ -58,7 +64,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DIRECT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -119,6 +125,11 @@ def _decode_split_kernel(
     l_safe = tl.where(has_tokens, l_i, 1.0)
     out = acc / l_safe[:, None]
     out_mask = row_ok[:, None] & dim_ok[None, :]
+    if DIRECT and SINKS:  # the whole softmax is here: the sink's column joins it (log2 domain)
+        sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0) * 1.4426950408889634
+        top = tl.maximum(m_i, sink)
+        c = tl.exp2(m_i - top)
+        out = acc * (c / (l_i * c + tl.exp2(sink - top)))[:, None]
     if DIRECT:
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :] * stride_od,
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -129,11 +140,11 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
-@kernel(do_not_specialize=["num_splits"])
+@kernel(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["sinks_ptr"])
 def _decode_merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, num_splits,
+    part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, num_splits,
     stride_ob, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -144,11 +155,16 @@ def _decode_merge_kernel(
     part = (seq * tl.num_programs(1) + head) * num_splits + splits
     lse = tl.load(part_lse_ptr + part, mask=split_ok, other=float("-inf"))
     m = tl.max(lse, 0)
+    if SINKS:  # one more partial: log-sum-exp the sink (log2 domain), output zero
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)  # no tokens at all: every weight is 0
     weights = tl.exp2(lse - m)
     parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
                     mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
     total = tl.sum(weights, 0)
+    if SINKS:
+        total += tl.exp2(sink - m)
     out = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=dim_ok)
@@ -164,15 +180,19 @@ def paged_decode_attention(
     num_splits: int | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as reference.paged_decode_attention. Block ids and lengths are
+    """Same contract as reference.paged_decode_attention (`sinks` float32 contiguous
+    [num_heads], on q's device: CUDA graphs capture its address). Block ids and lengths are
     trusted (checking them would sync the GPU): every sequence must fit in its row of
     `block_tables`, and `block_tables` should be trimmed to the batch's longest sequence
     because its width sizes the splits."""
     what = "paged_decode_attention"
     batch, num_heads, head_dim = q.shape if q.dim() == 3 else (0, 0, 0)
     check_paged_kv(what, q, k_cache, v_cache, block_tables, seq_lens, batch)
-    launch = _decode_split_kernel.for_tensors(what, q, k_cache, v_cache, block_tables, seq_lens)
+    check_sinks(what, sinks, num_heads)
+    tensors = (q, k_cache, v_cache, block_tables, seq_lens) + (() if sinks is None else (sinks,))
+    launch = _decode_split_kernel.for_tensors(what, *tensors)
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"{what}: num_splits must be a positive int or None, got {num_splits!r}")
     out = torch.empty_like(q)
@@ -192,20 +212,21 @@ def paged_decode_attention(
         part_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     launch[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, q if sinks is None else sinks,
         scale * LOG2E, tokens_per_split, num_splits, int(window or 0), float(softcap or 0.0) * LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0), *out.stride(),
         GROUP=group, GROUP_PAD=pow2(group, 16), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE=TILE_N, DIRECT=direct,
         PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype, q.device), SOFTCAP=bool(softcap),
-        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn, SINKS=sinks is not None,
         num_warps=4,
     )
     if not direct:
         _decode_merge_kernel.for_tensors(what, out)[(batch, num_heads)](
-            part_out, part_lse, out, num_splits, *out.stride(),
+            part_out, part_lse, out, q if sinks is None else sinks, num_splits, *out.stride(),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=pow2(num_splits, MAX_SPLITS),  # one variant
+            SINKS=sinks is not None,
             num_warps=4,
         )
     return out

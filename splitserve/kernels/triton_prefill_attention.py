@@ -11,6 +11,10 @@ so each K/V tile loaded serves BLOCK_Q * group query rows. Tiles never straddle 
 sequences: sequence b owns slots cu_seqlens[b] // BLOCK_Q + b onward, which bounds the
 grid by total_tokens // BLOCK_Q + batch with no host-side look at the lengths; a
 program finds its sequence by counting the slot starts at or below its id.
+
+Attention sinks (gpt-oss), where given, join each row's softmax once, in the epilogue: with
+the row's final max m and sum l, M = max(m, sink), out = acc 2^(m-M) / (l 2^(m-M) + 2^(sink-M))
+(log2 domain), the max over the scores and the sink together as transformers takes it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import triton.language as tl
 
 from splitserve.kernels.triton_common import (
     check_paged_kv,
+    check_sinks,
     dot_precision,
     kernel,
     pow2,
@@ -36,9 +41,9 @@ LOG2E = 1.4426950408889634
 
 
 @kernel(do_not_specialize=["num_seqs", "window", "stride_btb"],
-        do_not_specialize_on_alignment=["block_tables_ptr", "cu_seqlens_ptr", "seq_lens_ptr"])
+        do_not_specialize_on_alignment=["block_tables_ptr", "cu_seqlens_ptr", "seq_lens_ptr", "sinks_ptr"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, cu_seqlens_ptr, seq_lens_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, cu_seqlens_ptr, seq_lens_ptr, sinks_ptr,
     scale_log2e, num_seqs, window, softcap_log2e,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
@@ -47,7 +52,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, SEQS_PAD: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, SINKS: tl.constexpr,
 ):
     slot = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -123,6 +128,11 @@ def _prefill_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0) * 1.4426950408889634
+        top = tl.maximum(m_i, sink)
+        c = tl.exp2(m_i - top)
+        out = acc * (c / (l_i * c + tl.exp2(sink - top)))[:, None]
     o_rows = q_tok.to(tl.int64) * stride_ot + heads * stride_oh
     tl.store(out_ptr + o_rows[:, None] + dims[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])
@@ -138,8 +148,10 @@ def paged_prefill_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as reference.paged_prefill_attention. Lengths and block ids are
+    """Same contract as reference.paged_prefill_attention (`sinks` as in
+    triton_decode_attention.paged_decode_attention). Lengths and block ids are
     trusted, not read on the host: cu_seqlens_q[-1] <= total tokens, n_new <= seq_len, and
     every sequence fits in its row of block_tables."""
     what = "paged_prefill_attention"
@@ -152,7 +164,9 @@ def paged_prefill_attention(
             f"{what}: cu_seqlens_q must be int32 [batch+1={batch + 1}], "
             f"got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)}"
         )
-    launch = _prefill_kernel.for_tensors(what, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+    check_sinks(what, sinks, q.shape[1])
+    tensors = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens) + (() if sinks is None else (sinks,))
+    launch = _prefill_kernel.for_tensors(what, *tensors)
     out = torch.empty_like(q)
     total_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -163,7 +177,7 @@ def paged_prefill_attention(
     block_q = max(1, ROWS.get(q.element_size(), 32) // group_pad)
     grid = (total_tokens // block_q + batch, num_kv_heads)
     launch[grid](
-        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens,
+        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, q if sinks is None else sinks,
         scale * LOG2E, batch, int(window or 0), float(softcap or 0.0) * LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0), *out.stride(),
@@ -172,7 +186,7 @@ def paged_prefill_attention(
         # compiled anew in the middle of traffic); a 64-wide search of cu_seqlens costs nothing
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, TILE=TILE_N, SEQS_PAD=pow2(batch, 64),
         PRECISION=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype, q.device), SOFTCAP=bool(softcap),
-        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn, SINKS=sinks is not None,
         num_warps=8,
     )
     return out
