@@ -43,6 +43,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "GlmMoeDsaForCausalLM": Architecture("glm_moe_dsa", "deepseek_v3", ("glm_moe_dsa",),
                                          "GLM-5 (MLA with DeepSeek sparse attention, interleaved indexer rope, "
                                          "layers sharing an indexer's choice; sigmoid top-8 of 256 experts)"),
+    "GptOssForCausalLM": Architecture("gpt_oss", "gpt_oss", ("gpt_oss",),
+                                      "gpt-oss-20b, gpt-oss-120b (attention sinks, alternating 128-token windows, "
+                                      "YaRN; top-4 of 32-128 experts with biases and a clamped SwiGLU)"),
 }
 
 CHECKED_AGAINST = ("transformers' generate on tiny random checkpoints (float32, CPU): greedy tokens identical, "

@@ -36,6 +36,8 @@ def moe_fields(raw: dict, family: str, layers: int, act: str, source: str) -> di
         return _glm4_moe_fields(raw, layers, act, source)
     elif family == "minimax_m2":
         return _minimax_m2_fields(raw, layers, act, source)
+    elif family == "gpt_oss":
+        return _gpt_oss_fields(raw, layers, source)
     elif family in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):  # transformers' defaults where absent
         groups = (1, 1) if family == "glm_moe_dsa" else (8, 4)
         fields = _glm4_moe_fields(raw, layers, act, source, dict(n_group=groups[0], topk_group=groups[1],
@@ -147,6 +149,24 @@ def _minimax_m2_fields(raw: dict, layers: int, act: str, source: str) -> dict:
                               f"experts ({experts})")
     return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(raw["intermediate_size"]),
                 norm_topk_prob=True, moe_layers=tuple(range(layers)), moe_scoring="sigmoid")
+
+
+def _gpt_oss_fields(raw: dict, layers: int, source: str) -> dict:
+    """gpt-oss's experts as transformers reads them (its defaults where absent): every layer
+    sparse, `intermediate_size` each expert's, top-k of the router's logits softmaxed over the
+    k (the same weights as a softmax over all experts renormalised), no shared expert; the
+    experts' SwiGLU clamped at `swiglu_limit`, gated by sigmoid(`swiglu_alpha` * gate). Its
+    `hidden_act` is not read (transformers ignores it too)."""
+    experts, top_k = int(raw.get("num_local_experts", 128)), int(raw.get("num_experts_per_tok", 4))
+    if not 0 < top_k <= experts:
+        raise CheckpointError(f"{source}: num_experts_per_tok is {top_k}; it must be between 1 and the number of "
+                              f"experts ({experts})")
+    limit, alpha = float(raw.get("swiglu_limit", 7.0)), float(raw.get("swiglu_alpha", 1.702))
+    if not (limit > 0 and alpha > 0 and math.isfinite(limit) and math.isfinite(alpha)):
+        raise CheckpointError(f"{source}: swiglu_limit ({limit}) and swiglu_alpha ({alpha}) must be positive numbers")
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(raw["intermediate_size"]),
+                norm_topk_prob=True, moe_layers=tuple(range(layers)), attention_sinks=True, swiglu_limit=limit,
+                swiglu_alpha=alpha)
 
 
 def _dsa_fields(raw: dict, cfg: ModelConfig, rope_dim: int, q_lora, source: str) -> dict:

@@ -81,6 +81,11 @@ class ModelConfig:
     index_head_dim: int = 0
     index_rope_interleave: bool = False  # GLM-5's indexer rotates interleaved pairs, DeepSeek-V3.2's halves
     index_shared_layers: tuple[int, ...] = ()  # GLM-5: layers reusing the previous indexer layer's choice
+    # gpt-oss (engine/models/gpt_oss.py): per-head attention sinks, and experts with biases whose
+    # SwiGLU clamps gate and up at swiglu_limit and gates with sigmoid(swiglu_alpha * gate); 0: absent
+    attention_sinks: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
     raw: dict = field(default_factory=dict, repr=False, compare=False)  # config.json, for family extras
 
     @classmethod
@@ -118,8 +123,8 @@ class ModelConfig:
         act = raw.get("hidden_activation") or raw.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
         if act not in _ACTIVATIONS:
             raise CheckpointError(f"{source}: activation {act!r} is not supported (supported: {sorted(_ACTIVATIONS)})")
-        # MiniMax-M2: transformers' default head_dim is 128, not hidden // heads (64 for M2)
-        head_dim = int(raw.get("head_dim") or (128 if family == "minimax_m2" else hidden // heads))
+        # MiniMax-M2: transformers' default head_dim is 128, not hidden // heads (64 for M2); gpt-oss 64
+        head_dim = int(raw.get("head_dim") or {"minimax_m2": 128, "gpt_oss": 64}.get(family, hidden // heads))
         try:
             rope, local_rope = read_rope(raw, family, head_dim)
         except ValueError as exc:
@@ -129,9 +134,11 @@ class ModelConfig:
             window = None
         if family == "minimax_m2":  # transformers' MiniMax-M2 attends to every position
             window = None
+        if family == "gpt_oss" and "sliding_window" not in raw:
+            window = 128  # transformers' default
         window = int(window) if window else None
         eos = raw.get("eos_token_id")
-        attention_bias = bool(raw.get("attention_bias", False))
+        attention_bias = bool(raw.get("attention_bias", family == "gpt_oss"))
         cfg = cls(
             architecture=arch,
             family=family,
@@ -142,13 +149,13 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5 if family == "gpt_oss" else 1e-6)),
             rope=rope,
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
             # Qwen2 biases q/k/v always; Llama/Qwen3/Gemma follow attention_bias (o_proj too)
             qkv_bias=True if family == "qwen2" else attention_bias,
-            o_bias=attention_bias and family in ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3"),
+            o_bias=attention_bias and family in ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt_oss"),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             sliding_window=window,
             layer_types=_layer_types(raw, family, layers, window, source),
@@ -251,7 +258,7 @@ def _layer_types(raw: dict, family: str, layers: int, window: int | None, source
         return tuple(types) if window else (FULL,) * layers
     if not window:
         return (FULL,) * layers
-    if family == "gemma2":
+    if family in ("gemma2", "gpt_oss"):
         return tuple(SLIDING if (i + 1) % 2 else FULL for i in range(layers))
     if family == "gemma3":
         pattern = int(raw.get("sliding_window_pattern", 6))

@@ -35,6 +35,11 @@ def read_rope(raw: dict, family: str, head_dim: int) -> tuple[RopeSpec, RopeSpec
     if family == "minimax_m2":  # transformers: rotary_dim / head_dim unless a factor is given; theta 5e6
         raw = {"rope_theta": 5_000_000.0, **({"partial_rotary_factor": raw["rotary_dim"] / head_dim}
                                              if raw.get("rotary_dim") else {}), **raw}
+    if family == "gpt_oss":  # transformers' defaults: theta 150,000, YaRN x32 from 4,096 positions
+        raw = {"rope_theta": 150_000.0, **raw}
+        if raw.get("rope_parameters") is None and raw.get("rope_scaling") is None:
+            raw["rope_scaling"] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                   "truncate": False, "original_max_position_embeddings": 4096}
     params = raw.get("rope_parameters")
     if family == "gemma3":
         if params and "full_attention" in params:

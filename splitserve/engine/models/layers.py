@@ -75,6 +75,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma_norms)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma_norms)
         self.prepared_decode: PreparedDecodeAttention | None = None  # CPU decode steps (kernels/cpu_decode_step.py)
+        self.sinks: torch.Tensor | None = None  # gpt-oss: a float32 [this rank's heads] logit per head
 
     def forward(self, x, ropes, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
@@ -97,6 +98,8 @@ class Attention(nn.Module):
                                     self.k_scale, self.v_scale)
         p = meta.num_prefill_tokens
         opts = dict(window=self.window, softcap=self.softcap, k_scale=self.k_scale, v_scale=self.v_scale)
+        if self.sinks is not None:  # one more logit in every softmax (models/gpt_oss.py)
+            opts["sinks"] = self.sinks
         if p:
             prefill = ops.paged_prefill_attention(q[:p], k_cache, v_cache, meta.prefill_block_tables,
                                                   meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, self.scale,

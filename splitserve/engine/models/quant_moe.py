@@ -49,6 +49,7 @@ class QuantizedExperts(nn.Module):
 
 
 def has_quantized_experts(model: nn.Module) -> bool:
-    """Whether the model's forward reads expert counts on the host (QuantizedExperts): its
-    decode steps cannot be captured in a CUDA graph, so they run eagerly."""
-    return any(isinstance(m, QuantizedExperts) for m in model.modules())
+    """Whether the model's forward reads expert counts on the host (QuantizedExperts, or experts
+    saying `reads_counts_on_host`, as gpt-oss's): its decode steps cannot be captured in a CUDA
+    graph, so they run eagerly."""
+    return any(isinstance(m, QuantizedExperts) or getattr(m, "reads_counts_on_host", False) for m in model.modules())

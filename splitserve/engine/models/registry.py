@@ -9,6 +9,7 @@ from splitserve.core.model_config import CheckpointError, ModelConfig
 from splitserve.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from splitserve.engine.models.gemma import GemmaForCausalLM
 from splitserve.engine.models.glm4_moe import Glm4MoeForCausalLM
+from splitserve.engine.models.gpt_oss import GptOssForCausalLM
 from splitserve.engine.models.llama import LlamaForCausalLM
 from splitserve.engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from splitserve.engine.models.moe import MoeForCausalLM
@@ -28,6 +29,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "deepseek_v3": DeepseekV3ForCausalLM,
     "deepseek_v32": DeepseekV3ForCausalLM,  # with DSA's indexer (models/dsa.py)
     "glm_moe_dsa": DeepseekV3ForCausalLM,  # GLM-5: the same, its indexer's rope interleaved, some layers sharing
+    "gpt_oss": GptOssForCausalLM,
 }
 
 

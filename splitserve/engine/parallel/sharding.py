@@ -89,6 +89,8 @@ def checkpoint_shard(name: str, cfg: ModelConfig, t: TPState) -> Shard | None:
         return None
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return Shard(0, *vocab_rows(cfg.vocab_size, t))
+    if cfg.family == "gpt_oss" and (shard := gpt_oss_shard(name, cfg, t)) is not _NOT_GPT_OSS:
+        return shard
     if t.expert_parallel and is_routed_expert(name):
         return expert_checkpoint_shard(name, cfg, t)
     if _STACKED.match(name):
@@ -122,6 +124,29 @@ def checkpoint_shard(name: str, cfg: ModelConfig, t: TPState) -> Shard | None:
     if _EXPERT_COLS.match(module):
         return Shard(1, *even_split(cfg.moe_intermediate_size, t))
     return None  # norms, the router: replicated
+
+
+_GPT_OSS_SINKS = re.compile(r"^model\.layers\.\d+\.self_attn\.sinks$")
+_GPT_OSS_EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+_NOT_GPT_OSS = Shard(-1, 0, 0)  # gpt_oss_shard: not one of gpt-oss's own tensors
+
+
+def gpt_oss_shard(name: str, cfg: ModelConfig, t: TPState) -> Shard | None:
+    """gpt-oss's sinks (this rank's q heads) and stacked experts (engine/models/gpt_oss_moe.py):
+    under expert parallelism this rank's experts whole; else each expert's slice of the
+    intermediate dimension, which for gate_up_proj [E, H, 2I] (gate and up interleaved) is one
+    contiguous run of 2I/n columns; down_proj_bias whole (rank 0 adds it)."""
+    if _GPT_OSS_SINKS.match(name):
+        return Shard(0, *q_heads(cfg, t))
+    m = _GPT_OSS_EXPERTS.match(name)
+    if not m:
+        return _NOT_GPT_OSS
+    if t.expert_parallel:
+        return Shard(0, *local_experts(cfg, t))
+    first, n = even_split(cfg.moe_intermediate_size, t)
+    if m.group(1) == "gate_up_proj":
+        return Shard(1 if m.group(2) else 2, 2 * first, 2 * n)
+    return None if m.group(2) else Shard(1, first, n)
 
 
 def _mla_shard(module: str, kind: str, cfg: ModelConfig, t: TPState) -> Shard | None:
