@@ -9,6 +9,15 @@ os.environ.setdefault("SPLITSERVE_KERNELS", "auto")
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# openai-harmony (gpt-oss's chat format) cannot download o200k_base.tiktoken here: give it the
+# verified copy rebuilt from quicktok-v1 (splitserve/core/harmony_vocab.py); `serve` inherits it.
+try:
+    from splitserve.core.harmony_vocab import VocabUnavailable, use_offline_vocab
+
+    use_offline_vocab()
+except VocabUnavailable:
+    pass  # the harmony tests fail with the reason; nothing else needs it
+
 
 @pytest.fixture(scope="session")
 def checkpoint_root(tmp_path_factory):

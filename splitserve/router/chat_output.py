@@ -83,6 +83,11 @@ class ChatOutput:
                     self._content(self.buffer, deltas)
         return deltas
 
+    def take(self, text: str, token_ids: list[int], final: bool = False) -> list[dict]:
+        """ChoiceRun's call: this much more text (and its token ids, which harmony's output,
+        router/harmony_chat.py, reads instead)."""
+        return self.feed(text, final)
+
     def finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if reason == "stop" and self.message.tool_calls else reason
 

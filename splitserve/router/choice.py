@@ -65,7 +65,7 @@ class ChoiceRun:
         async for _ in self.events():
             pass
         if self.chat is not None:
-            self.chat.feed(self.text.text, final=True)
+            self.chat.take(self.text.text, self.text.token_ids, final=True)
 
     def logprobs_out(self, chat: bool) -> list[R.TokenLogprob]:  # same entries; the shape differs later
         return [self._token_logprob(lp) for lp in self.logprobs]
@@ -101,9 +101,11 @@ class ChoiceRun:
         the first carries the role, the last the finish reason."""
         first = True
         pending: list = []  # logprobs of tokens whose text is held back: sent with the next chunk
+        seen = 0  # tokens given to the ChatOutput: all of the choice's, across migrations
         async for text, lps, finish in self.events():
             pending.extend(lps)
-            deltas = self.chat.feed(text, final=finish is not None)
+            deltas = self.chat.take(text, self.text.token_ids[seen:], final=finish is not None)
+            seen = len(self.text.token_ids)
             if not deltas and finish is None and not first:
                 continue  # nothing to send yet (held back, or an incomplete character)
             lps, pending = pending, []

@@ -37,6 +37,7 @@ class CompletionRequest:
     user: str | None = None
     ignored_fields: list[str] = field(default_factory=list)  # unknown fields (request_fields.py)
     continuous_usage: bool = False  # usage so far in every streamed chunk (vLLM's continuous_usage_stats)
+    reasoning_effort: str | None = None  # harmony (gpt-oss) models only: the server refuses it for others
     echo: bool = False  # the prompt text before the completion (completions only)
 
 
@@ -109,6 +110,7 @@ def parse_chat_request(raw: bytes | str | dict,
     req = ChatRequest(model, messages, params, stream, include_usage, J.opt_str(body, "user"), ignored, tools,
                       _template_kwargs(body.get("chat_template_kwargs")))
     req.continuous_usage = _continuous_usage(body, include_usage)
+    req.reasoning_effort = J.opt_str(body, "reasoning_effort")
     return req
 
 

@@ -22,6 +22,10 @@ from splitserve.router import errors
 log = logging.getLogger(__name__)
 
 HONOURED, ACCEPTED, REFUSED = "honoured", "accepted (no effect on output)", "refused with 400 when used"
+# reasoning_effort: harmony's system message takes it; other templates have no such variable (server.py refuses it)
+HARMONY_ONLY = ("honoured for gpt-oss (harmony) models: low, medium or high; refused with 400 for others (use "
+                "chat_template_kwargs, e.g. enable_thinking, for templates that support thinking)")
+NO_EFFORT = "use chat_template_kwargs (e.g. enable_thinking) for templates that support thinking"
 IGNORED_HEADER = "X-Splitserve-Ignored-Fields"
 
 
@@ -35,8 +39,6 @@ _REFUSED: dict[str, tuple[Callable[[object], bool], str]] = {
     "modalities": (lambda v: v not in (None, ["text"]), "only text output is served"),
     "prediction": (lambda v: not _off(v), "predicted outputs are not implemented"),
     "web_search_options": (lambda v: v is not None, "web search is not available"),
-    "reasoning_effort": (lambda v: v is not None, "use chat_template_kwargs (e.g. enable_thinking) for templates "
-                                                  "that support thinking"),
     "verbosity": (lambda v: v is not None, "not implemented"),
     "moderation": (lambda v: not _off(v), "moderation is not available"),
     "functions": (lambda v: not _off(v), "the deprecated functions API is not served; use tools"),
@@ -56,8 +58,8 @@ CHAT_ACCEPTED = {name: ACCEPTED for name in ("metadata", "store", "service_tier"
 CHAT_FIELDS = {
     **COMMON, **CHAT_ACCEPTED, "messages": HONOURED, "max_completion_tokens": HONOURED, "max_tokens": HONOURED,
     "top_logprobs": HONOURED, "tools": HONOURED, "tool_choice": HONOURED, "parallel_tool_calls": HONOURED,
-    "response_format": HONOURED,
-    **{name: REFUSED for name in ("audio", "modalities", "prediction", "web_search_options", "reasoning_effort",
+    "response_format": HONOURED, "reasoning_effort": HARMONY_ONLY,
+    **{name: REFUSED for name in ("audio", "modalities", "prediction", "web_search_options",
                                   "verbosity", "moderation", "functions", "function_call")},
 }
 COMPLETION_FIELDS = {

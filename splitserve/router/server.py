@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from splitserve.core.model_config import ModelConfig
 from splitserve.core.sampling_params import InvalidSamplingParams
 from splitserve.core.tokenizer import Tokenizer
-from splitserve.router import errors, protocol, tokenization
+from splitserve.router import errors, harmony, harmony_chat, protocol, tokenization
 from splitserve.router import responses as R
 from splitserve.router.admission import Admission, AdmissionConfig, check_request_limits
 from splitserve.router.chat_output import ChatOutputConfig
@@ -39,8 +39,8 @@ from splitserve.router.http_limits import HTTPLimits, client_request_id, limit_c
 from splitserve.router.lora import parse_lora_body, runtime_updates_allowed
 from splitserve.router.openapi import openapi_document
 from splitserve.router.policy import NoHealthyWorker
-from splitserve.router.prompts import PromptTokenizer
-from splitserve.router.request_fields import IGNORED_HEADER, header_value
+from splitserve.router.prompts import INLINE_CHARS, PromptTokenizer
+from splitserve.router.request_fields import IGNORED_HEADER, NO_EFFORT, header_value
 from splitserve.router.request_tracing import trace_requests
 from splitserve.router.sse import stream_choices
 from splitserve.router.structured_fields import check_structured
@@ -74,6 +74,12 @@ class RouterServer:
         self.vocab_size = model.vocab_size
         self.max_model_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
         self.prompts = PromptTokenizer(self.tokenizer, self.max_model_len, content_as_text=config.content_as_text)
+        # gpt-oss: chat through openai-harmony (router/harmony_chat.py); its vocabulary is loaded now, so a
+        # server that cannot is refused at start rather than at its first request
+        self.harmony = harmony.is_harmony(model.architecture, self.tokenizer.chat_template,
+                                          self.tokenizer.token_to_id(harmony.CHANNEL_TOKEN))
+        if self.harmony:
+            harmony.encoding()
         self.created = int(time.time())
         self.admission = Admission(config.admission)
         self.loras = dispatcher.loras  # LoRA adapters: served names, runtime load / unload (router/lora.py)
@@ -279,12 +285,25 @@ class RouterServer:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = await self._parse(request, protocol.parse_chat_request)
+        if self.harmony:
+            return await self._harmony_chat(request, req)
+        if req.reasoning_effort is not None:
+            raise errors.unsupported("reasoning_effort", NO_EFFORT)
         prompt = await self.prompts.encode_chat(req.messages_for_template(), tools=req.tools and req.tools.tools,
                                                 template_kwargs=req.template_kwargs)
         output = ChatOutputConfig.of(req.tools, self.tokenizer, prompt)
         if output.keep_special_tokens:
             req.params = replace(req.params, skip_special_tokens=False)
         return await self._generate(request, req, prompt, chat=True, output=output)
+
+    async def _harmony_chat(self, request: web.Request, req) -> web.StreamResponse:
+        harmony_chat.check_request(req)
+        size = sum(len(m.content or "") for m in req.messages)
+        render = partial(harmony_chat.render_request, req)
+        prompt = render() if size <= INLINE_CHARS else await self.prompts.offload(render)
+        req.params = harmony_chat.with_stop_tokens(req.params)
+        parallel = req.tools is None or req.tools.parallel
+        return await self._generate(request, req, prompt, chat=True, output=harmony_chat.HarmonyOutputConfig(parallel))
 
     async def _generate(self, request: web.Request, req, prompt: list[int], chat: bool,
                         output: ChatOutputConfig | None = None) -> web.StreamResponse:
