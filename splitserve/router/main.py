@@ -26,6 +26,7 @@ from splitserve.router.dispatch import DispatchConfig, Dispatcher
 from splitserve.router.hold_at_zero import HoldConfig
 from splitserve.router.http_limits import HTTPLimits
 from splitserve.router.policy import PolicyConfig
+from splitserve.router.responses_store import StoreConfig
 from splitserve.router.server import RouterServer, ServerConfig
 from splitserve.security.links import (
     LinkSecurity,
@@ -86,6 +87,13 @@ def add_router_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--request-timeout", type=float,
                     help="seconds a request may take end to end; then it is aborted on every worker and the "
                          "client gets 504 (default: no deadline)")
+    r = ap.add_argument_group("/v1/responses store (previous_response_id, GET /v1/responses/{id})")
+    r.add_argument("--responses-store-max", type=int, default=StoreConfig.max_responses, metavar="N",
+                   help="finished responses this router keeps in memory for previous_response_id; the least "
+                        "recently used go first; per router process, not shared between replicas; 0: none "
+                        "(default: %(default)s)")
+    r.add_argument("--responses-store-mb", type=float, default=StoreConfig.max_mb, metavar="MB",
+                   help="bound on the stored responses' size (their JSON, whole conversations) (default: %(default)s)")
     h = ap.add_argument_group("HTTP limits (clients are untrusted)")
     h.add_argument("--max-request-body-mb", type=float, default=HTTPLimits.max_body_mb,
                    help="largest request body accepted; larger ones get 413 (default: %(default)s)")
@@ -132,6 +140,7 @@ async def start_router(args: argparse.Namespace, model: str, served: str, bus: C
         admission = AdmissionConfig(args.max_queued_requests, args.request_timeout, args.no_worker_wait)
         limits = HTTPLimits(args.max_request_body_mb, args.body_read_timeout, args.http_idle_timeout)
         hold = HoldConfig(args.hold_requests_at_zero, args.hold_timeout)
+        store = StoreConfig(args.responses_store_max, args.responses_store_mb)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     dispatcher = Dispatcher(DispatchConfig(
@@ -144,7 +153,8 @@ async def start_router(args: argparse.Namespace, model: str, served: str, bus: C
     server = RouterServer(ServerConfig(model, served, api_key=api_key, admin_api_key=admin_key,
                                        max_model_len=max_model_len,
                                        admission=admission, limits=limits, expected_workers=expected_workers or {},
-                                       content_as_text=not args.parse_control_tokens_in_content, hold=hold),
+                                       content_as_text=not args.parse_control_tokens_in_content, hold=hold,
+                                       responses_store=store),
                           dispatcher)
     # handler_cancellation: a client that disconnects cancels its handler, which cancels
     # the worker streams (the decode workers abort the request and free its blocks).

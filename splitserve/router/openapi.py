@@ -190,6 +190,32 @@ def openapi_document(served_model: str, max_model_len: int, auth: bool) -> dict:
                 "operationId": "createChatCompletion", "security": security,
                 "requestBody": {"required": True, "content": {"application/json": {"schema": chat}}},
                 "responses": _generation_responses("chat completion")}},
+            "/v1/responses": {"post": {
+                "operationId": "createResponse", "security": security,
+                "description": "OpenAI's Responses API over the chat path; the served subset: docs/api.md",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["model", "input"], "additionalProperties": True,
+                    "properties": {"model": {"type": "string"}, "input": {"type": ["string", "array"]},
+                                   "instructions": {"type": ["string", "null"]},
+                                   "previous_response_id": {"type": ["string", "null"]},
+                                   "store": {"type": "boolean", "default": True},
+                                   "stream": {"type": "boolean", "default": False}}}}}},
+                "responses": {"200": {"description": "the response (JSON), or a text/event-stream of Responses "
+                                                     "events when stream is true",
+                                      "content": {"application/json": {"schema": {"type": "object"}}}},
+                              "400": _error("a bad or unsupported request field"),
+                              "404": _error("previous_response_not_found, or an unknown model")}}},
+            "/v1/responses/{response_id}": {
+                "get": {"operationId": "retrieveResponse", "security": security,
+                        "parameters": [{"name": "response_id", "in": "path", "required": True,
+                                        "schema": {"type": "string"}}],
+                        "responses": {"200": {"description": "a stored response", "content": {"application/json": {
+                            "schema": {"type": "object"}}}}, "404": _error("not stored in this router process")}},
+                "delete": {"operationId": "deleteResponse", "security": security,
+                           "parameters": [{"name": "response_id", "in": "path", "required": True,
+                                           "schema": {"type": "string"}}],
+                           "responses": {"200": {"description": "deleted", "content": {"application/json": {
+                               "schema": {"type": "object"}}}}, "404": _error("not stored in this router process")}}},
             "/v1/models": {"get": {
                 "operationId": "listModels", "security": security,
                 "responses": {"200": {"description": "the served model", "content": {"application/json": {"schema": {

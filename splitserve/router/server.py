@@ -42,6 +42,8 @@ from splitserve.router.policy import NoHealthyWorker
 from splitserve.router.prompts import INLINE_CHARS, PromptTokenizer
 from splitserve.router.request_fields import IGNORED_HEADER, NO_EFFORT, header_value
 from splitserve.router.request_tracing import trace_requests
+from splitserve.router.responses_api import ResponsesAPI
+from splitserve.router.responses_store import ResponseStore, StoreConfig
 from splitserve.router.sse import stream_choices
 from splitserve.router.structured_fields import check_structured
 
@@ -62,6 +64,7 @@ class ServerConfig:
     expected_workers: dict[str, int] = field(default_factory=dict)  # `serve`: workers it started, per role
     content_as_text: bool = True  # control-token text in chat messages stays text (core/chat_content.py)
     hold: HoldConfig = field(default_factory=HoldConfig)  # requests held while decode is at zero
+    responses_store: StoreConfig = field(default_factory=StoreConfig)  # /v1/responses kept for previous_response_id
 
 
 class RouterServer:
@@ -87,6 +90,7 @@ class RouterServer:
         self.holder = RequestHolder(config.hold, dispatcher.sync.bus, self.metrics.router_held_requests)
         self._openapi = json.dumps(openapi_document(config.served_model_name, self.max_model_len,
                                                     auth=bool(config.api_key))).encode()
+        self.responses = ResponsesAPI(self, ResponseStore(config.responses_store))  # /v1/responses
 
     def app(self) -> web.Application:
         limit_client_error_logs()  # a request aiohttp cannot parse: one rate-limited line, not a traceback
@@ -94,6 +98,9 @@ class RouterServer:
                               client_max_size=self.config.limits.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/responses", self.responses.create)
+        app.router.add_get("/v1/responses/{response_id}", self.responses.retrieve)
+        app.router.add_delete("/v1/responses/{response_id}", self.responses.delete)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model_id:.+}", self.model)  # served names may hold a "/"
         self.runtime_lora = runtime_updates_allowed()  # vLLM's convention: off unless the operator turns it on
@@ -285,8 +292,14 @@ class RouterServer:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = await self._parse(request, protocol.parse_chat_request)
+        prompt, output = await self.chat_prompt(req)
+        return await self._generate(request, req, prompt, chat=True, output=output)
+
+    async def chat_prompt(self, req) -> tuple[list[int], ChatOutputConfig | harmony_chat.HarmonyOutputConfig]:
+        """A chat request's prompt and how its choices' text becomes messages (chat completions
+        and /v1/responses): the chat template and ChatOutput, or harmony for gpt-oss."""
         if self.harmony:
-            return await self._harmony_chat(request, req)
+            return await self._harmony_prompt(req)
         if req.reasoning_effort is not None:
             raise errors.unsupported("reasoning_effort", NO_EFFORT)
         prompt = await self.prompts.encode_chat(req.messages_for_template(), tools=req.tools and req.tools.tools,
@@ -294,19 +307,18 @@ class RouterServer:
         output = ChatOutputConfig.of(req.tools, self.tokenizer, prompt)
         if output.keep_special_tokens:
             req.params = replace(req.params, skip_special_tokens=False)
-        return await self._generate(request, req, prompt, chat=True, output=output)
+        return prompt, output
 
-    async def _harmony_chat(self, request: web.Request, req) -> web.StreamResponse:
+    async def _harmony_prompt(self, req) -> tuple[list[int], harmony_chat.HarmonyOutputConfig]:
         harmony_chat.check_request(req)
         size = sum(len(m.content or "") for m in req.messages)
         render = partial(harmony_chat.render_request, req)
         prompt = render() if size <= INLINE_CHARS else await self.prompts.offload(render)
         req.params = harmony_chat.with_stop_tokens(req.params)
-        parallel = req.tools is None or req.tools.parallel
-        return await self._generate(request, req, prompt, chat=True, output=harmony_chat.HarmonyOutputConfig(parallel))
+        return prompt, harmony_chat.HarmonyOutputConfig(req.tools is None or req.tools.parallel)
 
     async def _generate(self, request: web.Request, req, prompt: list[int], chat: bool,
-                        output: ChatOutputConfig | None = None) -> web.StreamResponse:
+                        output: ChatOutputConfig | None = None, answer=None) -> web.StreamResponse:
         if not prompt:
             raise errors.invalid_request("the prompt is empty", "prompt")
         if req.params.structured is not None:  # a bad schema is a 400 before routing; compiled off the loop
@@ -323,7 +335,7 @@ class RouterServer:
         rid = R.new_request_id(chat)  # ours, unique; the client's X-Request-Id is only a correlation id
         started = self.admission.enter(rid)  # 429 beyond --max-queued-requests
         try:
-            return await self._admitted(request, req, prompt, params, rid, chat, output)
+            return await self._admitted(request, req, prompt, params, rid, chat, output, answer)
         finally:  # also on client disconnect (the handler is cancelled) and deadline
             self.admission.leave(started)
 
@@ -342,7 +354,9 @@ class RouterServer:
             raise APIError(503, f"{exc}; retry shortly", "service_unavailable", code="no_workers") from None
 
     async def _admitted(self, request: web.Request, req, prompt: list[int], params, rid: str,
-                        chat: bool, output: ChatOutputConfig | None) -> web.StreamResponse:
+                        chat: bool, output: ChatOutputConfig | None, answer=None) -> web.StreamResponse:
+        """Route and answer; `answer(request, choices, headers, deadline)`, when given, writes the
+        answer in its own API's shape (/v1/responses) instead of chat's or completions'."""
         decision = await self._decide(prompt, rid, params.lora_name)
         client_id = client_request_id(request)
         log.info("request %s%s: %d prompt tokens -> %s", rid, f" (client id {client_id})" if client_id else "",
@@ -359,18 +373,14 @@ class RouterServer:
                 c.echo_text = echo
         timeout = self.admission.config.request_timeout_s
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        if answer is not None:
+            return await answer(request, choices, headers, deadline)
         if req.stream:
             # under an adapter the 200 waits for the worker's first reply: one unloaded meanwhile is a 404
             return await stream_choices(request, req, choices, chat, headers, deadline,
                                         self.admission.config.request_timeout_s, self._count_error,
                                         hold=params.lora_name is not None)
-        try:
-            async with asyncio.timeout_at(deadline):
-                await asyncio.gather(*(c.run_to_end() for c in choices))
-        except WorkerFailure as exc:
-            raise APIError(503, str(exc), "service_unavailable", code="worker_failure") from None
-        except TimeoutError:
-            raise errors.deadline_exceeded(rid, timeout) from None
+        await self.await_choices(choices, deadline)
         usage = R.Usage(len(prompt), sum(len(c.text.token_ids) for c in choices), choices[0].cached_tokens)
         body_choices = [R.Choice(c.index, c.echo_text + c.text.text, c.chat.finish_reason(c.finish_reason) if c.chat
                                  else c.finish_reason, c.logprobs_out(chat) if c.want_logprobs else None,
@@ -378,6 +388,16 @@ class RouterServer:
         build = R.chat_completion_response if chat else R.completion_response
         headers["X-Splitserve-Workers"] = "; ".join(f"{k}={v}" for k, v in choices[0].served_by.items())
         return web.json_response(build(rid, req.model, R.now(), body_choices, usage), headers=headers)
+
+    async def await_choices(self, choices: list[ChoiceRun], deadline: float | None) -> None:
+        """Run the choices to their end: 503 when no worker can finish them, 504 past the deadline."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                await asyncio.gather(*(c.run_to_end() for c in choices))
+        except WorkerFailure as exc:
+            raise APIError(503, str(exc), "service_unavailable", code="worker_failure") from None
+        except TimeoutError:
+            raise errors.deadline_exceeded(choices[0].rid, self.admission.config.request_timeout_s) from None
 
     def _count_error(self, err: APIError) -> None:
         """An error after the 200 went out (an SSE error event), counted like any error answer."""
