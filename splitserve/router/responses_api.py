@@ -44,11 +44,11 @@ class ResponsesAPI:
             parse = protocol.parse_chat_request
             req = parse(body) if len(body["messages"]) <= INLINE_MESSAGES else await server.prompts.offload(parse, body)
             prompt, output = await server.chat_prompt(req)
-        except APIError as exc:
+            req.ignored_fields = rreq.ignored_fields
+            answer = partial(self._answer, rreq, history, O.new_id("resp"))
+            return await server._generate(request, req, prompt, chat=True, output=output, answer=answer)
+        except APIError as exc:  # before the answer began (the prompt's length, a schema...)
             raise renamed(exc) from None
-        req.ignored_fields = rreq.ignored_fields
-        answer = partial(self._answer, rreq, history, O.new_id("resp"))
-        return await server._generate(request, req, prompt, chat=True, output=output, answer=answer)
 
     async def retrieve(self, request: web.Request) -> web.Response:
         return web.json_response(self.store.lookup(request.match_info["response_id"]).response)

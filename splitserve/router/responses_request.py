@@ -209,8 +209,10 @@ def renamed(exc: errors.APIError) -> errors.APIError:
         new = param.replace(".function.", ".")
     else:
         return exc
-    if head == "messages":  # a common word: only where quoted
+    if head == "messages":  # a common word: only where quoted, or the context-length error's
         message = exc.message.replace(f"'{param}'", f"'{new}'").replace(f"'{head}'", f"'{new}'")
+        message = message.replace("the messages has", "the input has").replace("Shorten the messages", "Shorten "
+                                                                                "the input")
     else:
         message = exc.message.replace(param, new)
     if head == "reasoning_effort" and exc.code == "unsupported_parameter":  # the chat path's hint is chat's

@@ -359,6 +359,16 @@ async def test_chat_path_errors_are_named_as_the_responses_request_names_them(st
     assert resp.status == 400 and (error["param"], error["message"]) == (param, message), error
 
 
+async def test_a_conversation_past_the_context_is_refused_naming_input(stack):
+    server, _, client, _ = stack
+    messages = [{"role": "user", "content": f"turn {i}"} for i in range(301)]
+    n = len(server.tokenizer.encode_chat(messages))
+    resp = await client.post("/v1/responses", headers=JSON, data=json.dumps({"model": "m", "input": messages}))
+    assert resp.status == 400 and await resp.json() == {"error": {
+        "message": f"This model's maximum context length is 4096 tokens, but the input has {n} tokens. Shorten the "
+                   "input.", "type": "invalid_request_error", "param": "input", "code": "context_length_exceeded"}}
+
+
 async def test_unknown_fields_are_ignored_and_named(stack):
     _, script, client, _ = stack
     script.texts.append("ok")
