@@ -3,7 +3,8 @@
 router re-prefills prompt + tokens so far on the other worker and the client's text is exactly
 transformers' greedy continuation. DeepSeek-V3 has its own cluster test with TP and a prefill
 worker (test_mla_disaggregated.py); here GLM-4.5, MiniMax-M2, DeepSeek-V3.2 and GLM-5, whose
-prompts pass the indexer's top-k of 16 so the migrated prefill runs sparse attention."""
+prompts pass the indexer's top-k of 16 so the migrated prefill runs sparse attention, and
+gpt-oss (sinks; the re-prefilled prompt + tokens far past its 8-token window)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from splitserve.core.tokenizer import Tokenizer
 from tests.engine.test_deepseek_v32 import write_deepseek_v32
 from tests.engine.test_glm4_moe import write_glm4_moe
 from tests.engine.test_glm_moe_dsa import write_glm_moe_dsa
+from tests.engine.test_gpt_oss import write_gpt_oss
 from tests.engine.test_minimax_m2 import write_minimax_m2
 from tests.helpers.reference import hf_greedy
 from tests.reliability.cluster import Cluster
@@ -29,7 +31,7 @@ from tests.reliability.conftest import (
 
 MAX = 64
 WRITERS = {"glm4_moe": write_glm4_moe, "minimax_m2": write_minimax_m2, "deepseek_v32": write_deepseek_v32,
-           "glm_moe_dsa": write_glm_moe_dsa}
+           "glm_moe_dsa": write_glm_moe_dsa, "gpt_oss": write_gpt_oss}
 
 
 @pytest.mark.parametrize("family", list(WRITERS))

@@ -2,7 +2,8 @@
 decode worker, gRPC KV transfer): prompts longer than the sliding window go through the
 prefill worker (disaggregated) and come back token for token as transformers' generate
 makes them, a Phi-3 prompt that grows past its longrope switch is recomputed on the
-decode worker, and a repeated prompt is a prefix-cache hit with the same output.
+decode worker, and a repeated prompt is a prefix-cache hit with the same output (gpt-oss:
+its attention sinks and 8-token window on both workers, the KV crossing the transfer).
 
 Mistral and dense Qwen3 are served only in-process (tests/engine/test_model_families.py):
 through serve they add nothing Mixtral (the same sliding-window attention) and Qwen3-MoE
@@ -21,6 +22,7 @@ from tests.engine.test_deepseek_v3 import write_deepseek_v3
 from tests.engine.test_deepseek_v32 import write_deepseek_v32
 from tests.engine.test_glm4_moe import write_glm4_moe
 from tests.engine.test_glm_moe_dsa import write_glm_moe_dsa
+from tests.engine.test_gpt_oss import write_gpt_oss
 from tests.engine.test_minimax_m2 import write_minimax_m2
 from tests.helpers.checkpoints import WINDOW
 from tests.helpers.processes import SplitserveProcess
@@ -30,10 +32,10 @@ SERVED = "family-under-test"
 NEW = 40  # new tokens a request, as in the engine tests
 FAMILIES = {"phi3": {}, "gemma2": {}, "gemma3": {}, "mixtral": {"sliding_window": WINDOW}, "qwen3_moe": {},
             "glm4_moe": {}, "minimax_m2": {}, "deepseek_v3": {},
-            "deepseek_v32": {}, "glm_moe_dsa": {}}
+            "deepseek_v32": {}, "glm_moe_dsa": {}, "gpt_oss": {}}
 # families whose engine test writes a tiny checkpoint whose routing decides choices
 WRITERS = {"glm4_moe": write_glm4_moe, "minimax_m2": write_minimax_m2, "deepseek_v3": write_deepseek_v3,
-           "deepseek_v32": write_deepseek_v32, "glm_moe_dsa": write_glm_moe_dsa}
+           "deepseek_v32": write_deepseek_v32, "glm_moe_dsa": write_glm_moe_dsa, "gpt_oss": write_gpt_oss}
 
 
 def complete(base: str, prompt: list[int]) -> tuple[dict, dict]:

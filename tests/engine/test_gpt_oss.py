@@ -21,6 +21,7 @@ import torch
 from splitserve.core.model_config import SLIDING, CheckpointError, ModelConfig
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.models.gpt_oss_moe import GptOssMoeBlock
+from splitserve.engine.models.quant_moe import has_quantized_experts
 from splitserve.engine.parallel.sharding import Shard, checkpoint_shard
 from splitserve.engine.parallel.state import TPState
 from tests.helpers.reference import hf_generate_logprobs, hf_greedy
@@ -156,6 +157,7 @@ def test_greedy_tokens_equal_transformers_with_chunks_and_a_prefix_hit(ckpt):
     attention = model.layers[0].self_attn
     assert attention.sinks.dtype == torch.float32 and attention.sinks.abs().min() > 0
     assert (attention.window, model.layers[1].self_attn.window) == (8, 0)
+    assert has_quantized_experts(model)  # the experts read their counts on the host: no CUDA graph capture
     assert model.weight_target("model.layers.2.mlp.router.bias") == ("layers.2.mlp.gate.bias", None)
     assert model.weight_target("model.layers.2.mlp.experts.gate_up_proj_bias") == (
         "layers.2.mlp.experts.gate_up_proj_bias", None)
