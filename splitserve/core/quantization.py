@@ -10,7 +10,10 @@ Supported (weight-only on every device: activations stay in the model dtype):
   awq                 4-bit GEMM packing with zero points
   compressed-tensors  float-quantized (FP8, per-tensor / per-channel / block scales),
                       pack-quantized (INT4/INT8, channel or group), naive- and
-                      int-quantized (INT8)
+                      int-quantized (INT8), nvfp4- and mxfp4-pack-quantized (FP4)
+  mxfp4               gpt-oss's experts as shipped: `<proj>_blocks` (E2M1 pairs) and
+                      `<proj>_scales` (E8M0 per 32 values); `modules_to_not_convert` must
+                      hold no quantized tensor
 
 Anything else (bitsandbytes, marlin, hqq, exl2, ...) or a setting outside these is refused
 with one line naming it and what is supported, instead of being served as float.
@@ -19,20 +22,24 @@ with one line naming it and what is supported, instead of being served as float.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 
 from splitserve.core.model_config import CheckpointError
 
-METHODS = ("fp8", "gptq", "awq", "compressed-tensors")
+METHODS = ("fp8", "gptq", "awq", "compressed-tensors", "mxfp4")
 QUANTIZATION_CHOICES = METHODS + ("gguf",)  # --quantization; gguf: a .gguf model (core/gguf_model.py)
-CT_FORMATS = ("float-quantized", "pack-quantized", "naive-quantized", "int-quantized")
+CT_FORMATS = ("float-quantized", "pack-quantized", "naive-quantized", "int-quantized", "nvfp4-pack-quantized",
+              "mxfp4-pack-quantized")
+FP4_GROUPS = {"nvfp4-pack-quantized": 16, "mxfp4-pack-quantized": 32}  # FP4 values per scale
 SUPPORTED_LINE = ("supported: fp8 (block-wise or per-tensor), gptq and awq (4-bit), compressed-tensors "
-                  f"({', '.join(CT_FORMATS)})")
+                  f"({', '.join(CT_FORMATS)}), mxfp4 (gpt-oss)")
 
 
 @dataclass(frozen=True)
 class QuantSpec:
     method: str  # one of METHODS
-    format: str  # fp8-block | gptq | awq | float-quantized | pack-quantized | naive-quantized (int8)
+    format: str  # fp8-block | gptq | awq | float-quantized | pack-quantized | naive-quantized (int8) | mxfp4
+    #              | nvfp4-pack-quantized | mxfp4-pack-quantized
     bits: int = 4
     group_size: int = -1  # -1: one group per output row (channel / whole input)
     symmetric: bool = True
@@ -40,6 +47,7 @@ class QuantSpec:
     zero_plus_one: bool = True  # GPTQ v1 stores zero points minus one (vLLM and transformers add it back)
     block: tuple[int, int] | None = None  # FP8 block-wise: (rows, cols) per scale
     activations: str | None = None  # what the checkpoint asks of activations (we run weight-only)
+    not_converted: tuple[str, ...] = ()  # mxfp4: modules_to_not_convert (patterns, '*' a wildcard)
     # Which linears are quantized (modules_to_not_convert, compressed-tensors' ignore) is
     # read from the tensors themselves (engine/quant/reader.py): the rest load as float.
 
@@ -53,6 +61,10 @@ class QuantSpec:
             return "fp8 per-tensor scales"
         if self.format == "float-quantized":
             return f"compressed-tensors float-quantized (fp8{', blocks' if self.block else ''})"
+        if self.format == "mxfp4":
+            return "mxfp4 (E2M1 values, an E8M0 scale per 32)"
+        if self.format in FP4_GROUPS:
+            return f"compressed-tensors {self.format} (fp4, group {self.group_size})"
         return f"compressed-tensors {self.format} int{self.bits}, group {self.group_size}"
 
 
@@ -83,6 +95,11 @@ def quantization_from_config(raw: dict, source: str = "config.json", override: s
         return _fp8(qc, source)
     if method in ("gptq", "awq"):
         return _int4(qc, method, source)
+    if method == "mxfp4":
+        skip = qc.get("modules_to_not_convert") or []
+        if not (isinstance(skip, list) and all(isinstance(m, str) for m in skip)):
+            raise _refuse(source, f"mxfp4 with modules_to_not_convert {skip!r} (need a list of module names)")
+        return QuantSpec("mxfp4", "mxfp4", bits=4, group_size=32, not_converted=tuple(skip))
     return _compressed_tensors(qc, source)
 
 
@@ -145,6 +162,12 @@ def _compressed_tensors(qc: dict, source: str) -> QuantSpec:
         raise _refuse(source, f"compressed-tensors {fmt} with actorder {actorder!r}")
     act = scheme.get("input_activations")
     activations = f"{act.get('type')}{act.get('num_bits')} {act.get('strategy')}" if act else None
+    if fmt in FP4_GROUPS:
+        group = FP4_GROUPS[fmt]
+        if kind != "float" or bits != 4 or w.get("group_size") != group or not w.get("symmetric", True):
+            raise _refuse(source, f"compressed-tensors {fmt} {kind}{bits} group {w.get('group_size')!r}"
+                                  f"{'' if w.get('symmetric', True) else ' asym'} (fp4, symmetric, group {group})")
+        return QuantSpec("compressed-tensors", fmt, bits=4, group_size=group, activations=activations)
     if fmt == "float-quantized":
         if kind != "float" or bits != 8 or strategy not in ("tensor", "channel", "block"):
             raise _refuse(source, f"compressed-tensors float-quantized {kind}{bits} {strategy}")
@@ -173,10 +196,29 @@ PARTS = {
     "awq": ("qweight", ("qweight", "qzeros", "scales"), ("qweight", "qzeros", "scales")),
     "pack-quantized": ("weight_packed", ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point",
                                          "weight_g_idx"), ("weight_packed", "weight_scale", "weight_shape")),
+    "nvfp4-pack-quantized": ("weight_packed", ("weight_packed", "weight_scale", "weight_global_scale",
+                                               "input_global_scale"),
+                             ("weight_packed", "weight_scale", "weight_global_scale")),
+    "mxfp4-pack-quantized": ("weight_packed", ("weight_packed", "weight_scale"), ("weight_packed", "weight_scale")),
+    # gpt-oss: `<stack>_blocks` and `<stack>_scales` (an underscore, not a dot: SEPARATOR)
+    "mxfp4": ("blocks", ("blocks", "scales"), ("blocks", "scales")),
 }
 CODES = {"fp8-block": ("weight", "F8_E4M3"), "float-quantized": ("weight", "F8_E4M3"),
          "naive-quantized": ("weight", "I8"), "gptq": ("qweight", "I32"), "awq": ("qweight", "I32"),
-         "pack-quantized": ("weight_packed", "I32")}
+         "pack-quantized": ("weight_packed", "I32"), "nvfp4-pack-quantized": ("weight_packed", "U8"),
+         "mxfp4-pack-quantized": ("weight_packed", "U8"), "mxfp4": ("blocks", "U8")}
+SEPARATOR = {"mxfp4": "_"}  # between a quantized tensor's module and its suffix; "." otherwise
+
+
+def split_name(spec: QuantSpec, name: str) -> tuple[str, str]:
+    """A checkpoint tensor's (module, suffix) in `spec`'s naming."""
+    module, _, suffix = name.rpartition(SEPARATOR.get(spec.format, "."))
+    return module, suffix
+
+
+def not_converted(spec: QuantSpec, module: str) -> bool:
+    """Whether `module` (a checkpoint name) is under one of mxfp4's modules_to_not_convert."""
+    return any(fnmatchcase(module, p) or fnmatchcase(module, f"{p}.*") for p in spec.not_converted)
 
 
 def quantized_linears(spec: QuantSpec, headers: dict[str, dict], source: str) -> dict[str, set[str]]:
@@ -184,37 +226,43 @@ def quantized_linears(spec: QuantSpec, headers: dict[str, dict], source: str) ->
     tensor headers are `headers`; CheckpointError (one line) for a linear missing a tensor,
     or codes of another dtype than the format's."""
     marker, allowed, required = PARTS[spec.format]
-    modules = {n.rsplit(".", 1)[0] for n in headers if n.endswith("." + marker)}
-    plan = {m: {s for s in allowed if f"{m}.{s}" in headers} for m in sorted(modules)}
+    sep = SEPARATOR.get(spec.format, ".")
+    modules = {split_name(spec, n)[0] for n in headers if n.endswith(sep + marker)}
+    plan = {m: {s for s in allowed if f"{m}{sep}{s}" in headers} for m in sorted(modules)}
     codes, dtype = CODES[spec.format]
     for module, have in plan.items():
         missing = set(required) - have
         if missing:
             raise CheckpointError(f"{source}: quantized linear {module!r} lacks {sorted(missing)} ({spec.describe()})")
-        got = headers[f"{module}.{codes}"].get("dtype")
+        got = headers[f"{module}{sep}{codes}"].get("dtype")
         if got != dtype:
-            raise CheckpointError(f"{source}: {module}.{codes} is {got}; {spec.describe()} stores {dtype} there"
+            raise CheckpointError(f"{source}: {module}{sep}{codes} is {got}; {spec.describe()} stores {dtype} there"
                                   f"{' (e5m2 FP8 weights are not supported)' if got == 'F8_E5M2' else ''}")
+        if not_converted(spec, module):
+            raise CheckpointError(f"{source}: {module}{sep}{marker} is quantized, but quantization_config's "
+                                  "modules_to_not_convert lists it")
     return plan
 
 
-QUANT_SUFFIXES = tuple(sorted({f".{s}" for _, allowed, _ in PARTS.values() for s in allowed} - {".weight"}))
+QUANT_SUFFIXES = tuple(sorted({f"{SEPARATOR.get(f, '.')}{s}" for f, (_, allowed, _) in PARTS.items()
+                               for s in allowed} - {".weight"}))
 
 
 def tensors_problem(spec: QuantSpec | None, headers: dict[str, dict], source: str) -> str | None:
     """One line when the tensors and the config disagree: quantized tensors in a float
     checkpoint, a quantization_config whose tensors are not there, a quantized linear
     missing a tensor or with codes of another dtype."""
-    quantized = [n for n, info in headers.items()
-                 if n.endswith(QUANT_SUFFIXES) or info.get("dtype") in ("F8_E4M3", "F8_E5M2")]
+    quantized = [n for n, info in headers.items() if info.get("dtype") in ("F8_E4M3", "F8_E5M2")
+                 or (n.endswith(QUANT_SUFFIXES) and not n.endswith(("_blocks", "_scales")))
+                 or (n.endswith(("_blocks", "_scales")) and info.get("dtype") == "U8")]
     if spec is None:
         if quantized:
             return (f"{source}: holds quantized tensors (e.g. {sorted(quantized)[0]!r}) but config.json has no "
                     "quantization_config: an incomplete checkpoint (copy config.json from the quantized release)")
         return None
-    marker = PARTS[spec.format][0]
-    if not any(n.endswith("." + marker) for n in headers):
-        return (f"{source}: config.json says {spec.describe()}, but no tensor ends in '.{marker}': the weights "
+    marker = SEPARATOR.get(spec.format, ".") + PARTS[spec.format][0]
+    if not any(n.endswith(marker) for n in headers):
+        return (f"{source}: config.json says {spec.describe()}, but no tensor ends in '{marker}': the weights "
                 "are not in that format (a float checkpoint with a stray quantization_config?)")
     try:
         plan = quantized_linears(spec, headers, source)
@@ -225,10 +273,10 @@ def tensors_problem(spec: QuantSpec | None, headers: dict[str, dict], source: st
         if problem:
             return problem
     for name in sorted(quantized):
-        module = name.rsplit(".", 1)[0]
+        module = split_name(spec, name)[0]
         if module not in plan:
             return (f"{source}: {name} ({headers[name].get('dtype')}) belongs to no quantized linear: there is no "
-                    f"{module}.{marker} ({spec.describe()})")
+                    f"{module}{marker} ({spec.describe()})")
     return None
 
 
@@ -265,6 +313,11 @@ def shapes_problem(spec: QuantSpec, module: str, headers: dict[str, dict], sourc
         if scale != want:
             return (f"{source}: {module}.weight_scale_inv has shape {list(scale or ())}; blocks of "
                     f"{spec.block[0]}x{spec.block[1]} over a {weight[0]}x{weight[1]} weight need {list(want)}")
+    elif spec.format == "mxfp4":
+        blocks, scales = _shape(headers, f"{module}_blocks"), _shape(headers, f"{module}_scales")
+        if blocks is None or len(blocks) < 3 or blocks[-1] != 16 or scales != blocks[:-1]:
+            return (f"{source}: {module}_blocks has shape {list(blocks or ())} and {module}_scales "
+                    f"{list(scales or ())}; mxfp4 stores [..., N, K / 32, 16] and [..., N, K / 32]")
     return None
 
 

@@ -21,7 +21,8 @@ from splitserve.engine import LLM
 from tests.engine.test_quant_formats import quantize_checkpoint
 
 SUPPORTED = ("(supported: fp8 (block-wise or per-tensor), gptq and awq (4-bit), compressed-tensors (float-quantized, "
-             "pack-quantized, naive-quantized, int-quantized))")
+             "pack-quantized, naive-quantized, int-quantized, nvfp4-pack-quantized, mxfp4-pack-quantized), "
+             "mxfp4 (gpt-oss))")
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": True}
 
 REFUSED = {
@@ -40,9 +41,13 @@ REFUSED = {
                        "fp8 with weight_block_size [128] (need [rows, cols], e.g. [128, 128]) is not supported"),
     "fp8-e5m2": ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]},
                  "fp8 fmt 'e5m2' (only e4m3 weights) is not supported"),
-    "ct-nvfp4": ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
-                  "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float"}}}},
-                 "compressed-tensors format 'nvfp4-pack-quantized' is not supported"),
+    "ct-nvfp4-no-group": ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+                           "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float"}}}},
+                          "compressed-tensors nvfp4-pack-quantized float4 group None (fp4, symmetric, group 16) "
+                          "is not supported"),
+    "ct-mxfp6": ({"quant_method": "compressed-tensors", "format": "mxfp6-pack-quantized",
+                  "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 6, "type": "float"}}}},
+                 "compressed-tensors format 'mxfp6-pack-quantized' is not supported"),
     "ct-int2": ({"quant_method": "compressed-tensors", "format": "pack-quantized",
                  "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 2, "type": "int",
                                                                             "strategy": "group", "group_size": 64}}}},

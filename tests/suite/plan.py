@@ -64,6 +64,7 @@ SLOW = {
     "tests/engine/test_spec_decode_mtp_tensor_parallel.py",
     "tests/engine/test_minimax_m2_tensor_parallel.py",
     "tests/engine/test_gpt_oss_tensor_parallel.py",
+    "tests/engine/test_gpt_oss_mxfp4_tensor_parallel.py",
     "tests/engine/test_tensor_parallel_kv.py",
     "tests/engine/test_lora_tensor_parallel.py",
     "tests/engine/test_kv_offload_tensor_parallel.py",

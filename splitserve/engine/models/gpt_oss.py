@@ -27,9 +27,14 @@ from splitserve.core.model_config import ModelConfig
 from splitserve.engine.models.gpt_oss_moe import GptOssMoeBlock
 from splitserve.engine.models.layers import Attention
 from splitserve.engine.models.llama import DecoderLayer, LlamaForCausalLM
+from splitserve.engine.models.moe import local_target
+from splitserve.engine.parallel.expert_parallel import local_experts
+from splitserve.engine.parallel.state import tp
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _OWN = re.compile(r"^(?:self_attn\.sinks|mlp\.experts\.(?:gate_up_proj|down_proj)(?:_bias)?)$")
+# one expert's MXFP4 projection, as engine/quant/reader.py yields the shipped `_blocks` / `_scales`
+_QUANTIZED_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_up_proj|down_proj)\.weight$")
 
 
 class GptOssAttention(Attention):
@@ -55,6 +60,10 @@ class GptOssForCausalLM(LlamaForCausalLM):
         m = _LAYER.match(name)
         if m and _OWN.match(m.group(2)):
             return f"layers.{m.group(1)}.{m.group(2)}", None  # already this rank's part (sharding.py)
+        if m and (q := _QUANTIZED_EXPERT.match(m.group(2))):  # into QuantizedGptOssExperts (gpt_oss_quant.py)
+            # expert parallelism: this rank's experts renumbered from 0, another rank's skipped
+            return local_target((f"layers.{m.group(1)}.mlp.experts.{q.group(2)}", (int(q.group(1)),)),
+                                *local_experts(self.cfg, tp()))
         if m and m.group(2) in ("mlp.router.weight", "mlp.router.bias"):
             return f"layers.{m.group(1)}.mlp.gate.{m.group(2).rpartition('.')[2]}", None
         return super().weight_target(name)  # q/k/v into qkv_proj, o_proj, norms, embeddings, lm_head

@@ -15,7 +15,8 @@ A quantized expert tensor of a mixture-of-experts layer (index (expert, rows) in
 float stacks w13 / w2) swaps the whole block's stacks for QuantizedExperts
 (engine/models/quant_moe.py): one QuantizedLinear per expert projection, filled part by
 part like any other; the expert stacks, too, stay on the meta device until a float part
-arrives."""
+arrives. gpt-oss's experts module (stacks gate_up_proj / down_proj) is replaced whole, by
+QuantizedGptOssExperts (engine/models/gpt_oss_quant.py: MXFP4 as shipped)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ from torch import nn
 from splitserve.core.model_config import CheckpointError, ModelConfig
 from splitserve.core.quantization import quantization_from_config
 from splitserve.engine.checkpoint import iter_weights
+from splitserve.engine.models.gpt_oss_quant import quantize_experts
 from splitserve.engine.models.quant_linear import QuantizedLinear, move_weight
-from splitserve.engine.models.quant_moe import QuantizedExperts
 from splitserve.engine.models.registry import model_class
 from splitserve.engine.parallel.linear import (
     ColumnParallelLinear,
@@ -87,7 +88,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = set(params) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     quantized: dict[str, QuantizedLinear] = {}
-    expert_blocks: dict[str, QuantizedExperts] = {}  # a MoE block's path -> its quantized experts
+    expert_blocks: dict[str, nn.Module] = {}  # a MoE block's path -> its QuantizedExperts (or gpt-oss's)
     filled: dict[str, int] = {}  # elements written per parameter
     seen: dict[str, list] = {}  # parameter -> the indexes filled
 
@@ -104,7 +105,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
         if is_quantized and isinstance(index, tuple) and block not in expert_blocks and param_name in params:
             # the first quantized expert tensor of a MoE block: its experts stay quantized
             expert_blocks[block] = swap_experts(model, block, params, seen, filled)
-        if block in expert_blocks and stack in ("w13", "w2"):
+        if block in expert_blocks and stack in getattr(expert_blocks[block], "stacks", ("w13", "w2")):
             try:
                 linear, rows = expert_blocks[block].part(stack, index)
                 linear.set_part(rows, move_weight(tensor, device, dtype))
@@ -176,14 +177,16 @@ def linear_weights(model: nn.Module) -> dict[str, nn.Linear]:
 
 def expert_stacks(model: nn.Module) -> dict[str, nn.Parameter]:
     """parameter name -> the float expert stacks (w13, w2) of every MoE block."""
-    return {n: p for n, p in model.named_parameters() if n.endswith((".mlp.w13", ".mlp.w2"))}
+    return {n: p for n, p in model.named_parameters()
+            if n.endswith((".mlp.w13", ".mlp.w2", ".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))}
 
 
-def swap_experts(model: nn.Module, block: str, params: dict, seen: dict, filled: dict) -> QuantizedExperts:
-    """Replace MoE block `block`'s float expert stacks with QuantizedExperts, keeping the
-    float parts filled so far as float parts of the expert linears."""
-    stacks = {stack: params.pop(f"{block}.{stack}") for stack in ("w13", "w2")}
-    experts = model.get_submodule(block).quantize_experts()
+def swap_experts(model: nn.Module, block: str, params: dict, seen: dict, filled: dict) -> nn.Module:
+    """Replace MoE block `block`'s float expert stacks with QuantizedExperts (gpt-oss: its
+    experts module `block` with QuantizedGptOssExperts), keeping the float parts filled so far
+    as float parts of the expert linears."""
+    experts = quantize_experts(model, block) or model.get_submodule(block).quantize_experts()
+    stacks = {stack: params.pop(f"{block}.{stack}") for stack in getattr(experts, "stacks", ("w13", "w2"))}
     for stack, param in stacks.items():
         filled.pop(f"{block}.{stack}", None)
         for done in seen.pop(f"{block}.{stack}", []):

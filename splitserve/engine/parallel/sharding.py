@@ -129,6 +129,8 @@ def checkpoint_shard(name: str, cfg: ModelConfig, t: TPState) -> Shard | None:
 _GPT_OSS_SINKS = re.compile(r"^model\.layers\.\d+\.self_attn\.sinks$")
 _GPT_OSS_EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 _NOT_GPT_OSS = Shard(-1, 0, 0)  # gpt_oss_shard: not one of gpt-oss's own tensors
+# one expert's MXFP4 projection as engine/quant/reader.py yields it: a QuantizedWeight [2I, H] / [H, I]
+_GPT_OSS_QUANTIZED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.(gate_up_proj|down_proj)\.weight$")
 
 
 def gpt_oss_shard(name: str, cfg: ModelConfig, t: TPState) -> Shard | None:
@@ -138,6 +140,12 @@ def gpt_oss_shard(name: str, cfg: ModelConfig, t: TPState) -> Shard | None:
     contiguous run of 2I/n columns; down_proj_bias whole (rank 0 adds it)."""
     if _GPT_OSS_SINKS.match(name):
         return Shard(0, *q_heads(cfg, t))
+    if q := _GPT_OSS_QUANTIZED.match(name):  # the same split, in the weight's [out, in] rows and columns
+        if t.expert_parallel:
+            first, count = local_experts(cfg, t)
+            return None if first <= int(q.group(1)) < first + count else NOTHING
+        first, n = even_split(cfg.moe_intermediate_size, t)
+        return Shard(0, 2 * first, 2 * n) if q.group(2) == "gate_up_proj" else Shard(1, first, n)
     m = _GPT_OSS_EXPERTS.match(name)
     if not m:
         return _NOT_GPT_OSS

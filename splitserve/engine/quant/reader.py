@@ -2,7 +2,9 @@
 engine/checkpoint.iter_weights with each quantized linear's tensors (qweight, qzeros,
 scales, g_idx; weight + weight_scale_inv; weight_packed + weight_scale ...) gathered and
 converted into one QuantizedWeight yielded under `<module>.weight`. Everything else
-(embeddings, norms, biases, a float lm_head) passes through as it is.
+(embeddings, norms, biases, a float lm_head) passes through as it is. gpt-oss's MXFP4
+expert stacks (`<stack>_blocks` / `<stack>_scales`, [E, ...]) become one QuantizedWeight per
+expert, `<experts>.<e>.<proj>.weight` (as GGUF's stacked experts are yielded).
 
 Which tensors belong to a quantized linear is read from the safetensors headers first,
 so a linear is converted as soon as its last tensor arrives, whatever the shard order."""
@@ -17,13 +19,14 @@ import torch
 
 from splitserve.core.checkpoint_check import safetensors_header
 from splitserve.core.model_config import CheckpointError
-from splitserve.core.quantization import QuantSpec
+from splitserve.core.quantization import QuantSpec, split_name
 from splitserve.core.quantization import quantized_linears as core_quantized_linears
 from splitserve.engine.checkpoint import iter_weights, weight_files
 from splitserve.engine.quant.awq import awq_weight
 from splitserve.engine.quant.compressed import naive_quantized_weight, pack_quantized_weight
 from splitserve.engine.quant.fp8 import fp8_weight
 from splitserve.engine.quant.gptq import gptq_weight
+from splitserve.engine.quant.mxfp4 import mxfp4_weights, nvfp4_weight
 from splitserve.kernels.quant_weight import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -46,7 +49,7 @@ def iter_quantized_weights(model_dir: str | Path, spec: QuantSpec) -> Iterator[t
              "not applied)" if spec.activations else "")
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in iter_weights(model_dir):
-        module, _, suffix = name.rpartition(".")
+        module, suffix = split_name(spec, name)
         if suffix not in plan.get(module, ()):
             yield name, tensor
             continue
@@ -55,11 +58,26 @@ def iter_quantized_weights(model_dir: str | Path, spec: QuantSpec) -> Iterator[t
         if len(parts) == len(plan[module]):
             del pending[module]
             try:
-                yield f"{module}.weight", convert(spec, module, parts)
+                if spec.format == "mxfp4":
+                    yield from mxfp4_named(module, parts)
+                else:
+                    yield f"{module}.weight", convert(spec, module, parts)
             except ValueError as exc:
                 raise CheckpointError(f"{model_dir}: {exc} ({spec.describe()})") from exc
     if pending:
         raise CheckpointError(f"{model_dir}: quantized linears {sorted(pending)[:3]} were not read completely")
+
+
+def mxfp4_named(stack: str, t: dict[str, torch.Tensor]) -> Iterator[tuple[str, QuantizedWeight]]:
+    """`model.layers.0.mlp.experts.gate_up_proj` [E, N, K / 32, 16] -> one weight per expert,
+    `model.layers.0.mlp.experts.<e>.gate_up_proj.weight`; a 2-D stack -> `<stack>.weight`."""
+    weights = mxfp4_weights(t["blocks"], t["scales"], stack)
+    if t["blocks"].dim() == 3:
+        yield f"{stack}.weight", weights[0]
+        return
+    parent, _, proj = stack.rpartition(".")
+    for e, weight in enumerate(weights):
+        yield f"{parent}.{e}.{proj}.weight", weight
 
 
 def convert(spec: QuantSpec, module: str, t: dict[str, torch.Tensor]) -> QuantizedWeight:
@@ -75,6 +93,8 @@ def convert(spec: QuantSpec, module: str, t: dict[str, torch.Tensor]) -> Quantiz
                            spec.zero_plus_one, module)
     if fmt == "awq":
         return awq_weight(t["qweight"], t["qzeros"], t["scales"], spec.group_size, module)
+    if fmt in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):
+        return nvfp4_weight(t["weight_packed"], t["weight_scale"], t.get("weight_global_scale"), module)
     if fmt == "pack-quantized":
         if spec.desc_act and "weight_g_idx" not in t:
             raise ValueError(f"{module}: actorder 'group' without weight_g_idx")
