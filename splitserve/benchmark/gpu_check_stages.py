@@ -74,10 +74,10 @@ def _load(path: Path) -> dict | None:
 def kernels(ctx: Context) -> dict:
     report = ctx.workdir / "kernels_junit.xml"
     report.unlink(missing_ok=True)
-    if ctx.dry_run:  # the interpreter is slow: a subset, float32 plus the window/soft-cap cases
+    if ctx.dry_run:  # the interpreter is slow: a subset, float32 plus the window/soft-cap/sink cases
         targets = ["tests/kernels/test_decode_attention.py", "tests/kernels/test_kv_movement.py",
                    "tests/kernels/test_norm_rope.py", "tests/kernels/test_window_softcap.py",
-                   "-k", "float32 or window or softcap"]
+                   "tests/kernels/test_attention_sinks.py", "-k", "float32 or window or softcap or sinks"]
     else:
         targets = ["tests/kernels"]
     cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *targets]
