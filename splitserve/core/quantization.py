@@ -321,18 +321,20 @@ def shapes_problem(spec: QuantSpec, module: str, headers: dict[str, dict], sourc
     return None
 
 
-def tensor_parallel_split_problem(spec: QuantSpec | None, cfg, size: int) -> str | None:
-    """Why a GPTQ / AWQ model's row-parallel linears (o_proj, down_proj, each expert's
+def tensor_parallel_split_problem(spec: QuantSpec | None, cfg, size: int, expert_parallel: bool = False) -> str | None:
+    """Why a GPTQ / AWQ / FP4 model's row-parallel linears (o_proj, down_proj, each expert's
     down_proj) cannot be split over `size` ranks, or None: each rank takes a 1/size slice
     of their input columns, and a slice
     must hold whole quantization groups (engine/parallel/sharding.py narrow; group_size -1 is
-    one group over all of them)."""
-    if spec is None or size <= 1 or spec.method not in ("gptq", "awq"):
+    one group over all of them). gpt-oss's mxfp4 quantizes only the experts, which expert
+    parallelism keeps whole."""
+    fp4 = spec is not None and (spec.format == "mxfp4" or spec.format in FP4_GROUPS)
+    if spec is None or size <= 1 or not (spec.method in ("gptq", "awq") or fp4):
         return None
-    row_parallel = [("self_attn.o_proj", cfg.num_heads * cfg.head_dim)]
-    if cfg.num_layers > len(cfg.moe_layers):  # some layer has a dense MLP
+    row_parallel = [] if spec.format == "mxfp4" else [("self_attn.o_proj", cfg.num_heads * cfg.head_dim)]
+    if cfg.num_layers > len(cfg.moe_layers) and spec.format != "mxfp4":  # some layer has a dense MLP
         row_parallel.append(("mlp.down_proj", cfg.intermediate_size))
-    if cfg.num_experts:
+    if cfg.num_experts and not (fp4 and expert_parallel):
         row_parallel.append(("mlp.experts.N.down_proj", cfg.moe_intermediate_size))
     for module, columns in row_parallel:
         group = columns if spec.group_size == -1 else spec.group_size

@@ -156,7 +156,8 @@ def tensor_parallel_problem(args: argparse.Namespace) -> str | None:
             spec = quantization_from_config(cfg.raw)
         except CheckpointError:  # checkpoint_problem says why
             spec = None
-        why = tensor_parallel_split_problem(spec, cfg, args.tensor_parallel_size)
+        why = tensor_parallel_split_problem(spec, cfg, args.tensor_parallel_size,
+                                            getattr(args, "enable_expert_parallel", False))
     if why:  # the ranks would refuse it after Ray and the rank processes started (issue 49)
         return f"--tensor-parallel-size {args.tensor_parallel_size}: {cfg.architecture} cannot be split that way: {why}"
     return None

@@ -281,3 +281,24 @@ def test_nvfp4_llama_through_llm_matches_transformers(make_ckpt, tmp_path):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == hf_greedy(rdir, prompt, 24), f"prompt of {len(prompt)} tokens"
+
+
+def test_tensor_parallel_split_must_keep_whole_fp4_groups():
+    """gpt-oss-20b's experts (intermediate 2880) split over 2 ranks in whole 32-column groups, not
+    over 4 (720 columns a rank); expert parallelism keeps experts whole; attention stays float."""
+    from types import SimpleNamespace
+
+    from splitserve.core.quantization import tensor_parallel_split_problem
+
+    gpt_oss = SimpleNamespace(num_heads=64, head_dim=64, num_layers=24, moe_layers=range(24), intermediate_size=2880,
+                              num_experts=32, moe_intermediate_size=2880)
+    spec = quantization_from_config({"quantization_config": MXFP4})
+    assert tensor_parallel_split_problem(spec, gpt_oss, 2) is None
+    assert tensor_parallel_split_problem(spec, gpt_oss, 4) == (
+        "its mlp.experts.N.down_proj has 2880 input columns, 720 per rank, which is not whole quantization groups "
+        "of 32 (mxfp4 (E2M1 values, an E8M0 scale per 32))")
+    assert tensor_parallel_split_problem(spec, gpt_oss, 4, expert_parallel=True) is None
+    nvfp4 = QuantSpec("compressed-tensors", "nvfp4-pack-quantized", bits=4, group_size=16)
+    dense = SimpleNamespace(num_heads=9, head_dim=64, num_layers=2, moe_layers=(), intermediate_size=1536, num_experts=0)
+    assert tensor_parallel_split_problem(nvfp4, dense, 4) is None
+    assert tensor_parallel_split_problem(nvfp4, dense, 8).startswith("its self_attn.o_proj has 576 input columns, 72")
