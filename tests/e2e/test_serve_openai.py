@@ -91,6 +91,28 @@ def test_streamed_chunks_concatenate_to_the_full_text_and_usage_is_last(cluster)
     assert chat_chunks[0].choices[0].delta.role == "assistant"
 
 
+def test_responses_api_answers_as_chat_completions_and_continues_a_conversation(cluster):
+    """/v1/responses through the whole stack: the same greedy answer as chat completions, streamed
+    and not, and a previous_response_id follow-up answered as the whole conversation would be."""
+    c = client(cluster)
+    chat = c.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+                                     temperature=0)
+    first = c.responses.create(model=SERVED, input="Hi", max_output_tokens=8, temperature=0)
+    assert first.output_text == chat.choices[0].message.content and first.output_text
+    assert first.usage.input_tokens == chat.usage.prompt_tokens and first.usage.output_tokens == \
+        chat.usage.completion_tokens
+    assert first.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    with c.responses.stream(model=SERVED, input="Hi", max_output_tokens=8, temperature=0) as stream:
+        deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        assert deltas == stream.get_final_response().output_text == first.output_text
+    follow = c.responses.create(model=SERVED, previous_response_id=first.id, input="More", max_output_tokens=8,
+                                temperature=0)
+    whole = c.chat.completions.create(model=SERVED, max_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "More"}])
+    assert follow.output_text == whole.choices[0].message.content
+
+
 def test_continuous_usage_stats_put_usage_so_far_in_every_chunk(cluster):
     """vLLM's extra, which guidellm always sends: every chunk carries the usage so far."""
     chunks = list(client(cluster).completions.create(
