@@ -5,7 +5,8 @@ transformers reads it (also a config.json in the shipped form: rope_scaling, no 
 tensor-parallel shards, and greedy tokens (top-5 logprobs within 1e-4) through LLM on a tiny
 random checkpoint: random non-zero sinks (transformers initialises them near zero), an 8-token
 window on the sliding layers (prompt + output far past it), YaRN x32, 8 experts top-4 with
-random biases; prompts longer than a block (16) and a chunk (32), a prefix-cache hit.
+random biases; prompts longer than a block (16) and a chunk (32), a prefix-cache hit; n-gram
+speculation (also over an fp8 KV cache), and a LoRA adapter on attention equal to PEFT's.
 Tensor and expert parallelism: test_gpt_oss_tensor_parallel.py; `serve` and a migration:
 tests/e2e/test_model_families_serve.py, tests/e2e/test_families_migration.py."""
 
@@ -164,3 +165,54 @@ def test_greedy_tokens_equal_transformers_with_chunks_and_a_prefix_hit(ckpt):
     assert model.weight_target("model.layers.0.self_attn.sinks") == ("layers.0.self_attn.sinks", None)
     assert model.weight_target("model.layers.0.self_attn.k_proj.bias") == ("layers.0.self_attn.qkv_proj.bias",
                                                                            slice(64, 96))
+
+
+@pytest.mark.parametrize("engine_kw", [{}, {"kv_cache_dtype": "fp8"}])
+def test_ngram_speculation_keeps_the_tokens(ckpt, engine_kw):
+    """Drafts are verified as several-token decode rows through the prefill kernels, with the
+    sinks and the window: greedy tokens equal transformers', and with an fp8
+    KV cache equal to the same cache without speculation."""
+    from tests.engine.test_spec_decode_exact import NGRAM, accepted, copy_heavy
+
+    ps = [copy_heavy(1, 12, 4)[:50], copy_heavy(2, 20, 2)]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    spec = LLM(str(ckpt), num_kv_blocks=64, speculative_config=NGRAM, **engine_kw)
+    got = [o.token_ids for o in spec.generate(ps, params)]
+    if engine_kw:
+        want = [o.token_ids for o in LLM(str(ckpt), num_kv_blocks=64, **engine_kw).generate(ps, params)]
+    else:
+        want = [hf_greedy(ckpt, p, NEW_TOKENS) for p in ps]
+    assert got == want
+    assert accepted(spec) > 0
+
+
+def test_lora_on_attention_equals_peft_and_on_experts_is_refused(ckpt, tmp_path):
+    """An adapter on q/k/v/o (biased projections, sinks around them) gives PEFT's greedy tokens;
+    one on the experts is refused in one line, as for every MoE family."""
+    from splitserve.engine import LoRARequest
+    from splitserve.engine.lora import LoRAAdapterError
+    from tests.helpers.lora_adapters import make_adapter, peft_greedy
+
+    adapter = make_adapter(ckpt, tmp_path / "attn", seed=1, r=8, alpha=16,
+                           targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    llm = LLM(str(ckpt), num_kv_blocks=64, enable_lora=True, max_loras=1, max_lora_rank=8)
+    prompt = prompts(llm.engine.model_config.vocab_size)[1]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                       lora_request=LoRARequest("attn", 1, str(adapter)))[0]
+    assert out.token_ids == peft_greedy(ckpt, adapter, prompt, NEW_TOKENS)
+    assert out.token_ids != hf_greedy(ckpt, prompt, NEW_TOKENS)
+    with pytest.raises(LoRAAdapterError, match=r"mlp\.experts\.0\.gate_up_proj: MoE experts are not supported$"):
+        _refused_expert_adapter(llm, tmp_path)
+
+
+def _refused_expert_adapter(llm: LLM, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path = tmp_path / "experts"
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                          "target_modules": ["gate_up_proj"]}))
+    prefix = "base_model.model.model.layers.0.mlp.experts.0.gate_up_proj"
+    save_file({f"{prefix}.lora_A.weight": torch.zeros(4, 64), f"{prefix}.lora_B.weight": torch.zeros(64, 4)},
+              str(path / "adapter_model.safetensors"))
+    llm.engine.loras.add("experts", str(path))
