@@ -72,6 +72,7 @@ class ResponsesAPI:
         response = O.response_object(rid, created, rreq, O.output_items(message, status), status,
                                      self._usage(choice, message.get("reasoning_content")), incomplete)
         self._keep(rreq, history, response)
+        headers["X-Splitserve-Workers"] = "; ".join(f"{k}={v}" for k, v in choice.served_by.items())
         return web.json_response(response, headers=headers)
 
     async def _stream(self, rreq, history, rid, created, request, choice: ChoiceRun, headers: dict,

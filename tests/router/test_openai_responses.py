@@ -374,6 +374,7 @@ async def test_unknown_fields_are_ignored_and_named(stack):
     script.texts.append("ok")
     resp = await client.post("/v1/responses", headers=JSON, data=json.dumps({"model": "m", "input": "x", "frob": 1}))
     assert resp.status == 200 and resp.headers["X-Splitserve-Ignored-Fields"] == "frob"
+    assert resp.headers["X-Splitserve-Workers"] == "decode=d0; prefill=; decode_cached=3; prefill_cached=0"
 
 
 def test_the_table_covers_the_sdk_fields_and_docs_list_it():
