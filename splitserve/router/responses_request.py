@@ -205,7 +205,7 @@ def renamed(exc: errors.APIError) -> errors.APIError:
         new = "text.format" + param[len(head):].replace(".json_schema", "", 1)
     elif head in RENAMED:
         new = RENAMED[head] if head == "messages" else RENAMED[head] + param[len(head):]
-    elif head == "tools":
+    elif head in ("tools", "tool_choice"):  # chat's {"function": {"name"}} is flat here
         new = param.replace(".function.", ".")
     else:
         return exc

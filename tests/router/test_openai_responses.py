@@ -349,6 +349,10 @@ async def test_unserved_values_inside_fields_are_refused(stack, body, param, mes
     ({"reasoning": {"effort": "low"}}, "reasoning.effort", "'reasoning.effort' is not supported for this model: its "
      "chat template takes no reasoning effort (harmony models such as gpt-oss do)"),
     ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be an integer >= 1, got 0"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name",
+     "'tool_choice' names the function 'nope', which is not in 'tools'"),
+    ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name",
+     "'tools[0].name' must be 1 to 64 letters, digits, '_' or '-'"),
     ({"text": {"format": {"type": "json_schema", "name": "a b", "schema": {}}}}, "text.format.name",
      "'text.format.name' must be 1 to 64 letters, digits, '_' or '-'"),
 ])
