@@ -34,7 +34,9 @@ from openai_harmony import (
 
 from splitserve.cluster.inproc_bus import InProcBus
 from splitserve.core.structured import grammar_text
+from splitserve.core.tokenizer import Tokenizer
 from splitserve.router import harmony
+from splitserve.router import server as server_module
 from splitserve.router.dispatch import DispatchConfig, Dispatcher, StreamEvent
 from splitserve.router.policy import RouteDecision
 from splitserve.router.server import RouterServer, ServerConfig
@@ -177,9 +179,15 @@ class Script:
             last_worker = worker
 
 
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return Tokenizer(model_dir)
+
+
 @pytest.fixture
-async def router(model_dir, monkeypatch):
+async def router(model_dir, tokenizer, monkeypatch):
     monkeypatch.setattr(harmony, "today", lambda: DATE)
+    monkeypatch.setattr(server_module, "Tokenizer", lambda *a: tokenizer)  # o200k's tokenizer.json: loaded once
     server = RouterServer(ServerConfig(str(model_dir), MODEL), Dispatcher(DispatchConfig(model_id=MODEL), InProcBus()))
     script = Script()
 
@@ -214,10 +222,8 @@ async def test_the_served_prompt_is_harmonys_rendering(router, i):
     assert {200002, 200012} <= set(script.params[-1].stop_token_ids)  # <|return|>, <|call|>
 
 
-def test_the_test_tokenizer_encodes_as_harmony(model_dir):
-    from splitserve.core.tokenizer import Tokenizer
-
-    tok = Tokenizer(model_dir)
+def test_the_test_tokenizer_encodes_as_harmony(tokenizer):
+    tok = tokenizer
     text = "Hello, world! 12345 ünïcödé  \n\n  tabs\tand CAPS isn't it? 中文字符 🙂 {\"city\": \"Paris\"}"
     assert tok.encode(text, add_special_tokens=False) == harmony.encoding().encode(text)
     assert tok.token_to_id("<|channel|>") == 200005 and tok.token_to_id("<|call|>") == 200012
@@ -374,15 +380,20 @@ CONSTRAINED = [  # (request fields, turns the grammar accepts, turns it refuses)
 ]
 
 
-def accepts(model_dir, spec, text: str) -> bool:
-    tok = llguidance.LLTokenizer((model_dir / "tokenizer.json").read_text(), n_vocab=201088,
-                                 eos_token=[200002, 199999, 200012])
-    matcher = llguidance.LLMatcher(tok, grammar_text(spec), log_level=0)
+@pytest.fixture(scope="module")
+def ll_tokenizer(model_dir):
+    """As engine/grammar.py builds it for a gpt-oss checkpoint."""
+    return llguidance.LLTokenizer((model_dir / "tokenizer.json").read_text(), n_vocab=201088,
+                                  eos_token=[200002, 199999, 200012])
+
+
+def accepts(ll_tokenizer, spec, text: str) -> bool:
+    matcher = llguidance.LLMatcher(ll_tokenizer, grammar_text(spec), log_level=0)
     return all(matcher.consume_token(t) for t in ids(text)) and matcher.is_accepting()
 
 
 @pytest.mark.parametrize("i", range(len(CONSTRAINED)))
-async def test_constraints_apply_after_the_analysis_channel(router, model_dir, i):
+async def test_constraints_apply_after_the_analysis_channel(router, ll_tokenizer, i):
     client, script = router
     body, good, bad = CONSTRAINED[i]
     script.chunks = [ids("<|channel|>final<|message|>ok<|return|>")]
@@ -390,8 +401,8 @@ async def test_constraints_apply_after_the_analysis_channel(router, model_dir, i
     assert resp.status == 200, await resp.text()
     spec = script.params[-1].structured
     assert spec.kind == "grammar"
-    assert [accepts(model_dir, spec, t) for t in good] == [True] * len(good)
-    assert [accepts(model_dir, spec, t) for t in bad] == [False] * len(bad)
+    assert [accepts(ll_tokenizer, spec, t) for t in good] == [True] * len(good)
+    assert [accepts(ll_tokenizer, spec, t) for t in bad] == [False] * len(bad)
 
 
 async def test_a_named_call_comes_back_as_tool_calls(router):
