@@ -7,6 +7,7 @@ exactly the prompt of the chat request it stands for (recorded by the script).""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import openai
@@ -17,6 +18,7 @@ from openai.types.responses import response_create_params
 from splitserve.cluster.inproc_bus import InProcBus
 from splitserve.router import responses_api
 from splitserve.router import responses_request as F
+from splitserve.router.admission import AdmissionConfig
 from splitserve.router.dispatch import DispatchConfig, Dispatcher, StreamEvent, WorkerFailure
 from splitserve.router.policy import RouteDecision
 from splitserve.router.responses_store import ResponseStore, StoreConfig
@@ -38,6 +40,7 @@ class Script:
     def __init__(self, server: RouterServer):
         self.tokenizer, self.texts, self.prompts, self.params = server.tokenizer, [], [], []
         self.fail_after: int | None = None  # tokens after which the worker fails, beyond migration
+        self.gap = 0.0  # seconds before each token
         server.dispatcher.decide_waiting = self.decide_waiting
         server.dispatcher.generate = self.generate
 
@@ -52,6 +55,7 @@ class Script:
         finish = "length" if len(ids) > params.max_tokens else "stop"
         ids = ids[:params.max_tokens]
         for i, token in enumerate(ids):
+            await asyncio.sleep(self.gap)
             if i == self.fail_after:
                 raise WorkerFailure(f"request {rid}: decode worker(s) ['d0'] failed (scripted); gave up")
             yield StreamEvent([token], [], finish if i == len(ids) - 1 else None, 3, "d0" if i == 0 else "")
@@ -62,8 +66,9 @@ def model_dir(make_ckpt, tmp_path_factory):
     return str(with_template(make_ckpt("llama"), tmp_path_factory.mktemp("tpl") / "qwen3-style", QWEN3_STYLE))
 
 
-async def _stack(model_dir, store: StoreConfig | None = None, served: str = "m"):
-    server = RouterServer(ServerConfig(model_dir, served, responses_store=store or StoreConfig()),
+async def _stack(model_dir, store: StoreConfig | None = None, served: str = "m", timeout_s: float | None = None):
+    server = RouterServer(ServerConfig(model_dir, served, responses_store=store or StoreConfig(),
+                                       admission=AdmissionConfig(request_timeout_s=timeout_s)),
                           Dispatcher(DispatchConfig(model_id=served), InProcBus()))
     script = Script(server)
     client = TestClient(TestServer(server.app(), host="127.0.0.1"))
@@ -257,6 +262,22 @@ async def test_a_worker_failure_is_503_or_an_error_event_then_response_failed(st
     assert failed.type == "response.failed" and failed.response.status == "failed"
     assert failed.response.error.code == "server_error" and failed.response.error.message == error.message
     assert (await client.get(f"/v1/responses/{failed.response.id}")).status == 404  # failed: not stored
+
+
+async def test_the_deadline_mid_stream_is_an_error_event_then_response_failed(model_dir):
+    _, script, client, sdk = await _stack(model_dir, timeout_s=0.5)
+    try:
+        script.gap, script.texts = 0.1, ["one two three four five six seven eight nine ten eleven twelve"]
+        events = [e async for e in await sdk.responses.create(model="m", input="x", stream=True)]
+        error, failed = events[-2:]
+        assert error.type == "error" and error.code == "request_timeout" and "within its deadline of 0.5s" in \
+            error.message
+        assert failed.type == "response.failed" and failed.response.error.message == error.message
+        assert any(e.type == "response.output_text.delta" for e in events)  # it had begun
+        assert events[-3].type == "response.output_item.done" and events[-3].item.status == "incomplete"
+    finally:
+        await sdk.close()
+        await client.close()
 
 
 async def test_store_get_delete_and_store_false(stack):
