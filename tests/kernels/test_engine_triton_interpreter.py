@@ -90,3 +90,19 @@ def test_mla_runs_on_the_paged_triton_kernels(tmp_path, triton_call_counts, devi
     assert all(triton_call_counts[name] for name in ("paged_decode_attention", "paged_prefill_attention", "store_kv"))
     assert triton_tokens == reference_tokens
     assert triton_tokens[2] == hf_greedy(path, prompts[2], 6)
+
+
+def test_gpt_oss_sinks_and_windows_run_on_the_triton_kernels(tmp_path, triton_call_counts, device):
+    """gpt-oss (engine/models/gpt_oss.py): a sink logit per head in every softmax, an 8-token
+    window on alternate layers, prompts past it and chunked: the Triton attention kernels
+    (split-K decode merges the sink once) give the reference kernels' tokens and transformers'."""
+    from tests.engine.test_gpt_oss import write_gpt_oss
+
+    path = write_gpt_oss(tmp_path / "gpt_oss")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(5, 1000) for _ in range(n)] for n in (3, 17, 40)]
+    reference_tokens = _generate(path, "reference", prompts, 6, device)
+    triton_tokens = _generate(path, "triton", prompts, 6, device)
+    assert all(triton_call_counts[name] for name in ("paged_decode_attention", "paged_prefill_attention"))
+    assert triton_tokens == reference_tokens
+    assert triton_tokens[2] == hf_greedy(path, prompts[2], 6)
