@@ -74,6 +74,14 @@ def _launches():
                 triton_ops.store_kv(q[:, :8], q[:, :8], k_cache, v_cache, lens, 0.5, 2.0)
                 triton_ops.pack_blocks(pool, torch.tensor([1, 2]))
                 triton_ops.unpack_blocks(pool[:2], pool, torch.tensor([1, 2]))
+        # gpt-oss's attention sinks: the single-split epilogue, the split merge and prefill's epilogue
+        label["value"] = f"sinks/{name}"
+        sinks = torch.zeros(32)
+        pool = torch.zeros(4, 2, 2, 16, 8, 128, dtype=dtype)
+        k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+        triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1, 1, sinks=sinks)
+        triton_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1, 2, sinks=sinks)
+        triton_ops.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.1, sinks=sinks)
         label["value"] = name
         if dtype == torch.bfloat16:
             triton_ops.rms_norm(torch.zeros(3, 4096, dtype=dtype), torch.zeros(4096, dtype=dtype), 1e-5)

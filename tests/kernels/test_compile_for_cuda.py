@@ -32,6 +32,8 @@ def test_all_kernels_compile_to_sm90_cubins():
     for dtype in ("bfloat16", "float32"):  # queries' dtype; the cache in it, then fp8 (e4m3)
         for kernel in ("_decode_split_kernel", "_prefill_kernel"):
             assert {(kernel, dtype), (kernel, f"fp8_kv/{dtype}")} <= compiled
+        for kernel in ("_decode_split_kernel", "_decode_merge_kernel", "_prefill_kernel"):  # with sinks
+            assert (kernel, f"sinks/{dtype}") in compiled
     assert ("_store_kv_kernel", "fp8_kv/bfloat16") in compiled
     for weight in ("int4", "int8", "fp8"):
         assert ("_quant_linear_kernel", f"{weight}_weight/bfloat16") in compiled
