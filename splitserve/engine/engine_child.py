@@ -195,8 +195,10 @@ def child_main(config: EngineConfig, conn, step_clock, name: str, torch_threads:
 
     logging.getLogger(__name__).info("engine %s: memory allocator %s", name, allocator_in_use())
     torch.set_num_threads(torch_threads)
+    from splitserve.engine.kv_cache import allocate_pools_in_shared_memory
     from splitserve.engine.llm_engine import LLMEngine  # the model runtime: the child only
 
+    allocate_pools_in_shared_memory(check_shared_memory)  # the worker reads the pool: made there at once
     try:
         engine = LLMEngine(config)
         # every rank's pool goes into shared memory (each the same size): the worker's KV transfer reads them

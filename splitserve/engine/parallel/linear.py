@@ -60,7 +60,10 @@ class ParallelLMHead(nn.Linear):
 class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, vocab_size: int, hidden_size: int):
         self.vocab_start, _, padded = vocab_rows(vocab_size, tp())
-        super().__init__(padded, hidden_size)
+        # An explicit (meta) weight: nn.Embedding would otherwise fill a fresh one with normal_(),
+        # which on the meta device the loader builds on goes through torch._refs and imports
+        # torch._dynamo: 1-2 s of CPU in every engine process, for values the checkpoint overwrites.
+        super().__init__(padded, hidden_size, _weight=torch.empty(padded, hidden_size))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if tp().size == 1:
