@@ -6,7 +6,8 @@ tensor-parallel shards, and greedy tokens (top-5 logprobs within 1e-4) through L
 random checkpoint: random non-zero sinks (transformers initialises them near zero), an 8-token
 window on the sliding layers (prompt + output far past it), YaRN x32, 8 experts top-4 with
 random biases; prompts longer than a block (16) and a chunk (32), a prefix-cache hit; n-gram
-speculation (also over an fp8 KV cache), and a LoRA adapter on attention equal to PEFT's.
+speculation (also over an fp8 KV cache), async scheduling, a LoRA adapter on attention equal
+to PEFT's, and MTP refused.
 Tensor and expert parallelism: test_gpt_oss_tensor_parallel.py; `serve` and a migration:
 tests/e2e/test_model_families_serve.py, tests/e2e/test_families_migration.py."""
 
@@ -216,3 +217,17 @@ def _refused_expert_adapter(llm: LLM, tmp_path: Path) -> None:
     save_file({f"{prefix}.lora_A.weight": torch.zeros(4, 64), f"{prefix}.lora_B.weight": torch.zeros(64, 4)},
               str(path / "adapter_model.safetensors"))
     llm.engine.loras.add("experts", str(path))
+
+
+def test_async_scheduling_keeps_the_tokens_and_mtp_is_refused(ckpt):
+    """The padded decode step (async scheduling's) runs the sinks and the experts eagerly; gpt-oss
+    has no MTP layers, so MTP speculation is refused in one line."""
+    from splitserve.core.speculative import SpeculativeConfigError
+
+    llm = LLM(str(ckpt), num_kv_blocks=64, max_num_batched_tokens=32, async_scheduling=True)
+    ps = prompts(llm.engine.model_config.vocab_size)
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(ckpt, p, NEW_TOKENS) for p in ps]
+    with pytest.raises(SpeculativeConfigError, match=r"^method mtp: the model's config.json needs "
+                                                     r"num_nextn_predict_layers >= 1 \(its MTP layers\), got None$"):
+        LLM(str(ckpt), num_kv_blocks=16, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
