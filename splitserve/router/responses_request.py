@@ -30,10 +30,9 @@ _REFUSED = {
     "conversation": (_on, "conversations are OpenAI platform objects; use previous_response_id"),
     "context_management": (_on, "server-side context compaction is not implemented"),
     "include": (_on, "none of the extra output data (logprobs, encrypted reasoning, tool results) is served"),
-    "max_tool_calls": (lambda v: v is not None, "built-in tools are not served, so there are no calls to cap"),
     "moderation": (_on, "moderation is not available"),
     "prompt": (_on, "prompt templates are OpenAI platform objects; send input and instructions"),
-    "top_logprobs": (lambda v: v is not None, "logprobs are not served on /v1/responses; use /v1/chat/completions"),
+    "top_logprobs": (_on, "logprobs are not served on /v1/responses; use /v1/chat/completions"),
     "truncation": (lambda v: v not in (None, "disabled"), "a conversation longer than the context is refused "
                                                           "(400 context_length_exceeded), never truncated"),
     "image": (_on, "image generation is not available"),
@@ -44,7 +43,8 @@ FIELDS = {
                                    "tools", "tool_choice", "parallel_tool_calls", "previous_response_id", "store",
                                    "stream", "text", "reasoning", "metadata")},
     **{name: ACCEPTED for name in ("user", "safety_identifier", "prompt_cache_key", "prompt_cache_options",
-                                   "prompt_cache_retention", "service_tier", "stream_options")},
+                                   "prompt_cache_retention", "service_tier", "stream_options",
+                                   "max_tool_calls")},  # a cap on built-in tool calls: none are served
     **{name: REFUSED for name in _REFUSED},
 }
 REASONING_KEYS = ("effort", "summary", "generate_summary", "context", "mode")

@@ -327,7 +327,7 @@ def test_the_store_bound_in_bytes_evicts_the_least_recently_used():
 
 REFUSED = [
     ("background", True), ("conversation", "conv_1"), ("include", ["reasoning.encrypted_content"]),
-    ("max_tool_calls", 2), ("prompt", {"id": "pmpt_1"}), ("top_logprobs", 2), ("truncation", "auto"),
+("prompt", {"id": "pmpt_1"}), ("top_logprobs", 2), ("truncation", "auto"),
     ("context_management", [{"type": "compaction"}]), ("moderation", {"model": "omni"}),
     ("background_options", {"completion_window": "2h"}), ("image", {"context_compression": "enabled"}),
     ("access_programs", {"cyber": "standard"}),
@@ -392,6 +392,20 @@ async def test_a_conversation_past_the_context_is_refused_naming_input(stack):
     assert resp.status == 400 and await resp.json() == {"error": {
         "message": f"This model's maximum context length is 4096 tokens, but the input has {n} tokens. Shorten the "
                    "input.", "type": "invalid_request_error", "param": "input", "code": "context_length_exceeded"}}
+
+
+async def test_accepted_fields_and_neutral_values_of_refused_ones_pass(stack):
+    _, script, client, _ = stack
+    script.texts.append("ok")
+    body = {"model": "m", "input": "x", "user": "u1", "safety_identifier": "s", "prompt_cache_key": "k",
+            "prompt_cache_retention": "24h", "prompt_cache_options": {"mode": "implicit"}, "service_tier": "auto",
+            "max_tool_calls": 3, "background": False, "include": [], "truncation": "disabled", "top_logprobs": 0,
+            "conversation": None, "store": False}
+    assert set(body) - {"input", "model", "store"} == {n for n, k in F.FIELDS.items() if k == F.ACCEPTED} - {
+        "stream_options"} | {"background", "include", "truncation", "top_logprobs", "conversation"}
+    resp = await client.post("/v1/responses", headers=JSON, data=json.dumps(body))
+    assert resp.status == 200 and "X-Splitserve-Ignored-Fields" not in resp.headers
+    assert (await resp.json())["output"][0]["content"][0]["text"] == "ok"
 
 
 async def test_unknown_fields_are_ignored_and_named(stack):
