@@ -62,11 +62,12 @@ def encoding():
                                  "builds it from quicktok-v1)") from None
 
 
-def is_harmony(architecture: str | None, chat_template: str | None, channel_token_id: int | None = None) -> bool:
-    """A gpt-oss checkpoint: its architecture, a chat template that writes harmony channels, or a
-    tokenizer whose `<|channel|>` is harmony's special token (id 200005)."""
-    return (architecture == "GptOssForCausalLM" or bool(chat_template and CHANNEL_TOKEN in chat_template)
-            or channel_token_id == CHANNEL_ID)
+def is_harmony(channel_token_id: int | None) -> bool:
+    """Chat in harmony: the tokenizer has harmony's `<|channel|>` at id 200005 (o200k plus the
+    harmony specials), as every gpt-oss checkpoint's does. Harmony's rendering is in those ids,
+    so the tokenizer decides, not the architecture: a gpt-oss-architecture checkpoint with
+    another tokenizer (the engine tests' tiny ones) chats through its own template."""
+    return channel_token_id == CHANNEL_ID
 
 
 def stop_token_ids() -> list[int]:

@@ -79,8 +79,7 @@ class RouterServer:
         self.prompts = PromptTokenizer(self.tokenizer, self.max_model_len, content_as_text=config.content_as_text)
         # gpt-oss: chat through openai-harmony (router/harmony_chat.py); its vocabulary is loaded now, so a
         # server that cannot is refused at start rather than at its first request
-        self.harmony = harmony.is_harmony(model.architecture, self.tokenizer.chat_template,
-                                          self.tokenizer.token_to_id(harmony.CHANNEL_TOKEN))
+        self.harmony = harmony.is_harmony(self.tokenizer.token_to_id(harmony.CHANNEL_TOKEN))
         if self.harmony:
             harmony.encoding()
         self.created = int(time.time())

@@ -431,3 +431,20 @@ async def test_the_openai_client(router):
     content = "".join([c.choices[0].delta.content or "" async for c in stream])
     assert content == "It is 21°C ☀️."
     await api.close()
+
+
+async def test_other_models_refuse_reasoning_effort(make_ckpt):
+    """Only harmony's tokenizer makes a harmony model; others have no effort to set (one 400)."""
+    server = RouterServer(ServerConfig(str(make_ckpt("llama")), "m"), Dispatcher(DispatchConfig(model_id="m"),
+                                                                                 InProcBus()))
+    assert not server.harmony
+    async with TestClient(TestServer(server.app(), host="127.0.0.1")) as client:
+        resp = await client.post("/v1/chat/completions", data=json.dumps({
+            "model": "m", "messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low"}),
+            headers={"Content-Type": "application/json"})
+        error = (await resp.json())["error"]
+    assert resp.status == 400
+    assert error == {
+        "message": "'reasoning_effort' is not supported by this server: use chat_template_kwargs (e.g. "
+                   "enable_thinking) for templates that support thinking", "type": "invalid_request_error", "param": "reasoning_effort",
+        "code": "unsupported_parameter"}
