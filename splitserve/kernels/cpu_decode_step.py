@@ -39,8 +39,10 @@ class PreparedDecodeAttention:
         self.scale = attention.scale * self.k_scale  # as ops.paged_decode_attention folds it
         self.window, self.softcap = int(attention.window), float(attention.softcap)
         # gpt-oss's sink logits: the layer's own tensor (a float32 [heads] parameter), read by
-        # address each step, so a reloaded value is seen; another dtype is converted each step
+        # address each step, so a value loaded in place is seen; another dtype is converted each step
         self.sinks = getattr(attention, "sinks", None)
+        if self.sinks is not None and tuple(self.sinks.shape) != (self.heads,):
+            raise ValueError(f"attention sinks must be [num_heads={self.heads}], got shape {tuple(self.sinks.shape)}")
         self.caches = (k_cache.data_ptr(), v_cache.data_ptr())
         self.pool = (k_cache.shape[0], k_cache.shape[1])  # blocks, block size
         self.strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
@@ -91,7 +93,7 @@ class PreparedDecodeAttention:
         out = torch.empty((n, self.q_size), dtype=self.dtype)
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         args = (*self.codes, q.data_ptr(), k_ptr, v_ptr, out.data_ptr(), tables.data_ptr(), lens.data_ptr())
-        sinks = None if self.sinks is None else ops.prepare_sinks(self.sinks, q)
+        sinks = self.sinks if self.sinks is None or self.sinks.dtype == torch.float32 else self.sinks.float()
         shape = (self.heads, self.kv_heads, self.dim, block_size, tables.shape[1], blocks, *self.strides, self.scale,
                  self.window, self.softcap, cpu_native.sinks_pointer(sinks))
         fn = lib.splitserve_decode_attention
