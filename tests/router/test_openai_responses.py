@@ -394,6 +394,27 @@ async def test_a_conversation_past_the_context_is_refused_naming_input(stack):
                    "input.", "type": "invalid_request_error", "param": "input", "code": "context_length_exceeded"}}
 
 
+@pytest.mark.parametrize("body,param", [
+    ({"input": 5}, "input"), ({"input": [5]}, "input[0]"), ({"input": []}, "input"),
+    ({"input": [{"type": "function_call"}]}, "input[0].call_id"),
+    ({"input": [{"role": "bot", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
+    ({"input": [{"type": "reasoning", "content": "x"}]}, "input[0].content"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input[0].output"),
+    ({"tools": "x"}, "tools"), ({"tools": [{"type": "function"}]}, "tools[0].name"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": 3}]}, "tools[0].parameters"), ({"tool_choice": 5}, "tool_choice"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type"), ({"reasoning": {"effort": 5}}, "reasoning.effort"),
+    ({"text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "nonsense"}}}}, "text.format.schema"),
+    ({"metadata": {"k": 5}}, "metadata"), ({"previous_response_id": 5}, "previous_response_id"), ({"store": "yes"}, "store"),
+    ({"instructions": 5}, "instructions"), ({"top_p": 7}, "top_p"), ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
+])
+async def test_bad_bodies_are_one_line_400s_naming_the_field(stack, body, param):
+    _, _, client, _ = stack
+    resp = await client.post("/v1/responses", headers=JSON, data=json.dumps({"model": "m", "input": "x", **body}))
+    error = (await resp.json())["error"]
+    assert resp.status == 400 and error["param"] == param and "\n" not in error["message"], error
+
+
 async def test_accepted_fields_and_neutral_values_of_refused_ones_pass(stack):
     _, script, client, _ = stack
     script.texts.append("ok")
