@@ -45,6 +45,7 @@ from openai_harmony import (
 
 EFFORTS = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}
 CHANNEL_TOKEN, CHANNEL_ID = "<|channel|>", 200005
+END_OF_TEXT = 199999  # <|endoftext|>: one of gpt-oss's EOS ids, beside <|return|> and <|call|>
 FUNCTIONS = "functions."
 
 
@@ -185,6 +186,8 @@ class HarmonyParser:
     def feed(self, token_ids: list[int]) -> list[dict]:
         deltas: list[dict] = []
         for token in token_ids:
+            if token == END_OF_TEXT:  # an EOS that is no harmony action: the end, nothing to parse
+                continue
             if self._broken is not None:
                 self._broken.append(token)
                 continue
