@@ -12,7 +12,7 @@ OUT=${OUT:-/tmp/lease_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 tar xJf .gpucarry/site312.tar.xz -C /tmp || exit 1
-export PYTHONPATH=/tmp/site312:$PWD LD_LIBRARY_PATH=/tmp/syslibs
+export PYTHONPATH=/tmp/site312:$PWD LD_LIBRARY_PATH=/tmp/syslibs TIKTOKEN_ENCODINGS_BASE=/tmp/tiktoken  # o200k for openai-harmony
 ldconfig -p | grep -q "libcurl.so.4 " || export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:/tmp/syslibs/curl
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
 timeout "${PROBE_LIMIT:-60}" python3 bench/gpu/gemv_probe.py "$OUT/gemv_probe.json"

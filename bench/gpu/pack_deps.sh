@@ -2,7 +2,8 @@
 # Packs what the GPU check needs beyond a CUDA machine's PyTorch stack, for a GPU machine that
 # cannot reach a package index (the lent H100/H200 of issue 20): Python 3.12 x86-64 wheels of
 # Ray, the Mooncake Transfer Engine (non-CUDA build), llguidance, jsonschema and its parts,
-# gRPC/protobuf, and peft with accelerate (the reference of the lora_peft check) at the
+# gRPC/protobuf, peft with accelerate (the reference of the lora_peft check), openai-harmony with
+# pydantic and the verified o200k_base.tiktoken it would download (tiktoken/), at the
 # versions this project's venv runs, unpacked and trimmed of what the
 # serving path never loads (Ray's Java jar, dashboard build, rllib/data/serve/tune/train/llm;
 # Mooncake's store, master, client and bench binaries), plus the system libraries Mooncake
@@ -10,7 +11,7 @@
 #   bench/gpu/pack_deps.sh [OUT]       -> OUT (default .gpucarry/site312.tar.xz)
 # On the GPU machine, in the repository:
 #   tar xJf site312.tar.xz -C /tmp
-#   export PYTHONPATH=/tmp/site312:$PWD LD_LIBRARY_PATH=/tmp/syslibs
+#   export PYTHONPATH=/tmp/site312:$PWD LD_LIBRARY_PATH=/tmp/syslibs TIKTOKEN_ENCODINGS_BASE=/tmp/tiktoken
 #   ldconfig -p | grep -q "libcurl.so.4 " || export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:/tmp/syslibs/curl
 #   PYTHON=python3 bench/gpu/run_short.sh
 set -euo pipefail
@@ -26,7 +27,9 @@ SPECS=$("$PY" - <<'EOF'
 from importlib import metadata
 names = ["ray", "jsonschema", "jsonschema-specifications", "referencing", "rpds-py",
          "mooncake-transfer-engine-non-cuda", "grpcio", "grpcio-tools", "protobuf",
-         "peft", "accelerate"]  # pure Python: the lora_peft check (transformers is on the machine)
+         "peft", "accelerate",  # pure Python: the lora_peft check (transformers is on the machine)
+         # the router imports openai-harmony (gpt-oss's chat format, router/harmony.py), which needs pydantic
+         "openai-harmony", "pydantic", "pydantic-core", "annotated-types", "typing-inspection"]
 print(" ".join(f"{n}=={metadata.version(n)}" for n in names))
 EOF
 )
@@ -40,6 +43,8 @@ for spec in $SPECS; do fetch "$spec"; done
 LLG=$("$PY" -c "from importlib import metadata; print(metadata.version('llguidance'))")
 fetch "llguidance==$LLG" 2>/dev/null || fetch llguidance
 for w in "$WORK"/wheels/*.whl; do unzip -q -o "$w" -d "$WORK/site312"; done
+# openai-harmony's o200k vocabulary, which it would download: the verified copy (core/harmony_vocab.py)
+"$PY" -c "import sys; from pathlib import Path; from splitserve.core.harmony_vocab import write_o200k; write_o200k(Path(sys.argv[1]))" "$WORK/tiktoken"
 
 cd "$WORK/site312"
 rm -rf ray/jars ray/dashboard/client/build ray/rllib ray/data ray/serve ray/tune ray/train ray/llm \
@@ -54,5 +59,5 @@ cp -L "$LIB/libcurl.so.4" "$WORK/syslibs/curl/"
 ldd "$LIB/libcurl.so.4" | awk '{print $3}' | grep -vE "^$|libc\.so|libm\.so|libpthread|libdl\.so|ld-linux|librt|libresolv" \
   | while read -r l; do cp -L "$l" "$WORK/syslibs/curl/"; done
 
-tar cf - -C "$WORK" site312 syslibs | xz -T0 -9 > "$OUT"
+tar cf - -C "$WORK" site312 syslibs tiktoken | xz -T0 -9 > "$OUT"
 ls -la "$OUT"
