@@ -143,16 +143,20 @@ def conversation_messages(messages: list[dict]) -> tuple[str | None, list[Messag
 
 
 def render(messages: list[dict], tools: list[dict] | None = None, reasoning_effort: str | None = None,
-           start_date: str | None = None, instructions: str | None = None) -> list[int]:
-    """Prompt token ids ending in `<|start|>assistant`. `messages`: OpenAI chat messages (role,
-    content text, tool_calls, reasoning_content, tool_call_id, name); `tools`: OpenAI function
-    tools ({"type": "function", "function": {...}}), None when the model may not call any;
-    `instructions`: more developer instructions, before the messages' own (the Responses API's)."""
+           start_date: str | None = None, instructions: str | None = None,
+           add_generation_prompt: bool = True) -> list[int]:
+    """Prompt token ids ending in `<|start|>assistant` (without it when not `add_generation_prompt`).
+    `messages`: OpenAI chat messages (role, content text, tool_calls, reasoning_content,
+    tool_call_id, name); `tools`: OpenAI function tools ({"type": "function", "function":
+    {...}}), None when the model may not call any; `instructions`: more developer
+    instructions, before the messages' own (the Responses API's)."""
     found, turns = conversation_messages(messages)
     text = "\n\n".join(t for t in (instructions, found) if t) or None
     head = [system_message(reasoning_effort, bool(tools), start_date)]
     dev = developer_message(text, tools)
     conversation = Conversation.from_messages(head + ([dev] if dev else []) + turns)
+    if not add_generation_prompt:
+        return list(encoding().render_conversation(conversation))
     return list(encoding().render_conversation_for_completion(conversation, Role.ASSISTANT))
 
 

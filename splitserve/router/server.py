@@ -207,7 +207,7 @@ class RouterServer:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         req = await self._parse(request, tokenization.parse_tokenize_request)
-        return web.json_response(await tokenization.tokenize(self.prompts, req))
+        return web.json_response(await tokenization.tokenize(self.prompts, req, self.harmony))
 
     async def detokenize(self, request: web.Request) -> web.Response:
         parse = partial(tokenization.parse_detokenize_request, vocab_size=self.tokenizer.vocab_size,

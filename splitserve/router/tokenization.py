@@ -9,7 +9,9 @@ Request and response fields are vLLM's:
   /detokenize {"model"?, "tokens"} -> {"prompt"}
 
 Messages go through the chat request's own parser and the same template rendering as
-/v1/chat/completions, so the count is the prompt_tokens a chat request would report.
+/v1/chat/completions, so the count is the prompt_tokens a chat request would report; for a
+harmony (gpt-oss) model that is openai-harmony's rendering (router/harmony.py), with the
+request's `reasoning_effort` (refused for other models, as by chat completions).
 The router's limits hold: a text longer than the context is refused (the message says
 how long it is), long inputs are tokenized and decoded in the prompt pool, and every bad
 input is an OpenAI-format 4xx. vLLM's chat options that change the rendering and that
@@ -21,12 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from functools import partial
 
 from splitserve.core.tokenizer import Tokenizer
-from splitserve.router import errors, protocol
+from splitserve.router import errors, harmony, protocol
 from splitserve.router import json_body as J
 from splitserve.router import responses as R
-from splitserve.router.prompts import PromptTokenizer
+from splitserve.router.prompts import INLINE_CHARS, PromptTokenizer
+from splitserve.router.request_fields import NO_EFFORT
 
 INLINE_IDS = 8192  # fewer ids than this are decoded on the event loop (well under a millisecond)
 # vLLM's chat-only options that change the rendered prompt; refused when used.
@@ -41,6 +45,7 @@ class TokenizeRequest:
     add_special_tokens: bool
     add_generation_prompt: bool
     return_token_strs: bool
+    reasoning_effort: str | None = None  # harmony models only
 
 
 def parse_tokenize_request(raw: bytes | str | dict, served: Collection[str]) -> TokenizeRequest:
@@ -54,10 +59,11 @@ def parse_tokenize_request(raw: bytes | str | dict, served: Collection[str]) -> 
             if body.get(name):
                 raise errors.unsupported(name, "/tokenize renders messages exactly as /v1/chat/completions "
                                          "does; remove it from the request")
-        chat = protocol.parse_chat_request({"model": model, "messages": body["messages"]}, served)
+        effort = {"reasoning_effort": body["reasoning_effort"]} if "reasoning_effort" in body else {}
+        chat = protocol.parse_chat_request({"model": model, "messages": body["messages"], **effort}, served)
         return TokenizeRequest(None, chat.messages_for_template(),
                                J.opt_bool(body, "add_special_tokens", default=False),
-                               J.opt_bool(body, "add_generation_prompt", default=True), strs)
+                               J.opt_bool(body, "add_generation_prompt", default=True), strs, chat.reasoning_effort)
     prompt = body.get("prompt")
     if prompt is None:
         raise errors.invalid_request("send 'prompt' (a text) or 'messages' (a chat) to tokenize", "prompt",
@@ -89,8 +95,12 @@ def parse_detokenize_request(raw: bytes | str | dict, served: Collection[str], v
     return tokens
 
 
-async def tokenize(prompts: PromptTokenizer, req: TokenizeRequest) -> dict:
-    if req.messages is not None:
+async def tokenize(prompts: PromptTokenizer, req: TokenizeRequest, harmony_model: bool = False) -> dict:
+    if req.messages is not None and harmony_model:
+        ids = await _harmony_ids(prompts, req)
+    elif req.messages is not None:
+        if req.reasoning_effort is not None:
+            raise errors.unsupported("reasoning_effort", NO_EFFORT)
         ids = await prompts.encode_chat(req.messages, req.add_generation_prompt, req.add_special_tokens)
     else:
         ids = await prompts.encode(req.prompt, "prompt", req.add_special_tokens)
@@ -99,6 +109,24 @@ async def tokenize(prompts: PromptTokenizer, req: TokenizeRequest) -> dict:
         strs = (token_strings(prompts.tokenizer, ids) if len(ids) <= INLINE_IDS
                 else await prompts.offload(token_strings, prompts.tokenizer, ids))
     return {"count": len(ids), "max_model_len": prompts.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+async def _harmony_ids(prompts: PromptTokenizer, req: TokenizeRequest) -> list[int]:
+    if req.reasoning_effort is not None and req.reasoning_effort not in harmony.EFFORTS:
+        raise errors.invalid_request(f"'reasoning_effort' must be low, medium or high for gpt-oss models, got "
+                                     f"{req.reasoning_effort!r}", "reasoning_effort", "invalid_value")
+    render = partial(harmony.render, req.messages, None, req.reasoning_effort,
+                     add_generation_prompt=req.add_generation_prompt)
+    try:
+        ids = render() if sum(len(m.get("content") or "") for m in req.messages) <= INLINE_CHARS \
+            else await prompts.offload(render)
+    except ValueError as exc:
+        raise errors.invalid_request(str(exc), "messages") from None
+    if len(ids) > prompts.max_model_len:
+        raise errors.context_length_exceeded(
+            f"This model's maximum context length is {prompts.max_model_len} tokens, but the messages have "
+            f"{len(ids)} tokens. Shorten the messages.", "messages")
+    return ids
 
 
 async def detokenize(prompts: PromptTokenizer, ids: list[int]) -> dict:

@@ -19,12 +19,15 @@ import secrets
 
 import openai
 import pytest
+import requests
 
 from splitserve.router import harmony
+from splitserve.router.protocol import parse_chat_request
 from tests.engine.test_gpt_oss import CONFIG
 from tests.helpers.harmony_tokenizer import EOS_IDS, VOCAB_SIZE, write_harmony_tokenizer
 from tests.helpers.processes import SplitserveProcess
 from tests.helpers.reference import hf_greedy
+from tests.router.test_harmony import CONVERSATIONS
 
 SERVED = "gpt-oss-tiny"
 NEW = 24
@@ -107,6 +110,25 @@ def test_chat_through_serve_is_harmonys_render_and_parse(served):
         finish = chunk.choices[0].finish_reason or finish
     assert (parts["content"] or None, parts["reasoning_content"] or None, finish) == (
         want["content"] or None, want["reasoning_content"], reason)
+
+
+def test_every_conversation_is_rendered_by_harmony_through_serve(served):
+    """tests/router/test_harmony.py's 12 conversations (their ids there equal openai-harmony's own
+    rendering written by hand): served, the prompt is harmony.render's, counted by the usage, and
+    /tokenize gives its very ids for those without tools (/tokenize takes no tools)."""
+    _, serve = served
+    api = openai.OpenAI(base_url=serve.base_url + "/v1", api_key="x")
+    for body, _ in CONVERSATIONS:
+        tools = body.get("tools") if body.get("tool_choice") != "none" else None
+        date = harmony.today()
+        messages = parse_chat_request({"model": SERVED, **body}).messages_for_template()  # text parts joined
+        want = harmony.render(messages, tools, body.get("reasoning_effort"))
+        out = api.chat.completions.create(model=SERVED, max_tokens=1, temperature=0, **body)
+        if "tools" not in body:
+            r = requests.post(serve.base_url + "/tokenize", json=body, timeout=60)
+            assert r.json()["tokens"] == want
+        if harmony.today() == date:
+            assert out.usage.prompt_tokens == len(want)
 
 
 @pytest.mark.parametrize("kind", ["response_format", "tool_choice"])

@@ -222,6 +222,17 @@ async def test_the_served_prompt_is_harmonys_rendering(router, i):
     assert {200002, 200012} <= set(script.params[-1].stop_token_ids)  # <|return|>, <|call|>
 
 
+@pytest.mark.parametrize("i", [i for i, (body, _) in enumerate(CONVERSATIONS) if "tools" not in body])
+async def test_tokenize_renders_chats_as_harmony(router, i):
+    """vLLM's /tokenize counts a chat as /v1/chat/completions renders it: harmony's ids here."""
+    client, _ = router
+    body, reference = CONVERSATIONS[i]
+    resp = await client.post("/tokenize", data=json.dumps(body), headers={"Content-Type": "application/json"})
+    assert resp.status == 200, await resp.text()
+    want = harmony.encoding().render_conversation_for_completion(Conversation.from_messages(reference), Role.ASSISTANT)
+    assert (await resp.json())["tokens"] == list(want)
+
+
 def test_the_test_tokenizer_encodes_as_harmony(tokenizer):
     tok = tokenizer
     text = "Hello, world! 12345 ünïcödé  \n\n  tabs\tand CAPS isn't it? 中文字符 🙂 {\"city\": \"Paris\"}"
