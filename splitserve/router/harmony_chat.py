@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from splitserve.router import errors, harmony, harmony_structured
+from splitserve.router import errors, harmony, harmony_parser, harmony_structured
 from splitserve.router.tool_calls import ToolCall
 
 
@@ -58,7 +58,7 @@ class HarmonyChatOutput:
     router/chat_output.py's ChatOutput."""
 
     def __init__(self, parallel: bool = True):
-        self.parser = harmony.HarmonyParser()
+        self.parser = harmony_parser.HarmonyParser()
         self.parallel = parallel
 
     def take(self, text: str, token_ids: list[int], final: bool = False) -> list[dict]:

@@ -21,7 +21,7 @@ import openai
 import pytest
 import requests
 
-from splitserve.router import harmony
+from splitserve.router import harmony, harmony_parser
 from splitserve.router.protocol import parse_chat_request
 from tests.engine.test_gpt_oss import CONFIG
 from tests.helpers.harmony_tokenizer import EOS_IDS, VOCAB_SIZE, write_harmony_tokenizer
@@ -75,7 +75,7 @@ def expected(model, prompt: list[int]) -> tuple[dict, str]:
     """transformers' greedy tokens, cut at the first EOS as the engine cuts, parsed by harmony."""
     tokens = hf_greedy(model, prompt, NEW)
     cut = next((i + 1 for i, t in enumerate(tokens) if t in EOS_IDS), None)
-    parser = harmony.HarmonyParser()
+    parser = harmony_parser.HarmonyParser()
     parser.feed(tokens[:cut])
     reason = "length" if cut is None else ("tool_calls" if parser.calls else "stop")
     nothing = not (parser.content or parser.reasoning or parser.calls)  # e.g. a header never closed
