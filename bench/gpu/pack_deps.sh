@@ -3,7 +3,8 @@
 # cannot reach a package index (the lent H100/H200 of issue 20): Python 3.12 x86-64 wheels of
 # Ray, the Mooncake Transfer Engine (non-CUDA build), llguidance, jsonschema and its parts,
 # gRPC/protobuf, peft with accelerate (the reference of the lora_peft check), openai-harmony with
-# pydantic and the verified o200k_base.tiktoken it would download (tiktoken/), at the
+# pydantic and the verified o200k_base.tiktoken it would download (tiktoken/), the openai client
+# (bench/gpu/gpt_oss_20b.py), at the
 # versions this project's venv runs, unpacked and trimmed of what the
 # serving path never loads (Ray's Java jar, dashboard build, rllib/data/serve/tune/train/llm;
 # Mooncake's store, master, client and bench binaries), plus the system libraries Mooncake
@@ -29,7 +30,10 @@ names = ["ray", "jsonschema", "jsonschema-specifications", "referencing", "rpds-
          "mooncake-transfer-engine-non-cuda", "grpcio", "grpcio-tools", "protobuf",
          "peft", "accelerate",  # pure Python: the lora_peft check (transformers is on the machine)
          # the router imports openai-harmony (gpt-oss's chat format, router/harmony.py), which needs pydantic
-         "openai-harmony", "pydantic", "pydantic-core", "annotated-types", "typing-inspection"]
+         "openai-harmony", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
+         # the openai client of bench/gpu/gpt_oss_20b.py's chat checks
+         "openai", "httpx2", "httpcore2", "h11", "truststore", "anyio", "sniffio", "jiter", "idna",
+         "typing-extensions"]  # pydantic and openai want a newer one than a CUDA image may have
 print(" ".join(f"{n}=={metadata.version(n)}" for n in names))
 EOF
 )

@@ -39,6 +39,7 @@ DEFAULT_SECONDS = 2.0  # a module with no recorded time yet
 SLOW = {
     "tests/benchmark/test_compare.py",
     "tests/benchmark/test_serve_overhead.py",
+    "tests/benchmark/test_gpt_oss_20b_script.py",  # bench/gpu/gpt_oss_20b.py --dry-run starts `serve`
     "tests/chaos",
     "tests/e2e",
     "tests/image",
