@@ -1,8 +1,10 @@
-"""gpt-oss MXFP4 experts on CPU: the converted form the engine runs (engine/quant/mxfp4.py:
-E2M1 values as FP8 codes, an E8M0 scale per 32 columns, through the existing native
-quantized-linear kernel, kernels/quant_native.py) against the alternative the issue allows,
-dequantising the checkpoint's 4-bit blocks to float32 at every call and multiplying
-(F.linear), and against float32 weights kept dequantised (4 bytes a value).
+"""gpt-oss MXFP4 experts on CPU, four ways through one projection: the form the engine runs
+(engine/quant/mxfp4.py: the packed E2M1 nibbles as they ship, a float32 scale per 32
+columns, through the native quantized-linear kernel's FP4 path, kernels/cpu_quant_linear.cpp);
+the same values converted to FP8 codes (one byte a value: the kernel's FP8 path, this
+module's first form); dequantising the checkpoint's blocks to float32 at every call in torch
+(transformers' LUT + ldexp) and F.linear; and float32 weights kept dequantised (4 bytes a
+value).
 
 Shapes: one gpt-oss-20b expert (hidden 2880, intermediate 2880: gate_up 2880 -> 5760, down
 2880 -> 2880); rows per expert M = 1 (decode, one token to that expert), 4, 32 (a prefill
@@ -24,13 +26,15 @@ import torch.nn.functional as F
 
 from bench.experiments.harness import RESULTS, load_average, write_json
 from bench.experiments.quant_linear_cpu import timed
-from splitserve.engine.quant.mxfp4 import E2M1, mxfp4_weights
+from splitserve.engine.quant.mxfp4 import mxfp4_weights
 from splitserve.kernels import cpu_native, quant_native
+from splitserve.kernels.quant_weight import E2M1, FP8, QuantizedWeight
 
 SHAPES = {"gpt-oss-20b gate_up 2880->5760": (5760, 2880), "gpt-oss-20b down 2880->2880": (2880, 2880)}
 ROWS = (1, 4, 32)
 ROTATION_BYTES = 128 << 20
-FORMS = ("mxfp4 as fp8 codes (native kernel)", "mxfp4 blocks dequantised per call + F.linear", "float32 F.linear")
+FORMS = ("fp4 nibbles (native kernel)", "fp8 codes (native kernel)", "blocks dequantised per call + F.linear",
+         "float32 F.linear")
 LUT = torch.tensor(E2M1)
 
 
@@ -40,14 +44,23 @@ def dequantise_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
     return torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127).flatten(-2)
 
 
+def as_fp8_codes(qw: QuantizedWeight) -> QuantizedWeight:
+    """The same weight with each E2M1 value as its (exact) e4m3 byte: one byte a value."""
+    codes = qw.dequantize() / qw.scales.repeat_interleave(qw.group_size, dim=1)
+    return QuantizedWeight(codes.to(torch.float8_e4m3fn), qw.scales, None, FP8, qw.group_size, qw.in_features,
+                           qw.out_features)
+
+
 def measure(shape: str, n: int, k: int, repeats: int) -> list[dict]:
     copies = max(1, ROTATION_BYTES // (n * k))
     gen = torch.Generator().manual_seed(0)
     raw = [(torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=gen),
             torch.randint(118, 124, (n, k // 32), dtype=torch.uint8, generator=gen)) for _ in range(copies)]
-    converted = [mxfp4_weights(b, s, shape)[0] for b, s in raw]
+    fp4 = [mxfp4_weights(b, s, shape)[0] for b, s in raw]
+    fp8 = [as_fp8_codes(w) for w in fp4[:max(1, copies // 2)]]  # twice the bytes: half the copies
     dense = [dequantise_blocks(*raw[i]) for i in range(max(1, copies // 4))]  # 4 bytes a value: fewer copies
-    nbytes = {FORMS[0]: converted[0].nbytes, FORMS[1]: raw[0][0].numel() + raw[0][1].numel(), FORMS[2]: n * k * 4}
+    nbytes = {FORMS[0]: fp4[0].nbytes, FORMS[1]: fp8[0].nbytes, FORMS[2]: raw[0][0].numel() + raw[0][1].numel(),
+              FORMS[3]: n * k * 4}
     found = []
     for m in ROWS:
         x = torch.randn(m, k)
@@ -56,20 +69,22 @@ def measure(shape: str, n: int, k: int, repeats: int) -> list[dict]:
         def call(form: str, x=x, turn=turn):
             i = next(turn)
             if form == FORMS[0]:
-                return quant_native.quantized_linear(x, converted[i % copies])
+                return quant_native.quantized_linear(x, fp4[i % copies])
             if form == FORMS[1]:
+                return quant_native.quantized_linear(x, fp8[i % len(fp8)])
+            if form == FORMS[2]:
                 return F.linear(x, dequantise_blocks(*raw[i % copies]))
             return F.linear(x, dense[i % len(dense)])
 
         seconds: dict[str, list[float]] = {f: [] for f in FORMS}
         for r in range(repeats):
-            for form in FORMS[r % 3:] + FORMS[:r % 3]:
+            for form in FORMS[r % 4:] + FORMS[:r % 4]:
                 seconds[form].append(timed(lambda form=form: call(form)))
         for form in FORMS:
             s = statistics.median(seconds[form])
             found.append({"shape": shape, "m": m, "form": form, "ms": round(s * 1e3, 3),
                           "weight_bytes_in_memory": nbytes[form]})
-            print(f"{shape:32} M={m:<3} {form:46} {s * 1e3:9.3f} ms  {nbytes[form] / 1e6:6.1f} MB", flush=True)
+            print(f"{shape:32} M={m:<3} {form:40} {s * 1e3:9.3f} ms  {nbytes[form] / 1e6:6.1f} MB", flush=True)
     return found
 
 

@@ -18,6 +18,9 @@
 // order. Groups are a multiple of 16 columns, so a chunk never straddles two. FP8 e4m3 codes
 // become float16 bit patterns ((b & 0x7f) << 7, the sign on top), worth 2^-8 of the code,
 // which the hardware converts exactly (subnormals included); the 2^8 goes into the scale.
+// FP4 (E2M1: MXFP4 / NVFP4, bits 1) codes are packed like the 4-bit ones; each nibble becomes
+// the e4m3 byte of the same value (one pshufb) and then as FP8, or, on AVX-512 with groups a
+// multiple of 32, is looked up among the group's 16 values e2m1 * scale (gemv_rows_nibbles32).
 // Sums are float32.
 #include <algorithm>
 #include <cmath>
@@ -32,6 +35,11 @@
 namespace {
 
 constexpr int kFp8 = 0;
+constexpr int kFp4 = 1;  // E2M1 nibbles (quant_weight.FP4)
+// E2M1 nibble -> the float8_e4m3fn byte of the same value: 0, 0.5, 1, 1.5, 2, 3, 4, 6, then negated
+alignas(16) constexpr uint8_t kE2m1Fp8[16] = {0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C,
+                                              0x80, 0xB0, 0xB8, 0xBC, 0xC0, 0xC4, 0xC8, 0xCC};
+constexpr bool packed_nibbles(int bits) { return bits == 4 || bits == kFp4; }
 constexpr int kMaxRows = 8;  // rows of x per pass over a weight row: accumulators held in registers
 #if defined(__AVX512F__)
 constexpr int kWeightRows = 2;  // weight rows per pass of the gemv: 2 x 8 accumulators of the 32 registers
@@ -78,19 +86,27 @@ inline Vec fma(Vec x, Vec y, Vec z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _m
 #endif
 
 #if defined(__AVX512F__) || defined(__AVX2__)
+// 16 e4m3 bytes -> floats worth 2^-8 of their values (see the top).
+inline Vec fp8_bytes(__m128i bytes) {
+    const __m256i b = _mm256_cvtepu8_epi16(bytes);
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7);
+    return Vec::from_halves(_mm256_or_si256(sign, rest));
+}
+
 // 16 codes of chunk c of a weight row, as floats in the chunk's lane order (see the top).
 template <int BITS>
 inline Vec codes16(const uint8_t* row, int c) {
-    if constexpr (BITS == 4) {
+    if constexpr (packed_nibbles(BITS)) {
         const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c));
         const __m128i mask = _mm_set1_epi8(0x0f);
         const __m128i low = _mm_and_si128(b, mask), high = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-        return Vec::from_bytes(_mm_unpacklo_epi64(low, high));
+        const __m128i nibbles = _mm_unpacklo_epi64(low, high);
+        if constexpr (BITS == kFp4)
+            return fp8_bytes(_mm_shuffle_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2m1Fp8)), nibbles));
+        return Vec::from_bytes(nibbles);
     } else if constexpr (BITS == kFp8) {
-        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
-        const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
-        const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7);
-        return Vec::from_halves(_mm256_or_si256(sign, rest));
+        return fp8_bytes(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
     } else {
         return Vec::from_bytes(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
     }
@@ -101,9 +117,9 @@ inline Vec codes16(const uint8_t* row, int c) {
 template <int BITS, int R, int NR>
 void gemv_rows(const float* x, int K, const uint8_t* codes, const float* scales, const float* offsets, int group,
                const float* bias, float* out, int N, int n_first, int n_end) {
-    const int64_t row_bytes = BITS == 4 ? K / 2 : K;
+    const int64_t row_bytes = packed_nibbles(BITS) ? K / 2 : K;
     const int groups = K / group, chunks_per_group = group / 16;
-    const float scale_factor = BITS == kFp8 ? 256.f : 1.f;  // fp8 codes arrive as 2^-8 of their value
+    const float scale_factor = BITS == kFp8 || BITS == kFp4 ? 256.f : 1.f;  // fp8 codes arrive as 2^-8 of their value
     int n = n_first;
     for (; n + NR <= n_end; n += NR) {
         Vec acc[NR][R];
@@ -140,12 +156,15 @@ void gemv_rows(const float* x, int K, const uint8_t* codes, const float* scales,
 // nibble looked up among the group's 16 dequantised values (one vpermps) instead of widened,
 // converted and scaled: 6 instructions per 32 codes instead of 16, which is most of a decode
 // step's work at M = 1. The chunk is 32 columns: the 16 even ones, then the 16 odd ones.
-template <int R, int NR>
+// FP4: the 16 values are e2m1 * scale (no offset), each rounded once as the other paths.
+template <int R, int NR, bool FP4>
 void gemv_rows_nibbles32(const float* x, int K, const uint8_t* codes, const float* scales, const float* offsets,
                          int group, const float* bias, float* out, int N, int n_first, int n_end) {
     const int64_t row_bytes = K / 2;
     const int groups = K / group, chunks_per_group = group / 32;
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 iota = FP4 ? _mm512_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -0.5f, -1.f, -1.5f, -2.f,
+                                             -3.f, -4.f, -6.f)
+                            : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i low_nibble = _mm512_set1_epi32(15);
     int n = n_first;
     for (; n + NR <= n_end; n += NR) {
@@ -156,7 +175,9 @@ void gemv_rows_nibbles32(const float* x, int K, const uint8_t* codes, const floa
             __m512 table[NR];  // code -> code * scale + offset, rounded once as the other paths
             for (int i = 0; i < NR; i++) {
                 const int64_t at = int64_t(n + i) * groups + g;
-                table[i] = _mm512_fmadd_ps(iota, _mm512_set1_ps(scales[at]), _mm512_set1_ps(offsets ? offsets[at] : 0.f));
+                table[i] = FP4 ? _mm512_mul_ps(iota, _mm512_set1_ps(scales[at]))
+                               : _mm512_fmadd_ps(iota, _mm512_set1_ps(scales[at]),
+                                                 _mm512_set1_ps(offsets ? offsets[at] : 0.f));
             }
             for (int c = g * chunks_per_group; c < (g + 1) * chunks_per_group; c++) {
                 __m512i b[NR];
@@ -183,7 +204,7 @@ void gemv_rows_nibbles32(const float* x, int K, const uint8_t* codes, const floa
         }
     }
     if constexpr (NR > 1) {
-        if (n < n_end) gemv_rows_nibbles32<R, 1>(x, K, codes, scales, offsets, group, bias, out, N, n, n_end);
+        if (n < n_end) gemv_rows_nibbles32<R, 1, FP4>(x, K, codes, scales, offsets, group, bias, out, N, n, n_end);
     }
 }
 #endif
@@ -205,10 +226,11 @@ struct Fp8Table {
 const Fp8Table kFp8Table;
 template <int BITS>
 inline float code_at(const uint8_t* row, int k) {  // k in the chunk lane order (see the top)
-    if constexpr (BITS == 4) {
+    if constexpr (packed_nibbles(BITS)) {
         const int c = k / 16, lane = k % 16;
         const uint8_t b = row[8 * c + lane % 8];
-        return float(lane < 8 ? b & 15 : b >> 4);
+        const int nibble = lane < 8 ? b & 15 : b >> 4;
+        return BITS == kFp4 ? kFp8Table.v[kE2m1Fp8[nibble]] : float(nibble);
     } else if constexpr (BITS == kFp8) {
         return kFp8Table.v[row[k]];
     } else {
@@ -219,7 +241,7 @@ inline float code_at(const uint8_t* row, int k) {  // k in the chunk lane order 
 template <int BITS, int R, int NR>
 void gemv_rows(const float* x, int K, const uint8_t* codes, const float* scales, const float* offsets, int group,
                const float* bias, float* out, int N, int n_first, int n_end) {
-    const int64_t row_bytes = BITS == 4 ? K / 2 : K;
+    const int64_t row_bytes = packed_nibbles(BITS) ? K / 2 : K;
     const int groups = K / group;
     for (int n = n_first; n < n_end; n++) {
         const uint8_t* row = codes + n * row_bytes;
@@ -250,8 +272,9 @@ template <int BITS, int R>
 inline void gemv_block(const float* x, int K, const uint8_t* codes, const float* scales, const float* offsets,
                        int group, const float* bias, float* out, int N, int n_first, int n_end) {
 #if defined(__AVX512F__)
-    if (BITS == 4 && nibble_chunk(group) == 32) {
-        gemv_rows_nibbles32<R, kWeightRows>(x, K, codes, scales, offsets, group, bias, out, N, n_first, n_end);
+    if (packed_nibbles(BITS) && nibble_chunk(group) == 32) {
+        gemv_rows_nibbles32<R, kWeightRows, BITS == kFp4>(x, K, codes, scales, offsets, group, bias, out, N, n_first,
+                                                          n_end);
         return;
     }
 #endif
@@ -303,16 +326,17 @@ std::vector<float> nibble_order(const float* x, int M, int K, int width) {
 
 extern "C" {
 
-// bits: 4, 5..8, or 0 (fp8 e4m3). x float32 [M, K], contiguous;
+// bits: 4, 5..8, 0 (fp8 e4m3) or 1 (fp4 e2m1 nibbles). x float32 [M, K], contiguous;
 // out float32 [M, N]; offsets and bias may be null. Returns 0, or 5 (bits or group unsupported).
 int splitserve_quant_gemv(const float* x, int M, int K, const uint8_t* codes, int bits, const float* scales,
                           const float* offsets, int group, const float* bias, float* out, int N, int n_first,
                           int n_end) {
     if (group % 16 || K % group) return 5;
     switch (bits) {
-        case 4: {
+        case 4: case kFp4: {
             const std::vector<float> ordered = nibble_order(x, M, K, nibble_chunk(group));
-            gemv<4>(ordered.data(), M, K, codes, scales, offsets, group, bias, out, N, n_first, n_end);
+            if (bits == 4) gemv<4>(ordered.data(), M, K, codes, scales, offsets, group, bias, out, N, n_first, n_end);
+            else gemv<kFp4>(ordered.data(), M, K, codes, scales, offsets, group, bias, out, N, n_first, n_end);
             return 0;
         }
         case kFp8: gemv<kFp8>(x, M, K, codes, scales, offsets, group, bias, out, N, n_first, n_end); return 0;

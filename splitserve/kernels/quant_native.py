@@ -1,7 +1,7 @@
 """Weight-only quantized linear layers on CPU, native (cpu_quant_linear.cpp, built with the
 other kernels by cpu_native.py).
 
-y = x @ dequantize(qw).T (+ bias) for every QuantizedWeight layout (4-bit nibbles, 5..8-bit
+y = x @ dequantize(qw).T (+ bias) for every QuantizedWeight layout (4-bit nibbles, fp4 e2m1 nibbles, 5..8-bit
 bytes, fp8 e4m3), accumulated in float32 and returned in x's dtype. One C kernel serves
 every number of rows: it dequantises each weight row's codes in registers and multiplies them
 into up to 8 rows of x at a time, reading the codes once per ~256 KB block of x. For decode

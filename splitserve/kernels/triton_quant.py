@@ -1,5 +1,7 @@
 """Weight-only quantized linear layers on the GPU: one Triton GEMM for every QuantizedWeight
 layout (kernels/quant_weight.py), y = x @ dequantize(qw).T (+ bias).
+FP4 (E2M1 nibbles, MXFP4 / NVFP4) is decoded from its bits: magnitude m = nibble & 7 is
+m / 2 for m < 2, else 2^(m // 2 - 1) * (1 + (m % 2) / 2), built as float32 bits.
 
 Each program computes a [BLOCK_M, BLOCK_N] tile of y. Per step along K it loads the codes of
 its BLOCK_N weight rows (4-bit: the byte holding each column's nibble; 5..8-bit: one byte per
@@ -48,6 +50,13 @@ def _quant_linear_kernel(
         if BITS == 4:  # column 2j in the low nibble of byte j, 2j + 1 in the high one
             byte = tl.load(codes_ptr + row + rk[None, :] // 2, mask=w_ok, other=0).to(tl.int32)
             code = ((byte >> ((rk[None, :] % 2) * 4)) & 15).to(tl.float32)
+        elif BITS == 1:  # fp4 e2m1 nibbles, packed as the 4-bit codes
+            byte = tl.load(codes_ptr + row + rk[None, :] // 2, mask=w_ok, other=0).to(tl.int32)
+            nibble = (byte >> ((rk[None, :] % 2) * 4)) & 15
+            exponent, mantissa = (nibble >> 1) & 3, nibble & 1
+            normal = (((exponent + 126) << 23) | (mantissa << 22)).to(tl.float32, bitcast=True)
+            magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.5, normal)
+            code = tl.where(nibble >= 8, -magnitude, magnitude)
         elif BITS == 0:  # fp8 e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits
             byte = tl.load(codes_ptr + row + rk[None, :], mask=w_ok, other=0).to(tl.int32)
             exponent, mantissa = (byte >> 3) & 15, byte & 7

@@ -3,8 +3,8 @@ written in the shipped on-disk layout (`mlp.experts.{gate_up,down}_proj_blocks` 
 [E, N, K / 32, 16] and `_scales` E8M0 [E, N, K / 32], quantized here from the float experts;
 the biases, attention, router, embeddings and head stay float; config.json's
 quantization_config as the released gpt-oss's: quant_method mxfp4 with its
-modules_to_not_convert). Through LLM (the experts stay MXFP4 in QuantizedWeight's FP8-code
-layout: engine/quant/mxfp4.py, engine/models/gpt_oss_quant.py) greedy tokens equal
+modules_to_not_convert). Through LLM (the experts stay MXFP4, packed nibbles in
+QuantizedWeight's FP4 layout: engine/quant/mxfp4.py, engine/models/gpt_oss_quant.py) greedy tokens equal
 transformers' loading the same checkpoint dequantised (Mxfp4Config(dequantize=True), float32),
 whose expert weights are bit-equal to ours."""
 
@@ -21,8 +21,7 @@ from safetensors.torch import load_file, save_file
 from splitserve.core.model_dir import checkpoint_problem
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.models.gpt_oss_quant import QuantizedGptOssExperts
-from splitserve.engine.quant.mxfp4 import E2M1
-from splitserve.kernels.quant_weight import FP8
+from splitserve.kernels.quant_weight import E2M1, FP4
 from tests.engine.test_gpt_oss import NEW_TOKENS, prompts, write_gpt_oss
 
 NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
@@ -86,7 +85,7 @@ def test_mxfp4_twin_greedy_tokens_equal_transformers_dequantised(twin):
             for ours, theirs in ((experts.gate_up[e], hf_layer.mlp.experts.gate_up_proj[e]),
                                  (experts.down[e], hf_layer.mlp.experts.down_proj[e])):
                 (part,) = ours.parts
-                assert (part.bits, part.group_size) == (FP8, 32)
+                assert (part.bits, part.group_size) == (FP4, 32)
                 assert torch.equal(part.dequantize().T.view(torch.int32), theirs.detach().view(torch.int32))
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     for prompt, out in zip(prompts(llm.engine.model_config.vocab_size), llm.generate(

@@ -1,9 +1,10 @@
 """FP4 weights (engine/quant/mxfp4.py): gpt-oss's MXFP4 `_blocks` / `_scales` and
-compressed-tensors' nvfp4- / mxfp4-pack-quantized, converted into QuantizedWeight's FP8-code
-layout. Bit equality against the formats' own dequantisers (transformers'
+compressed-tensors' nvfp4- / mxfp4-pack-quantized, read into QuantizedWeight's FP4 layout
+(packed E2M1 nibbles, a float32 scale per group). Bit equality against the formats' own dequantisers (transformers'
 convert_moe_packed_tensors, compressed-tensors' compressors and dequantize), extreme E8M0
 scales included; the quantized linear kernels (native CPU, Triton: the interpreter here) on
-these weights against the dequantised matmul, within tests/kernels/test_quant_linear.py's
+these weights (and every nibble on random FP4 weights of groups 16 to 128, decode- and
+prefill-sized x) against the dequantised matmul, within tests/kernels/test_quant_linear.py's
 bound; detection, modules_to_not_convert and the one-line refusals; and a llama checkpoint
 quantized to NVFP4 by compressed-tensors served by LLM token-exact against transformers
 running its dequantised weights."""
@@ -21,7 +22,7 @@ from splitserve.core.quantization import QuantSpec, quantization_from_config, te
 from splitserve.engine.quant import iter_quantized_weights
 from splitserve.engine.quant.mxfp4 import mxfp4_weights, nvfp4_weight
 from splitserve.kernels import cpu_native, quant_native, triton_quant
-from splitserve.kernels.quant_weight import FP8, QuantizedWeight
+from splitserve.kernels.quant_weight import FP4, QuantizedWeight
 from tests.kernels.test_quant_linear import assert_matches_reference, x_rows
 
 MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": [
@@ -52,7 +53,7 @@ def test_mxfp4_is_bit_equal_to_transformers(dtype):
     blocks, scales = random_mxfp4((3, 40, 8), seed=0)
     scales[0, :32].view(-1)[:255] = torch.arange(255, dtype=torch.uint8)
     weights = mxfp4_weights(blocks, scales, "experts.gate_up_proj")
-    assert len(weights) == 3 and all(w.bits == FP8 and w.group_size == 32 and w.offsets is None for w in weights)
+    assert len(weights) == 3 and all(w.bits == FP4 and w.group_size == 32 and w.offsets is None for w in weights)
     assert (weights[0].out_features, weights[0].in_features) == (40, 256)
     want = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, K, N]: x @ w
     got = torch.stack([w.dequantize() for w in weights]).transpose(1, 2).to(dtype).contiguous()
@@ -93,7 +94,7 @@ def test_nvfp4_is_bit_equal_to_compressed_tensors():
     packed, scheme, compressor = _nvfp4_compressed(48, 128, seed=2)
     assert packed["weight_scale"].dtype == torch.float8_e4m3fn and packed["weight_global_scale"].shape == (1,)
     qw = nvfp4_weight(packed["weight_packed"], packed["weight_scale"], packed["weight_global_scale"], "m")
-    assert (qw.bits, qw.group_size, qw.in_features, qw.out_features) == (FP8, 16, 128, 48)
+    assert (qw.bits, qw.group_size, qw.in_features, qw.out_features) == (FP4, 16, 128, 48)
     assert same_bits(qw.dequantize().bfloat16(), compressor.decompress(dict(packed), scheme)["weight"])
     values = unpack_fp4_from_uint8(packed["weight_packed"], 48, 128, dtype=torch.float32)
     want = dequantize(values, packed["weight_scale"].float(), args=scheme.weights,
@@ -138,17 +139,47 @@ def test_native_kernel_on_fp4_weights(kind, dtype):
         assert_matches_reference(quant_native.quantized_linear(x, qw, bias), x, qw, bias)
 
 
+def random_fp4(n: int, k: int, group: int, seed: int, device="cpu") -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(n, k // group, generator=gen) + 0.5) / 8
+    return QuantizedWeight(codes.to(device), scales.to(device), None, FP4, group, k, n)
+
+
+@pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler for the native CPU kernels")
+@pytest.mark.parametrize("group", [16, 32, 64, 128])
+def test_native_kernel_on_every_fp4_nibble(group):
+    """Groups of 16 take the pshufb-to-FP8 path, multiples of 32 the AVX-512 lookup; 300 rows
+    span two of the kernel's x blocks; bias and leading dims as the other layouts'."""
+    qw = random_fp4(93, 384, group, seed=group)
+    bias = torch.randn(93)
+    for rows, dtype in ((1, torch.float32), (5, torch.bfloat16), (300, torch.float32)):
+        x = x_rows(rows, 384, dtype)
+        assert_matches_reference(quant_native.quantized_linear(x, qw, bias), x, qw, bias)
+
+
+def test_fp4_layout_is_the_e2m1_table():
+    qw = QuantizedWeight(torch.arange(256, dtype=torch.uint8).reshape(16, 16), torch.ones(16, 1), None, FP4, 32, 32, 16)
+    values = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    assert torch.equal(qw.dequantize()[:, 0::2], values.repeat(16, 1)) and torch.equal(qw.dequantize()[:, 1], values)
+    with pytest.raises(ValueError, match="fp4 weights have no offsets"):
+        QuantizedWeight(qw.codes, qw.scales, torch.zeros(16, 1), FP4, 32, 32, 16)
+
+
 @pytest.mark.parametrize("kind", ["mxfp4", "nvfp4"])
 def test_triton_kernel_on_fp4_weights(kind):
     """On a GPU the real kernel; here Triton's interpreter."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cpu = _fp4_weights()[kind]
-    qw = QuantizedWeight(cpu.codes.to(device), cpu.scales.to(device), None, FP8, cpu.group_size, cpu.in_features,
+    qw = QuantizedWeight(cpu.codes.to(device), cpu.scales.to(device), None, FP4, cpu.group_size, cpu.in_features,
                          cpu.out_features)
     for rows, dtype in ((3, torch.float32), (17, torch.bfloat16)):
         x = x_rows(rows, 384, dtype, device)
         rounding = 2**-8 if device.type == "cuda" and dtype != torch.float32 else 0.0
         assert_matches_reference(triton_quant.quantized_linear(x, qw), x, qw, weight_rounding=rounding)
+    odd = random_fp4(33, 24 * 13, 24, seed=9, device=device)  # a scale per element: groups of 24
+    x = x_rows(2, 24 * 13, torch.float32, device)
+    assert_matches_reference(triton_quant.quantized_linear(x, odd), x, odd)
 
 
 # ---- detection and the reader ----------------------------------------------------------------
@@ -274,7 +305,7 @@ def test_nvfp4_llama_through_llm_matches_transformers(make_ckpt, tmp_path):
     qdir, rdir = nvfp4_checkpoint(make_ckpt("llama", hidden_size=256, intermediate_size=384), tmp_path)
     llm = LLM(str(qdir), num_kv_blocks=64, max_num_batched_tokens=64)
     qkv = llm.engine.runner.model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv, QuantizedLinear) and [(p.bits, p.group_size) for p in qkv.parts] == [(FP8, 16)]
+    assert isinstance(qkv, QuantizedLinear) and [(p.bits, p.group_size) for p in qkv.parts] == [(FP4, 16)]
     rng = random.Random(5)
     vocab = llm.engine.model_config.vocab_size
     prompts = [[rng.randrange(5, vocab) for _ in range(n)] for n in (7, 75)]

@@ -1,7 +1,7 @@
 """The dequantising linear kernels (native CPU: quant_native / cpu_quant_linear.cpp; GPU:
 triton_quant, here through Triton's interpreter) against quant_weight.quantized_linear_reference,
 for every QuantizedWeight layout: 4-bit nibbles, 5/6/8-bit bytes, fp8 e4m3 codes (every byte
-value but NaN's), groups of 16 to 128 columns, with and without offsets, input_perm and bias,
+value but NaN's), fp4 e2m1 nibbles (MXFP4 / NVFP4), groups of 16 to 128 columns, with and without offsets, input_perm and bias,
 decode-sized and prefill-sized x in float32 and bfloat16, K and N off the kernels' tiles.
 
 Tolerance: the kernels compute the reference's sum in float32 in another order (and fuse
@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from splitserve.kernels import cpu_native, ops, quant_native
-from splitserve.kernels.quant_weight import FP8, QuantizedWeight, quantized_linear_reference
+from splitserve.kernels.quant_weight import FP4, FP8, QuantizedWeight, quantized_linear_reference
 
-BITS = [4, 5, 6, 8, FP8]
+BITS = [4, 5, 6, 8, FP8]  # FP4 has its own, smaller cases (no offsets to vary)
 GROUPS = [16, 32, 64, 128]
 ROWS = [1, 3, 16, 65, 300]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -31,8 +31,9 @@ native = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compile
 def make_weight(n: int, k: int, bits: int, group: int, offsets: bool = True, perm: bool = False,
                 device="cpu", seed: int = 0) -> QuantizedWeight:
     gen = torch.Generator().manual_seed(seed)
-    if bits == 4:
+    if bits in (4, FP4):
         codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+        offsets = offsets and bits == 4
     elif bits == FP8:  # every e4m3 byte but the two NaNs, subnormals included
         codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen)
         codes[(codes & 0x7F) == 0x7F] = 0x7E
@@ -89,10 +90,23 @@ def test_native_matches_the_reference(bits, group, offsets, dtype):
 
 
 @native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [16, 32, 128])
+def test_native_fp4_matches_the_reference(group, dtype):
+    """E2M1 nibbles: groups of 16 through the nibble -> e4m3 byte shuffle, multiples of 32 (on
+    AVX-512) through the lookup of the group's 16 values."""
+    qw = make_weight(93, 384, FP4, group)
+    bias = torch.randn(93)
+    for m in ROWS:
+        x = x_rows(m, 384, dtype)
+        assert_matches_reference(quant_native.quantized_linear(x, qw, bias), x, qw, bias)
+
+
+@native
 @pytest.mark.parametrize("rows", [1, 5, 300])
-@pytest.mark.parametrize("bits", [4, 8, FP8])
+@pytest.mark.parametrize("bits", [4, 8, FP8, FP4])
 def test_native_with_input_perm_bias_and_leading_dims(bits, rows):
-    qw = make_weight(70, 256, bits, 32, offsets=bits != FP8, perm=True)
+    qw = make_weight(70, 256, bits, 32, offsets=bits not in (FP8, FP4), perm=True)
     bias = torch.randn(70).to(torch.bfloat16)
     x = x_rows(rows, 256, torch.float32)
     assert_matches_reference(quant_native.quantized_linear(x, qw, bias), x, qw, bias)
@@ -174,7 +188,7 @@ def test_native_built_without_avx2_matches_the_reference_too():
 def _triton_case(device, bits, group, offsets, perm, rows, dtype, with_bias, n=70, k=384):
     from splitserve.kernels import triton_quant
 
-    qw = make_weight(n, k, bits, group, offsets=offsets and bits != FP8, perm=perm, device=device)
+    qw = make_weight(n, k, bits, group, offsets=offsets and bits not in (FP8, FP4), perm=perm, device=device)
     x = x_rows(rows, k, dtype, device)
     bias = torch.randn(n).to(device) if with_bias else None
     rounding = 2**-8 if device.type == "cuda" and dtype != torch.float32 else 0.0
@@ -182,7 +196,7 @@ def _triton_case(device, bits, group, offsets, perm, rows, dtype, with_bias, n=7
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("bits", [*BITS, FP4])
 def test_triton_matches_the_reference(device, bits, dtype):
     _triton_case(device, bits, 32, True, False, 3, dtype, True)
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from splitserve.kernels import ops
 from splitserve.kernels.fp8_scaled_mm import Fp8RowwiseWeight, fp8_linear, rowwise
-from splitserve.kernels.quant_weight import QuantizedWeight
+from splitserve.kernels.quant_weight import FP4, FP8, QuantizedWeight
 
 Part = QuantizedWeight | torch.Tensor
 
@@ -86,8 +86,9 @@ class QuantizedLinear(nn.Module):
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def extra_repr(self) -> str:
-        kinds = [f"{p.bits or 'fp8'}-bit/g{p.group_size}" if isinstance(p, QuantizedWeight) else str(p.dtype)
-                 for p in self.parts]
+        names = {FP8: "fp8", FP4: "fp4"}
+        kinds = [f"{names.get(p.bits, f'{p.bits}-bit')}/g{p.group_size}" if isinstance(p, QuantizedWeight)
+                 else str(p.dtype) for p in self.parts]
         return f"in={self.in_features}, out={self.out_features}, parts={kinds}, bias={self.bias is not None}"
 
 

@@ -26,7 +26,7 @@ import torch
 from splitserve.core.model_config import CheckpointError, ModelConfig, shardable_problem
 from splitserve.engine.parallel.expert_parallel import local_experts
 from splitserve.engine.parallel.state import TPState
-from splitserve.kernels.quant_weight import QuantizedWeight
+from splitserve.kernels.quant_weight import PACKED, QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -235,7 +235,7 @@ def narrow(tensor: torch.Tensor | QuantizedWeight, shard: Shard, name: str):
         raise CheckpointError(f"{name}: its input columns {start}:{start + n} do not fall on the "
                               f"quantization groups ({g} columns{', act-order' if q.input_perm is not None else ''}),"
                               " so it cannot be split across ranks")
-    per_code = 2 if q.bits == 4 else 1
+    per_code = 2 if q.bits in PACKED else 1  # 4-bit and FP4 codes: two a byte
     groups = slice(start // g, (start + n) // g)
     return QuantizedWeight(q.codes[:, start // per_code:(start + n) // per_code].clone(),
                            q.scales[:, groups].clone(), None if off is None else off[:, groups].clone(),
