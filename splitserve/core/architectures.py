@@ -43,6 +43,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     "GlmMoeDsaForCausalLM": Architecture("glm_moe_dsa", "deepseek_v3", ("glm_moe_dsa",),
                                          "GLM-5 (MLA with DeepSeek sparse attention, interleaved indexer rope, "
                                          "layers sharing an indexer's choice; sigmoid top-8 of 256 experts)"),
+    "Qwen3NextForCausalLM": Architecture("qwen3_next", "qwen3_next", ("qwen3_next",),
+                                         "Qwen3-Next 80B-A3B (Gated DeltaNet + gated attention 3:1, recurrent "
+                                         "state slots; top-10 of 512 experts + a gated shared expert). LLM and "
+                                         "colocated serve only (docs/architecture.md, hybrid models)"),
     "GptOssForCausalLM": Architecture("gpt_oss", "gpt_oss", ("gpt_oss",),
                                       "gpt-oss-20b, gpt-oss-120b (attention sinks, alternating 128-token windows, "
                                       "YaRN; top-4 of 32-128 experts with biases and a clamped SwiGLU)"),

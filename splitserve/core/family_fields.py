@@ -27,9 +27,12 @@ def moe_fields(raw: dict, family: str, layers: int, act: str, source: str) -> di
     if family == "mixtral":
         experts, top_k = int(experts or 8), int(raw.get("num_experts_per_tok", 2))
         inter, renormalize, sparse = int(raw["intermediate_size"]), True, range(layers)
-    elif family == "qwen3_moe":
-        experts, top_k = int(128 if experts is None else experts), int(raw.get("num_experts_per_tok", 8))
-        inter, renormalize = int(raw.get("moe_intermediate_size", 768)), bool(raw.get("norm_topk_prob", False))
+    elif family in ("qwen3_moe", "qwen3_next"):
+        next_ = family == "qwen3_next"  # transformers' Qwen3-Next defaults: 512 experts, top-10, renormalised
+        experts = int((512 if next_ else 128) if experts is None else experts)
+        top_k = int(raw.get("num_experts_per_tok", 10 if next_ else 8))
+        inter = int(raw.get("moe_intermediate_size", 512 if next_ else 768))
+        renormalize = bool(raw.get("norm_topk_prob", next_))
         dense, step = set(raw.get("mlp_only_layers") or ()), int(raw.get("decoder_sparse_step", 1))
         sparse = [i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0]
     elif family == "glm4_moe":

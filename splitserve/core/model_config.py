@@ -86,6 +86,9 @@ class ModelConfig:
     attention_sinks: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 0.0
+    # hybrid models (Qwen3-Next): the layers with recurrent state instead of KV (Gated DeltaNet);
+    # layer_types says FULL for them (no window), kv_layers the ones that do have KV
+    linear_layers: tuple[int, ...] = ()
     raw: dict = field(default_factory=dict, repr=False, compare=False)  # config.json, for family extras
 
     @classmethod
@@ -170,6 +173,7 @@ class ModelConfig:
             attn_scale=float(raw["query_pre_attn_scalar"]) ** -0.5 if gemma and raw.get("query_pre_attn_scalar")
             else 0.0,
             local_rope=local_rope,
+            linear_layers=_linear_layers(raw, layers, source) if family == "qwen3_next" else (),
             raw=raw,
             **moe_fields(raw, family, layers, act, source),
         )
@@ -186,6 +190,16 @@ class ModelConfig:
         return self.max_position_embeddings
 
     @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers whose KV the pool holds, in order (every layer but a hybrid's recurrent ones)."""
+        return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers keep a fixed-size recurrent state per sequence (engine/recurrent_state.py)."""
+        return bool(self.linear_layers)
+
+    @property
     def kv_parts(self) -> int:
         """Tensors a layer caches per token: key and value (2), or MLA's one latent row (1)."""
         return 1 if self.kv_lora_rank else 2
@@ -195,7 +209,7 @@ def kv_bytes_per_token(cfg: ModelConfig, tp_size: int = 1, element_size: int = 2
     """KV bytes a token takes in one rank's pool: K and V of its KV heads (replicated when there
     are fewer heads than ranks), or MLA's one latent row, in every layer."""
     heads = cfg.num_kv_heads // tp_size if cfg.num_kv_heads >= tp_size else 1
-    return cfg.num_layers * cfg.kv_parts * heads * cfg.head_dim * element_size
+    return len(cfg.kv_layers) * cfg.kv_parts * heads * cfg.head_dim * element_size
 
 
 def shardable_problem(cfg: ModelConfig, size: int) -> str | None:
@@ -249,7 +263,7 @@ def _check_sizes(raw: dict, source: str) -> None:
 def _layer_types(raw: dict, family: str, layers: int, window: int | None, source: str) -> tuple[str, ...]:
     """Which layers attend through the sliding window, as transformers decides."""
     types = raw.get("layer_types")
-    if family in ("deepseek_v32", "glm_moe_dsa"):  # "indexed_attention" on every layer: DSA, no window
+    if family in ("deepseek_v32", "glm_moe_dsa", "qwen3_next"):  # DSA, or no window (hybrid: _linear_layers)  # "indexed_attention" on every layer: DSA, no window
         return (FULL,) * layers
     if types is not None:
         if len(types) != layers or set(types) - {FULL, SLIDING}:
@@ -267,3 +281,29 @@ def _layer_types(raw: dict, family: str, layers: int, window: int | None, source
         first = int(raw.get("max_window_layers", layers))
         return tuple(SLIDING if i >= first else FULL for i in range(layers))
     return (SLIDING,) * layers  # Mistral, Phi-3: every layer
+
+
+_HYBRID_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                  "linear_conv_kernel_dim")
+
+
+def _linear_layers(raw: dict, layers: int, source: str) -> tuple[int, ...]:
+    """Qwen3-Next's Gated DeltaNet layers: `layer_types`, else transformers' default (every
+    `full_attention_interval`-th layer, 4, attends); its state sizes must be present."""
+    for name in _HYBRID_FIELDS:
+        value = raw.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**16:
+            raise CheckpointError(f"{source}: field '{name}' is {value!r}; it must be an integer from 1 to 65536")
+    if raw["linear_num_value_heads"] % raw["linear_num_key_heads"]:
+        raise CheckpointError(f"{source}: linear_num_value_heads ({raw['linear_num_value_heads']}) is not a multiple "
+                              f"of linear_num_key_heads ({raw['linear_num_key_heads']})")
+    types = raw.get("layer_types")
+    if types is None:
+        interval = int(raw.get("full_attention_interval", 4))
+        types = ["linear_attention" if (i + 1) % interval else FULL for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or set(types) - {FULL, "linear_attention"}:
+        raise CheckpointError(f"{source}: field 'layer_types' must list 'linear_attention' or {FULL!r} for each of "
+                              f"the {layers} layers")
+    if FULL not in types:
+        raise CheckpointError(f"{source}: field 'layer_types' has no {FULL!r} layer (a hybrid needs one)")
+    return tuple(i for i, t in enumerate(types) if t == "linear_attention")

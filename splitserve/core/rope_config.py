@@ -32,6 +32,8 @@ def read_rope(raw: dict, family: str, head_dim: int) -> tuple[RopeSpec, RopeSpec
     """(rope of full-attention layers, rope of sliding layers when it differs)."""
     if family == "glm4_moe":  # transformers' default for GLM-4.5 configs that do not say
         raw = {"partial_rotary_factor": 0.5, **raw}
+    if family == "qwen3_next":  # transformers' default
+        raw = {"partial_rotary_factor": 0.25, **raw}
     if family == "minimax_m2":  # transformers: rotary_dim / head_dim unless a factor is given; theta 5e6
         raw = {"rope_theta": 5_000_000.0, **({"partial_rotary_factor": raw["rotary_dim"] / head_dim}
                                              if raw.get("rotary_dim") else {}), **raw}

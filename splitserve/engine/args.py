@@ -9,6 +9,7 @@ from splitserve.core.cli_types import positive_int
 from splitserve.core.compatibility import refusal
 from splitserve.core.expert_parallel import expert_parallel_problem
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
+from splitserve.core.hybrid import hybrid_problem
 from splitserve.core.model_config import CheckpointError, shardable_problem
 from splitserve.core.model_dir import resolve_model as core_resolve_model
 from splitserve.core.model_dir import served_config
@@ -126,11 +127,17 @@ def flag_features(args: argparse.Namespace) -> set[str]:
     return {feature for feature, yes in on.items() if yes}
 
 
-def compatibility_problem(args: argparse.Namespace) -> str | None:
+def compatibility_problem(args: argparse.Namespace, prefill_role: bool = False) -> str | None:
     """The features these flags combine that the table refuses (core/compatibility.py: the
     line EngineConfig, the operator and the CRD refuse them with), or None; checked before any
-    process starts by `serve` and every worker's main, which exit 2 with it."""
-    return refusal(flag_features(args))
+    process starts by `serve` and every worker's main, which exit 2 with it. A hybrid model's
+    own limits (core/hybrid.py) after: `prefill_role` for the prefill worker and pool."""
+    features = flag_features(args)
+    why = refusal(features)
+    if why is None and getattr(args, "model", None) is not None:
+        prefill = 1 if prefill_role else getattr(args, "prefill_workers", 0)
+        why = hybrid_problem(served_config(args.model), features, prefill, getattr(args, "decode_workers", 1))
+    return why
 
 
 def async_scheduling_problem(args: argparse.Namespace) -> str | None:

@@ -20,10 +20,14 @@ The offloader (kv_offload/) owns the tiers, never a device block's state: it is 
 cached block goes idle (`on_cached_free`) and asked before one is reused or loaded into.
 tests/engine/test_kv_state_ownership.py scans splitserve/ so that no other module reaches in.
 
-One group of layers today (full-attention KV, one block table per sequence). Hybrid models'
-recurrent state (Mamba-2, Gated DeltaNet) would be a second group behind the same per-sequence
-methods (admit, grow, free_sequence, match_prefix, can_admit): docs/architecture.md, "The KV
-cache manager".
+Two groups of per-sequence cache: the paged KV of attention layers (one block table per
+sequence), and, for hybrid models (Qwen3-Next), a fixed-size recurrent-state slot per running
+sequence (`StateSlots`: the slot index; the tensors are engine/recurrent_state.py's pool). A
+slot is taken in `admit`, ignored by `grow` and `shrink`, given back in `free_sequence` (finish,
+abort, preemption: a preempted sequence recomputes its state from zeros), and `can_admit` needs a
+free one. A state is not saved at block boundaries yet, so no prefix is resumable: with a state
+group `match_prefix` finds nothing and prefix caching must be off (docs/architecture.md,
+"Hybrid models with recurrent state").
 """
 
 from __future__ import annotations
@@ -39,9 +43,33 @@ class NoFreeBlocksError(RuntimeError):
     pass
 
 
+class StateSlots:
+    """Which recurrent-state slots are free; a sequence holds at most one."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self, seq: Sequence) -> None:
+        if seq.state_slot >= 0:
+            return
+        if not self._free:
+            raise NoFreeBlocksError(f"no free recurrent-state slot ({self.num_slots} in use)")
+        seq.state_slot = self._free.pop()
+
+    def give_back(self, seq: Sequence) -> None:
+        if seq.state_slot >= 0:
+            self._free.append(seq.state_slot)
+            seq.state_slot = -1
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, hash_seed: int = 0, enable_prefix_caching: bool = True,
-                 offload=None):
+                 offload=None, state_slots: int = 0):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.hash_seed = hash_seed
@@ -53,6 +81,11 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._events: list[BlockEvent] = []
         self._offload = offload  # KVOffloader (engine/kv_offload/): host and disk tiers under this pool, or None
+        # hybrid models: the recurrent-state group (a slot per admitted sequence), or None
+        self.state = StateSlots(state_slots) if state_slots else None
+        if self.state is not None and (enable_prefix_caching or offload is not None):
+            raise ValueError("a recurrent-state group has no state saved at block boundaries: prefix caching "
+                             "and KV offload must be off")
 
     # ---- queries ------------------------------------------------------------------------
     @property
@@ -75,6 +108,8 @@ class BlockManager:
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
     def can_admit(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
+        if self.state is not None and seq.state_slot < 0 and not self.state.num_free:
+            return False
         fresh_needed = -(-(len(cached) * self.block_size + num_new_tokens) // self.block_size) - len(cached)
         return fresh_needed <= len(self._free) - self._num_idle(cached)
 
@@ -147,6 +182,8 @@ class BlockManager:
 
     def admit(self, seq: Sequence, cached: list[int]) -> None:
         """Give a waiting sequence its cached prefix blocks (it then computes the rest)."""
+        if self.state is not None:
+            self.state.take(seq)
         for b in cached:
             self._take_cached(b)
         seq.block_table = list(cached)
@@ -166,6 +203,8 @@ class BlockManager:
             del seq.block_table[keep_blocks:]
 
     def free_sequence(self, seq: Sequence) -> None:
+        if self.state is not None:
+            self.state.give_back(seq)
         self.release_blocks(seq.block_table)
         seq.block_table = []
         seq.num_registered_blocks = 0

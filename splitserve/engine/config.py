@@ -3,6 +3,7 @@ batches are sized. The checkpoint's own configuration is core/model_config.py.""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +12,7 @@ from splitserve.core.compatibility import refusal
 from splitserve.core.expert_parallel import expert_parallel_problem
 from splitserve.core.gguf_model import find_gguf, prepare_gguf
 from splitserve.core.hashing import DEFAULT_BLOCK_SIZE
+from splitserve.core.hybrid import hybrid_problem
 from splitserve.core.model_dir import served_config
 from splitserve.core.speculative import SpeculativeConfig, parse_speculative_config
 from splitserve.engine.kv_cache import kv_cache_torch_dtype
@@ -91,11 +93,25 @@ class EngineConfig:
         problem = refusal(self.features)  # which features combine: core/compatibility.py
         if problem:
             raise ValueError(problem)
+        self._hybrid_limits()
         if self.async_scheduling and self.cuda_graphs is False:
             raise ValueError("async_scheduling runs the padded (graph) decode step: it cannot run with "
                              "cuda_graphs=False (--no-cuda-graphs)")
         if self.cuda_graphs and torch.device(self.device).type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got device={self.device!r}")
+
+    def _hybrid_limits(self) -> None:
+        """A hybrid model (recurrent state: core/hybrid.py) refuses what it cannot run yet, and runs
+        without prefix caching: its state is not saved at block boundaries, so a cached KV prefix
+        would come without the state it needs (said once in the log, as vLLM did for hybrids)."""
+        cfg = served_config(self.model)
+        problem = hybrid_problem(cfg, self.features)
+        if problem:
+            raise ValueError(problem)
+        if cfg is not None and cfg.is_hybrid and self.enable_prefix_caching:
+            logging.getLogger(__name__).info("%s keeps recurrent state: prefix caching is off for it (no state "
+                                             "checkpoints at block boundaries yet)", cfg.architecture)
+            self.enable_prefix_caching = False
 
     @property
     def features(self) -> set[str]:

@@ -66,8 +66,11 @@ class LLMEngine(RequestIntake, Disaggregation, LoRAEngine, PeerPrefix):
         self.offloader = build_offloader(config, self.executor.transfer_pool()) if offloading else None
         if self.offloader is not None:
             weakref.finalize(self, self.offloader.close)
+        # hybrids: a recurrent-state slot per sequence (engine/recurrent_state.py), prefix caching off
+        # (no state saved at block boundaries yet: engine/config.py turned it off with a logged line)
+        state_slots = self.runner.state_pool.num_slots if self.runner.state_pool is not None else 0
         blocks = BlockManager(self.runner.kv_pool.num_blocks, config.block_size, hash_seed(self.model_id),
-                              config.enable_prefix_caching, self.offloader)
+                              config.enable_prefix_caching, self.offloader, state_slots=state_slots)
         self.scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.decoding_step_tokens)
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)

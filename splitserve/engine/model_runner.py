@@ -27,6 +27,7 @@ from splitserve.engine.models.quant_moe import has_quantized_experts
 from splitserve.engine.models.rope import RopeTable, rope_table
 from splitserve.engine.parallel.sharding import kv_heads
 from splitserve.engine.parallel.state import tp
+from splitserve.engine.recurrent_state import RecurrentStatePool, RecurrentStateSpec, RecurrentStep
 from splitserve.engine.scheduler import ScheduledBatch
 from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_inputs import StepInputs, step_inputs
@@ -61,10 +62,17 @@ class ModelRunner:
         local = full if model_cfg.local_rope is None else rope_table(
             model_cfg.local_rope, model_cfg.head_dim, max_model_len, cfg.torch_dtype, self.device)
         self.ropes: dict[str, RopeTable] = {FULL: full, SLIDING: local}
-        # this rank's KV heads only (all of them at tp=1)
-        spec = KVCacheSpec(model_cfg.num_layers, kv_heads(model_cfg, tp())[1], model_cfg.head_dim,
+        # this rank's KV heads only (all of them at tp=1); a hybrid's recurrent layers have no KV
+        spec = KVCacheSpec(len(model_cfg.kv_layers), kv_heads(model_cfg, tp())[1], model_cfg.head_dim,
                            cfg.block_size, cfg.kv_torch_dtype, model_cfg.kv_parts)
-        num_blocks = cfg.num_kv_blocks or num_blocks_for_memory(spec, cfg.kv_cache_memory_bytes)
+        # hybrids: a recurrent-state slot per sequence a step can hold (max_num_seqs), out of the same memory
+        self.state_pool: RecurrentStatePool | None = None
+        kv_memory = cfg.kv_cache_memory_bytes
+        if model_cfg.is_hybrid:
+            state_spec = RecurrentStateSpec.of(model_cfg, cfg.torch_dtype)
+            self.state_pool = RecurrentStatePool(state_spec, cfg.max_num_seqs, self.device)
+            kv_memory -= cfg.max_num_seqs * state_spec.slot_nbytes
+        num_blocks = cfg.num_kv_blocks or num_blocks_for_memory(spec, kv_memory)
         # one scratch block: where the padding rows of a fixed-shape decode batch write
         self.kv_pool = KVCachePool(spec, num_blocks, self.device, scratch_blocks=1)
         self.max_model_len = max_model_len
@@ -81,7 +89,8 @@ class ModelRunner:
                 module.absorbed_weights()
         # quantized experts read their token counts on the host, and DeepSeek sparse attention its
         # selection (models/dsa.py): no capture, the eager step
-        if cfg.use_cuda_graphs and not has_quantized_experts(self.model) and not model_cfg.index_topk:
+        if cfg.use_cuda_graphs and not has_quantized_experts(self.model) and not model_cfg.index_topk \
+                and not model_cfg.is_hybrid:  # (a hybrid's recurrent layers read per-sequence slots)
             self.enable_decode_graphs(capture=True)
         elif cfg.async_scheduling:  # the overlapped decode runs the padded step (eagerly here)
             self.enable_decode_graphs(capture=False)
@@ -139,6 +148,9 @@ class ModelRunner:
             decode_block_tables=self._block_tables(step.decode_block_tables),
             decode_seq_lens=self._tensor(step.decode_seq_lens, torch.int32) if step.decode_seq_lens else None,
         )
+        if self.state_pool is not None:
+            meta.recurrent = RecurrentStep.build(self.state_pool, step.state_slots or [], step.state_starts or [],
+                                                 step.state_lens or [], len(step.prefill_lens))
         pos = self._tensor(step.positions)
         ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for kind, table in self.ropes.items():

@@ -51,6 +51,7 @@ class Sequence:
     grammar: object | None = None  # structured outputs: an llguidance matcher, advanced per token (engine/grammar.py)
     draft_token_ids: list[int] = field(default_factory=list)  # this step's speculative drafts (engine/spec/)
     lora: LoRAAdapter | None = None  # the adapter it runs under (engine/lora/); None: the base model
+    state_slot: int = -1  # hybrid models: its recurrent-state slot while admitted (engine/block_manager.py)
 
     @property
     def hash_salt(self) -> int:

@@ -28,6 +28,11 @@ class StepInputs:
     decode_block_tables: list[list[int]]
     long_rope: list[bool] | None  # per token: read the longrope long-factor rows (None: no sequence does)
     lora: LoRAStepPlan | None = None  # under tensor parallelism: the tokens' adapter slots (lora/ranks.py)
+    # hybrid models, per sequence in token order: its recurrent-state slot, computed tokens before
+    # the step (0: its state starts from zeros) and tokens this step (engine/recurrent_state.py)
+    state_slots: list[int] | None = None
+    state_starts: list[int] | None = None
+    state_lens: list[int] | None = None
 
 
 def step_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInputs, list[Sequence]]:
@@ -38,7 +43,9 @@ def step_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInputs, lis
     logits_rows: list[int] = []
     long_rope: list[bool] = []
     sampled: list[Sequence] = []
-    for seq, n in batch.entries:
+    entries = batch.entries
+    hybrid = bool(entries) and entries[0][0].state_slot >= 0
+    for seq, n in entries:
         start = seq.num_computed_tokens
         known = seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids
         input_ids.extend(known[start : start + n])
@@ -57,4 +64,8 @@ def step_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInputs, lis
         decode_seq_lens=[s.num_computed_tokens + 1 for s in batch.decodes],
         decode_block_tables=[list(s.block_table) for s in batch.decodes],
         long_rope=long_rope if any(long_rope) else None)
+    if hybrid:
+        step.state_slots = [s.state_slot for s, _ in entries]
+        step.state_starts = [s.num_computed_tokens for s, _ in entries]
+        step.state_lens = [n for _, n in entries]
     return step, sampled

@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, worker_class: type[PrefillWorker] = PrefillWorker) -> int:
     args = build_parser().parse_args(argv)
     configure_logging()
-    problem = (compatibility_problem(args) or tensor_parallel_problem(args) or kv_offload_problem(args)
+    problem = (compatibility_problem(args, prefill_role=True) or tensor_parallel_problem(args) or kv_offload_problem(args)
                or kv_sizes_problem(args) or lora_problem(args) or async_scheduling_problem(args))
     if problem:
         print(f"splitserve prefill-worker: {problem}", file=sys.stderr)

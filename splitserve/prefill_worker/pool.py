@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     if args.replicas < 0:
         raise SystemExit("--replicas must be >= 0")
-    problem = (compatibility_problem(args) or tensor_parallel_problem(args) or kv_offload_problem(args)
+    problem = (compatibility_problem(args, prefill_role=True) or tensor_parallel_problem(args) or kv_offload_problem(args)
                or lora_problem(args) or async_scheduling_problem(args))
     if problem:
         raise SystemExit(f"splitserve prefill-pool: {problem}")

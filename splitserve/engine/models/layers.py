@@ -33,6 +33,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None
     decode_seq_lens: torch.Tensor | None
     dsa_allowed: list | None = None  # DSA: this step's choice, left by an indexer layer for the layers sharing it
+    recurrent: object | None = None  # hybrid models: the step's RecurrentStep (engine/recurrent_state.py)
 
 
 class RMSNorm(nn.Module):

@@ -13,6 +13,7 @@ from splitserve.engine.models.gpt_oss import GptOssForCausalLM
 from splitserve.engine.models.llama import LlamaForCausalLM
 from splitserve.engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from splitserve.engine.models.moe import MoeForCausalLM
+from splitserve.engine.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -30,6 +31,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "deepseek_v32": DeepseekV3ForCausalLM,  # with DSA's indexer (models/dsa.py)
     "glm_moe_dsa": DeepseekV3ForCausalLM,  # GLM-5: the same, its indexer's rope interleaved, some layers sharing
     "gpt_oss": GptOssForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,  # hybrid: recurrent state slots (engine/recurrent_state.py)
 }
 
 
