@@ -66,6 +66,9 @@ class Metrics:
         self.kv_cache_usage = Gauge(
             "splitserve_kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
             ["role", "worker"], registry=r)
+        self.state_slot_usage = Gauge(
+            "splitserve_recurrent_state_slot_usage_perc", "Hybrid models: fraction of recurrent-state slots in use "
+            "(a slot per admitted sequence; engine/recurrent_state.py).", ["role", "worker"], registry=r)
         self.kv_capacity_tokens = Gauge(
             "splitserve_kv_capacity_tokens", "Tokens the worker's KV pool holds (blocks x block size; an fp8 "
             "KV cache holds twice the tokens of bf16 in the same memory).", ["role", "worker"], registry=r)

@@ -41,6 +41,9 @@ class Disaggregation:
                                num_draws_done: int = 0, detokenize: bool = True) -> Reservation | None:
         """Decode side: allocate the prompt's blocks (reusing this worker's prefix cache)
         for a prefill worker to fill. None when the pool cannot hold the prompt now."""
+        if self.scheduler.bm.state is not None:  # (serve and the prefill worker refuse it first: core/hybrid.py)
+            raise ValueError(f"{self.model_config.architecture}: a remote prefill ships no recurrent state yet; "
+                             "a hybrid model is served colocated")
         seq = self._new_sequence(request_id, prompt, params, num_draws_done, detokenize)
         if not self.scheduler.reserve(seq):
             return None

@@ -135,6 +135,8 @@ class LLMEngine(RequestIntake, Disaggregation, LoRAEngine, PeerPrefix):
                            spec_decode=self.speculator.stats.snapshot() if self.speculator is not None else None,
                            overlapped_steps=self.overlap.steps if self.overlap is not None else 0,
                            expert_tokens=self.runner.expert_tokens.snapshot(),
+                           free_state_slots=s.bm.state.num_free if s.bm.state is not None else 0,
+                           total_state_slots=s.bm.state.num_slots if s.bm.state is not None else 0,
                            taken_at=time.time())
 
     # ---- the loop ---------------------------------------------------------------------

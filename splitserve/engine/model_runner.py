@@ -72,6 +72,11 @@ class ModelRunner:
             state_spec = RecurrentStateSpec.of(model_cfg, cfg.torch_dtype)
             self.state_pool = RecurrentStatePool(state_spec, cfg.max_num_seqs, self.device)
             kv_memory -= cfg.max_num_seqs * state_spec.slot_nbytes
+            if cfg.num_kv_blocks is None and kv_memory < spec.block_nbytes:
+                raise ValueError(f"{cfg.max_num_seqs} recurrent-state slots (max_num_seqs) take "
+                                 f"{cfg.max_num_seqs * state_spec.slot_nbytes / 2**20:.1f} MiB, leaving no room for "
+                                 f"KV in the KV cache memory ({cfg.kv_cache_memory_bytes / 2**20:.1f} MiB): lower "
+                                 "max_num_seqs or give the KV cache more memory")
         num_blocks = cfg.num_kv_blocks or num_blocks_for_memory(spec, kv_memory)
         # one scratch block: where the padding rows of a fixed-shape decode batch write
         self.kv_pool = KVCachePool(spec, num_blocks, self.device, scratch_blocks=1)

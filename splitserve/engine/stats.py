@@ -34,10 +34,17 @@ class EngineStats:
     # per MoE layer: (layer, tokens routed to each expert so far), copied from the device at most once a
     # second (engine/expert_tokens.py); (): a dense model
     expert_tokens: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # hybrid models: recurrent-state slots free and in all (engine/recurrent_state.py); 0 total: no state
+    free_state_slots: int = 0
+    total_state_slots: int = 0
     # time.time() of the snapshot: it counts every request handed to the engine before then
     # (a worker adds what it handed over since: worker_base/worker.py). Not compared: a
     # snapshot that differs only in its time is not sent again.
     taken_at: float = field(default=0.0, compare=False)
+
+    @property
+    def state_slot_usage(self) -> float:
+        return 1.0 - self.free_state_slots / self.total_state_slots if self.total_state_slots else 0.0
 
     @property
     def kv_usage(self) -> float:

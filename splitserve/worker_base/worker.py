@@ -195,6 +195,8 @@ class WorkerBase(abc.ABC):
         m.num_requests_waiting.labels(**labels).set(waiting)
         m.num_requests_running.labels(**labels).set(s.running)
         m.kv_cache_usage.labels(**labels).set(s.kv_usage)
+        if s.total_state_slots:  # a hybrid model's recurrent-state slots (engine/recurrent_state.py)
+            m.state_slot_usage.labels(**labels).set(s.state_slot_usage)
         return LoadReport(self.worker_id, self.role, waiting, s.running, s.kv_usage, waiting_tokens=waiting_tokens,
                           loras={a[0]: a[1] for a in s.loras}, resident_loras=[a[0] for a in s.loras if a[2]])
 

@@ -126,8 +126,20 @@ def test_slots_are_taken_at_admission_and_given_back_at_abort(ckpt):
     b = engine.add_request("b", prompts(1000)[1], params)
     engine.step()
     assert {a.state_slot, b.state_slot} == {0, 1} and state.num_free == 0
+    stats = engine.stats()
+    assert (stats.free_state_slots, stats.total_state_slots, stats.state_slot_usage) == (0, 2, 1.0)
+    with pytest.raises(ValueError, match="a remote prefill ships no recurrent state yet"):
+        engine.reserve_remote_prefill("c", prompts(1000)[0], params)
     assert engine.abort("a") and a.state_slot == -1 and state.num_free == 1
     assert engine.abort("b") and state.num_free == 2
+
+
+def test_state_slots_that_leave_no_kv_memory_are_refused_in_one_line(ckpt):
+    # a slot here: 3 layers x (conv 96 x 3 + delta state 4 x 16 x 8, float32) = 9,600 bytes; 64 of them
+    with pytest.raises(ValueError, match=r"^64 recurrent-state slots \(max_num_seqs\) take 0\.6 MiB, leaving no room "
+                                         r"for KV in the KV cache memory \(0\.6 MiB\): lower max_num_seqs or give "
+                                         r"the KV cache more memory$"):
+        LLM(str(ckpt), kv_cache_memory_bytes=64 * 9600)
 
 
 def test_admission_needs_a_free_state_slot():
