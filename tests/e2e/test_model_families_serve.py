@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import random
 import secrets
+import subprocess
+import sys
 
 import pytest
 import requests
@@ -24,6 +26,7 @@ from tests.engine.test_glm4_moe import write_glm4_moe
 from tests.engine.test_glm_moe_dsa import write_glm_moe_dsa
 from tests.engine.test_gpt_oss import write_gpt_oss
 from tests.engine.test_minimax_m2 import write_minimax_m2
+from tests.engine.test_qwen3_next import write_qwen3_next
 from tests.helpers.checkpoints import WINDOW
 from tests.helpers.processes import SplitserveProcess
 from tests.helpers.reference import hf_greedy
@@ -72,3 +75,33 @@ def test_family_served_disaggregated_matches_transformers(make_ckpt, tmp_path, f
     log = serve.log()
     assert serve.proc.returncode == 0, log[-3000:]
     assert "Traceback" not in log, log[max(0, log.find("Traceback") - 1500):][:6000]  # the whole traceback
+
+
+def test_a_hybrid_is_served_colocated_and_refused_disaggregated(tmp_path):
+    """Qwen3-Next (recurrent state: docs/architecture.md, "Hybrid models with recurrent state"):
+    `serve` with its default prefill worker exits 2 with one line before any process starts;
+    colocated (--prefill-workers 0) a decode worker computes prompts of 7 to 150 tokens in
+    64-token chunks and answers as transformers' generate does."""
+    model = write_qwen3_next(tmp_path / "qwen3_next")
+    token = tmp_path / "token"
+    token.write_text(secrets.token_urlsafe(32))
+    common = ["--model", str(model), "--served-model-name", SERVED, "--cluster-token-file", str(token)]
+    refused = subprocess.run([sys.executable, "-m", "splitserve.cli", "serve", *common], capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "cannot be served disaggregated yet (prefill workers)" in refused.stderr
+    serve = SplitserveProcess("serve", [*common, "--prefill-workers", "0", "--decode-workers", "1",
+                                        "--num-kv-blocks", "64", "--max-num-batched-tokens", "64"])
+    try:
+        tok = Tokenizer(model)
+        rng = random.Random(7)
+        for n in (7, 45, 150):
+            prompt = [rng.randrange(5, 1000) for _ in range(n)]
+            out, workers = complete(serve.base_url, prompt)
+            assert workers["decode"] == "decode-0", workers
+            assert out["choices"][0]["text"] == tok.decode(hf_greedy(model, prompt, NEW)), n
+    finally:
+        serve.stop()
+    log = serve.log()
+    assert serve.proc.returncode == 0, log[-3000:]
+    assert "Traceback" not in log, log[max(0, log.find("Traceback") - 1500):][:6000]
