@@ -20,7 +20,10 @@ from splitserve.core.model_config import CheckpointError, ModelConfig, kv_bytes_
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.models.quant_moe import QuantizedExperts
 from tests.engine.test_quant_formats import LINEARS, quantize_checkpoint
-from tests.helpers.reference import hf_generate_logprobs, hf_greedy
+from tests.helpers.reference import (
+    assert_greedy_and_top_logprobs_equal,
+    hf_greedy,
+)
 
 NEW_TOKENS = 40
 CONFIG = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -73,12 +76,7 @@ def assert_equal_to_transformers(llm: LLM, ckpt: Path, logprobs: bool = False) -
         if not logprobs:
             assert out.token_ids == hf_greedy(ckpt, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
             continue
-        want, ref = hf_generate_logprobs(ckpt, prompt, NEW_TOKENS)
-        assert out.token_ids == want, f"prompt of {len(prompt)} tokens"
-        for step, lp in enumerate(out.logprobs):
-            top = ref[step].topk(5)
-            assert [t for t, _ in lp.top] == top.indices.tolist(), (len(prompt), step)
-            assert max(abs(v - r) for (_, v), r in zip(lp.top, top.values.tolist(), strict=True)) < 1e-4
+        assert_greedy_and_top_logprobs_equal(ckpt, [prompt], [out], NEW_TOKENS)
 
 
 def test_config_reads_mla_dims_and_the_cache_row(ckpt):

@@ -26,7 +26,11 @@ from splitserve.engine.models.gpt_oss_moe import GptOssMoeBlock
 from splitserve.engine.models.quant_moe import has_quantized_experts
 from splitserve.engine.parallel.sharding import Shard, checkpoint_shard
 from splitserve.engine.parallel.state import TPState
-from tests.helpers.reference import hf_generate_logprobs, hf_greedy
+from tests.helpers.reference import (
+    assert_greedy_and_top_logprobs_equal,
+    assert_prefix_hit_equals_transformers,
+    hf_greedy,
+)
 
 NEW_TOKENS = 40
 CONFIG = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -144,17 +148,8 @@ def test_greedy_tokens_equal_transformers_with_chunks_and_a_prefix_hit(ckpt):
     llm = LLM(str(ckpt), num_kv_blocks=64, max_num_batched_tokens=32)
     ps = prompts(llm.engine.model_config.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
-    for prompt, out in zip(ps, llm.generate(ps, params), strict=True):
-        want, ref = hf_generate_logprobs(ckpt, prompt, NEW_TOKENS)
-        assert out.token_ids == want, f"prompt of {len(prompt)} tokens"
-        for step, lp in enumerate(out.logprobs):
-            top = ref[step].topk(5)
-            assert [t for t, _ in lp.top] == top.indices.tolist(), (len(prompt), step)
-            assert max(abs(v - r) for (_, v), r in zip(lp.top, top.values.tolist(), strict=True)) < 1e-4
-    again = ps[1][:40] + [9, 10, 11]
-    hit = llm.generate([again], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))[0]
-    assert hit.num_cached_tokens >= 32, hit.num_cached_tokens
-    assert hit.token_ids == hf_greedy(ckpt, again, NEW_TOKENS)
+    assert_greedy_and_top_logprobs_equal(ckpt, ps, llm.generate(ps, params), NEW_TOKENS)
+    assert_prefix_hit_equals_transformers(llm, ckpt, ps[1][:40] + [9, 10, 11], NEW_TOKENS, min_cached=32)
     model = llm.engine.runner.model
     attention = model.layers[0].self_attn
     assert attention.sinks.dtype == torch.float32 and attention.sinks.abs().min() > 0

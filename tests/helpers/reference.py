@@ -68,3 +68,27 @@ def hf_generate_top_logprobs(model_dir, prompt_ids: list[int], max_new_tokens: i
     key = ("hf_generate_top_logprobs", model_digest(model_dir), list(prompt_ids), max_new_tokens, k, dtype)
     tokens, steps = cached_json("references", key, compute)
     return tokens, [tuple(step) for step in steps]
+
+
+def assert_greedy_and_top_logprobs_equal(model_dir, prompts: list[list[int]], outputs, new_tokens: int, top: int = 5,
+                                 tolerance: float = 1e-4) -> None:
+    """Each engine output (generated with logprobs=`top`) has transformers' greedy tokens, and at
+    every step transformers' top-`top` token ids in order with log-probabilities within
+    `tolerance` of transformers' raw log-softmax."""
+    for prompt, out in zip(prompts, outputs, strict=True):
+        want, ref = hf_generate_logprobs(model_dir, prompt, new_tokens)
+        assert out.token_ids == want, f"prompt of {len(prompt)} tokens"
+        for step, lp in enumerate(out.logprobs):
+            best = ref[step].topk(top)
+            assert [t for t, _ in lp.top] == best.indices.tolist(), (len(prompt), step)
+            assert max(abs(v - r) for (_, v), r in zip(lp.top, best.values.tolist(), strict=True)) < tolerance
+
+
+def assert_prefix_hit_equals_transformers(llm, model_dir, prompt: list[int], new_tokens: int, min_cached: int):
+    """`prompt` (sharing a prefix with an earlier request) reuses at least `min_cached` cached
+    tokens and still gives transformers' greedy tokens."""
+    from splitserve.engine import SamplingParams
+
+    hit = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))[0]
+    assert hit.num_cached_tokens >= min_cached, hit.num_cached_tokens
+    assert hit.token_ids == hf_greedy(model_dir, prompt, new_tokens)
