@@ -93,3 +93,22 @@ def use_offline_vocab(directory: Path | None = None) -> Path:
     write_o200k(directory)
     os.environ[ENV] = str(directory)
     return directory
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m splitserve.core.harmony_vocab [DIR]`: write the verified file for an
+    air-gapped host (quicktok-v1 installed) and print the variable to export."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        path = write_o200k(Path(args[0]) if args else cache_root() / "tiktoken")
+    except VocabUnavailable as exc:
+        print(f"harmony_vocab: {exc}", file=sys.stderr)
+        return 2
+    print(f"export {ENV}={path.parent}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
