@@ -10,8 +10,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import HttpProcessingError
+
+from splitserve.router.errors import APIError
 
 _CLIENT_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces: safe in logs and headers
 
@@ -72,3 +74,19 @@ def limit_client_error_logs(interval_s: float = 60.0) -> None:
     logger = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, ClientErrorLogLimit) for f in logger.filters):
         logger.addFilter(ClientErrorLogLimit(interval_s))
+
+
+async def expect_continue(request: web.Request) -> web.Response | None:
+    """aiohttp's Expect handling with the error in OpenAI's format: `100-continue` is answered
+    (the client may then send its body); any other expectation is refused with 417 and a JSON
+    error, where aiohttp's own answer was a plain-text 417 (found by schemathesis)."""
+    expect = request.headers.get("Expect", "")
+    if request.version != HttpVersion11:
+        return None
+    if expect.lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the body's bytes are counted from here, as aiohttp does
+        return None
+    err = APIError(417, f"unknown expectation in the Expect header ({expect[:64]!r}): only 100-continue is "
+                   "supported; drop the header", param="Expect", code="expectation_failed")
+    return web.Response(status=417, body=err.to_json(), content_type="application/json")

@@ -177,7 +177,7 @@ def openapi_document(served_model: str, max_model_len: int, auth: bool) -> dict:
         "owned_by": {"type": "string"},
         "root": {"type": "string"}, "parent": {"type": "string", "description": "a LoRA adapter's base model"}}}
     plain = {"200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}
-    return {
+    return _with_expect_refusal({
         "openapi": "3.1.0",
         "info": {"title": "splitserve router", "version": "1",
                  "description": "OpenAI-compatible completions served by disaggregated prefill/decode workers."},
@@ -252,4 +252,12 @@ def openapi_document(served_model: str, max_model_len: int, auth: bool) -> dict:
         },
         "components": {"schemas": {"Error": _ERROR},
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
-    }
+    })
+
+
+def _with_expect_refusal(doc: dict) -> dict:
+    """Every operation may answer 417: an Expect header other than 100-continue (http_limits.py)."""
+    for operations in doc["paths"].values():
+        for operation in operations.values():
+            operation["responses"].setdefault("417", _error("an Expect header other than 100-continue"))
+    return doc

@@ -35,7 +35,12 @@ from splitserve.router.choice import ChoiceRun
 from splitserve.router.dispatch import Dispatcher, WorkerFailure
 from splitserve.router.errors import APIError
 from splitserve.router.hold_at_zero import HoldConfig, RequestHolder
-from splitserve.router.http_limits import HTTPLimits, client_request_id, limit_client_error_logs
+from splitserve.router.http_limits import (
+    HTTPLimits,
+    client_request_id,
+    expect_continue,
+    limit_client_error_logs,
+)
 from splitserve.router.lora import parse_lora_body, runtime_updates_allowed
 from splitserve.router.openapi import openapi_document
 from splitserve.router.policy import NoHealthyWorker
@@ -95,26 +100,29 @@ class RouterServer:
         limit_client_error_logs()  # a request aiohttp cannot parse: one rate-limited line, not a traceback
         app = web.Application(middlewares=[trace_requests, self._errors, self._auth],
                               client_max_size=self.config.limits.max_body_bytes)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_post("/v1/responses", self.responses.create)
-        app.router.add_get("/v1/responses/{response_id}", self.responses.retrieve)
-        app.router.add_delete("/v1/responses/{response_id}", self.responses.delete)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model_id:.+}", self.model)  # served names may hold a "/"
+        # every route answers an Expect header other than 100-continue in OpenAI's error format
+        post, get, delete = (partial(add, expect_handler=expect_continue)
+                             for add in (app.router.add_post, app.router.add_get, app.router.add_delete))
+        post("/v1/completions", self.completions)
+        post("/v1/chat/completions", self.chat_completions)
+        post("/v1/responses", self.responses.create)
+        get("/v1/responses/{response_id}", self.responses.retrieve)
+        delete("/v1/responses/{response_id}", self.responses.delete)
+        get("/v1/models", self.models)
+        get("/v1/models/{model_id:.+}", self.model)  # served names may hold a "/"
         self.runtime_lora = runtime_updates_allowed()  # vLLM's convention: off unless the operator turns it on
         if self.runtime_lora:
-            app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
-            app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
+            post("/v1/load_lora_adapter", self.load_lora_adapter)
+            post("/v1/unload_lora_adapter", self.unload_lora_adapter)
             if self.config.api_key and not self.config.admin_api_key:
                 log.warning("runtime LoRA updating is on but no --admin-api-key is set: load / unload are "
                             "refused (403); the API key does not grant them")
-        app.router.add_post("/tokenize", self.tokenize)
-        app.router.add_post("/detokenize", self.detokenize)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/livez", self.livez)
-        app.router.add_get("/metrics", self.prometheus)
-        app.router.add_get("/openapi.json", self.openapi)
+        post("/tokenize", self.tokenize)
+        post("/detokenize", self.detokenize)
+        get("/health", self.health)
+        get("/livez", self.livez)
+        get("/metrics", self.prometheus)
+        get("/openapi.json", self.openapi)
         app.on_cleanup.append(self._cleanup)
         return app
 

@@ -47,15 +47,15 @@ def test_generate_cli_prints_json_and_rejects_bad_input(make_ckpt):
 def test_an_unsupported_architecture_is_one_line_and_exit_2_before_anything_starts(tmp_path, command):
     import time
 
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3NextForCausalLM"],
-                                                      "model_type": "qwen3_next", "hidden_size": 64}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["JambaForCausalLM"],
+                                                      "model_type": "jamba", "hidden_size": 64}))
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "splitserve.cli", *command, "--model", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     took = time.monotonic() - started
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2, proc.stderr
-    assert len(lines) == 1 and "architecture 'Qwen3NextForCausalLM' is not supported; supported: " in lines[0]
+    assert len(lines) == 1 and "architecture 'JambaForCausalLM' is not supported; supported: " in lines[0]
     assert "Qwen3ForCausalLM" in lines[0] and "Traceback" not in proc.stderr
     assert "ray" not in proc.stdout.lower()
     print(f"{command[0]}: refused in {took:.1f}s")

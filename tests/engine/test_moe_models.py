@@ -140,7 +140,7 @@ def test_routing_weights_reach_the_experts_in_transformers_dtype(monkeypatch, fa
 
 
 def test_the_unsupported_line_lists_both_moe_families(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_MOE, "architectures": ["Qwen3NextForCausalLM"]}))
-    with pytest.raises(CheckpointError, match="'Qwen3NextForCausalLM' is not supported; supported: .*"
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_MOE, "architectures": ["JambaForCausalLM"]}))
+    with pytest.raises(CheckpointError, match="'JambaForCausalLM' is not supported; supported: .*"
                                               "MixtralForCausalLM.*Qwen3MoeForCausalLM"):
         ModelConfig.from_dir(tmp_path)
