@@ -4,7 +4,9 @@ and the CLIs check a model before any process starts; workers build the model fr
 One reader for every family in `core/architectures.py`: the families differ in which
 config fields they use (Gemma's soft-capping and query scalar, Qwen3's q/k norms,
 per-layer sliding windows, per-layer-type rope), and the defaults transformers applies
-when a field is absent are applied here the same way.
+when a field is absent are applied here the same way. (Just over 300 lines: the families'
+extra fields already live in core/family_fields.py and the hybrids' checks in core/hybrid.py;
+what stays is the one reader and its range checks.)
 """
 
 from __future__ import annotations

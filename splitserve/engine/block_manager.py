@@ -28,6 +28,10 @@ abort, preemption: a preempted sequence recomputes its state from zeros), and `c
 free one. A state is not saved at block boundaries yet, so no prefix is resumable: with a state
 group `match_prefix` finds nothing and prefix caching must be off (docs/architecture.md,
 "Hybrid models with recurrent state").
+
+320 lines, kept in one module on purpose: test_kv_state_ownership.py checks that block state
+changes nowhere else, and each transition above is a method of the one owner; `StateSlots`
+(the second group) is the piece to move out once state checkpoints give it transitions of its own.
 """
 
 from __future__ import annotations

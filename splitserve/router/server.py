@@ -5,9 +5,11 @@
 Tokenize once here, route by prefix, stream from the decode worker, detokenize here.
 Clients are untrusted: bodies are size- and time-limited, validated before anything else,
 and tokenized off the event loop when long (router/prompts.py); every client mistake is
-an OpenAI-format 4xx and nothing a client sends produces a 5xx. (Just over 300 lines: a
+an OpenAI-format 4xx and nothing a client sends produces a 5xx. (Over 300 lines: a
 request's path from body to stream, with its admission and error mapping, reads in order
-here; the pieces that stand alone already live beside it.)
+here; the pieces that stand alone already live beside it: harmony_chat.py, responses_api.py,
+tokenization.py, prompts.py. The next to move out is the chat prompt step shared with
+/v1/responses, `chat_prompt` and `_harmony_prompt`.)
 """
 
 from __future__ import annotations
