@@ -65,7 +65,7 @@ class ChatRequest:
 def parse_completion_request(raw: bytes | str | dict,
                              served_models: Collection[str] | None = None) -> CompletionRequest:
     body = J.load(raw)
-    model = _model(body, served_models)
+    model = model_field(body, served_models)
     prompt, token_ids = _prompt(body)
     ignored = check_fields(body, "completions")
     logprobs = J.opt_int(body, "logprobs")
@@ -85,7 +85,7 @@ def parse_completion_request(raw: bytes | str | dict,
 def parse_chat_request(raw: bytes | str | dict,
                        served_models: Collection[str] | None = None) -> ChatRequest:
     body = J.load(raw)
-    model = _model(body, served_models)
+    model = model_field(body, served_models)
     messages = parse_messages(body)
     ignored = check_fields(body, "chat")
     want_logprobs = J.opt_bool(body, "logprobs", default=False)
@@ -146,7 +146,8 @@ def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
 
 
 # ---- pieces ------------------------------------------------------------------------------
-def _model(body: dict, served: Collection[str] | None) -> str:
+def model_field(body: dict, served: Collection[str] | None) -> str:
+    """The request's `model`: present, a string, and served (Responses requests check it the same way)."""
     model = body.get("model")
     if model is None:
         raise errors.missing_parameter("model")

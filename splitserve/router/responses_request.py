@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from splitserve.router import errors
+from splitserve.router import errors, protocol
 from splitserve.router import json_body as J
 from splitserve.router.request_fields import ACCEPTED, HONOURED, REFUSED
 from splitserve.router.responses_items import as_items, to_messages
@@ -74,13 +74,7 @@ class ResponsesRequest:
 
 def parse_responses_request(raw, served_models: Collection[str] | None = None) -> ResponsesRequest:
     body = J.load(raw)
-    model = body.get("model")
-    if model is None:
-        raise errors.missing_parameter("model")
-    if not isinstance(model, str):
-        raise errors.wrong_type("model", "a string", model)
-    if served_models is not None and model not in served_models:
-        raise errors.model_not_found(model, sorted(served_models))
+    model = protocol.model_field(body, served_models)
     if "input" not in body:
         raise errors.missing_parameter("input")
     items = as_items(body["input"])
